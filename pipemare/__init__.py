@@ -1,8 +1,18 @@
 """pipemare: PipeMare-style asynchronous pipeline parallelism for PyTorch (Lightning)."""
 
+from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, closed_form_delays, derive_delays
+from pipemare.optim import PipeMareOptimizer
 from pipemare.schedule import SCHEDULES, generate
 
-__all__ = ["SCHEDULES", "StageDelay", "closed_form_delays", "derive_delays", "generate"]
+__all__ = [
+    "SCHEDULES",
+    "PipeMareConfig",
+    "PipeMareOptimizer",
+    "StageDelay",
+    "closed_form_delays",
+    "derive_delays",
+    "generate",
+]
 
 __version__ = "0.1.0"
