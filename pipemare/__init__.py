@@ -3,13 +3,19 @@
 from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, closed_form_delays, derive_delays
 from pipemare.optim import PipeMareOptimizer
+from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, generate
+from pipemare.transport import DistributedTransport, InProcessTransport, Transport
 
 __all__ = [
     "SCHEDULES",
+    "DistributedTransport",
+    "InProcessTransport",
     "PipeMareConfig",
     "PipeMareOptimizer",
+    "Pipeline",
     "StageDelay",
+    "Transport",
     "closed_form_delays",
     "derive_delays",
     "generate",

@@ -1,0 +1,188 @@
+"""The one executor: runs the action streams of this process's stages against a transport.
+
+Each stage only reads messages and its own state, so the result does not depend on how the
+stages' actions interleave (a Kahn process network): running all stages round-robin in one
+process and one stage per process give the same weights.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from pipemare.optim import PipeMareOptimizer
+from pipemare.schedule import Action, Op, drain_tail
+from pipemare.stage import Stage, as_payload
+from pipemare.transport import ACT, GRAD, Transport
+
+__all__ = ["Executor"]
+
+
+class _Worker:
+    """One stage's position in its action stream."""
+
+    def __init__(self, stage: Stage, actions: Iterator[Action]) -> None:
+        self.stage = stage
+        self._actions = actions
+        self.next: Action | None = next(actions, None)
+        self.pending: set[int] = set()  # forwarded, not yet backwarded
+
+    def advance(self) -> None:
+        self.next = next(self._actions, None)
+
+    def restart(self, actions: Iterator[Action]) -> None:
+        self._actions = actions
+        self.advance()
+
+
+class Executor:
+    """Drives the local stages' schedules.
+
+    Args:
+        stages: this process's stages (all P in one process, or one).
+        num_stages: P.
+        microbatches: N.
+        streams: ``(stage, start_minibatch) -> actions``, see :func:`pipemare.schedule.stream`.
+        transport: moves payloads between stages.
+        optimizer: applies updates.
+        input_fn: microbatch -> stage 0's input.
+        loss_fn: (last stage output, microbatch) -> scalar loss.
+    """
+
+    def __init__(
+        self,
+        stages: list[Stage],
+        num_stages: int,
+        microbatches: int,
+        streams: Callable[[int, int], Iterator[Action]],
+        transport: Transport,
+        optimizer: PipeMareOptimizer,
+        input_fn: Callable[[Any], Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+    ) -> None:
+        self.num_stages, self.microbatches = num_stages, microbatches
+        self.transport, self.optimizer = transport, optimizer
+        self.input_fn, self.loss_fn = input_fn, loss_fn
+        self._streams = streams
+        self.workers = [_Worker(s, streams(s.index, 0)) for s in stages]
+        self.fed = 0  # microbatches available
+        self._consumers = {0, num_stages - 1} & {s.index for s in stages}
+        self._data: dict[int, list[Any]] = {}  # microbatch -> [data, weight, uses left]
+        self._losses: dict[int, list[Any]] = {}  # minibatch -> [sum, count]
+        self._scale: dict[int, float] = {}  # microbatch -> share of its minibatch (last stage)
+        #: (microbatch, stage) -> (forward version, backward version), for telemetry
+        self.versions: dict[tuple[int, int], tuple[int, int]] = {}
+        self.record_versions = False
+
+    # -- data in, losses out ---------------------------------------------------------------
+
+    def feed(self, microbatches: list[Any], weights: list[float]) -> None:
+        for mb, w in zip(microbatches, weights, strict=True):
+            if self._consumers:
+                self._data[self.fed] = [mb, w, len(self._consumers)]
+            self.fed += 1
+
+    def _take(self, m: int) -> tuple[Any, float]:
+        entry = self._data[m]
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self._data[m]
+        return entry[0], entry[1]
+
+    def minibatch_loss(self, k: int) -> torch.Tensor | None:
+        """Minibatch ``k``'s loss once all its microbatches passed the last stage, else None."""
+        entry = self._losses.get(k)
+        if entry is None or entry[1] < self.microbatches:
+            return None
+        return entry[0]
+
+    def pop_loss(self, k: int) -> torch.Tensor | None:
+        loss = self.minibatch_loss(k)
+        if loss is not None:
+            del self._losses[k]
+        return loss
+
+    # -- running ---------------------------------------------------------------------------
+
+    def _runnable(self, w: _Worker) -> bool:
+        a, i = w.next, w.stage.index
+        if a is None:
+            return False
+        if a.op is Op.FORWARD:
+            if a.index >= self.fed:
+                return False
+            return i == 0 or self.transport.ready(i - 1, i, ACT)
+        if a.op is Op.BACKWARD:
+            return i == self.num_stages - 1 or self.transport.ready(i + 1, i, GRAD)
+        return True
+
+    def _run(self, w: _Worker, a: Action) -> None:
+        stage, i, last = w.stage, w.stage.index, w.stage.index == self.num_stages - 1
+        if a.op is Op.FORWARD:
+            m = a.index
+            if i == 0:
+                data, weight = self._take(m)
+                inputs = self.input_fn(data)
+            else:
+                inputs = self.transport.recv(i - 1, i, ACT, m)
+            if last:
+                data, weight = self._take(m) if i > 0 else (data, weight)
+                loss = stage.forward(m, inputs, head=lambda out: self.loss_fn(out, data))
+                k = m // self.microbatches
+                entry = self._losses.setdefault(k, [0.0, 0])
+                entry[0] = entry[0] + loss.detach() * weight
+                entry[1] += 1
+                self._scale[m] = weight
+            else:
+                out = stage.forward(m, inputs)
+                self.transport.send(i, i + 1, ACT, m, as_payload(out, i))
+            w.pending.add(m)
+            if self.record_versions:
+                self.versions[m, i] = (stage.version, -1)
+        elif a.op is Op.BACKWARD:
+            m = a.index
+            if self.record_versions:
+                fwd = self.versions[m, i][0]
+                self.versions[m, i] = (fwd, fwd if stage.stashes else stage.version)
+            if last:
+                grads = stage.backward(m, None, scale=self._scale.pop(m))
+            else:
+                grads = stage.backward(m, self.transport.recv(i + 1, i, GRAD, m))
+            w.pending.discard(m)
+            if i > 0:
+                self.transport.send(i, i - 1, GRAD, m, grads)
+        else:
+            stage.before_update()
+            self.optimizer.step(i, a.index)
+            stage.after_update()
+
+    def run(self) -> None:
+        """Run every local stage as far as the fed data allows; all must end waiting for data."""
+        progressed = True
+        while progressed:
+            progressed = False
+            for w in self.workers:
+                while self._runnable(w):
+                    assert w.next is not None
+                    self._run(w, w.next)
+                    w.advance()
+                    progressed = True
+        for w in self.workers:
+            a = w.next
+            if a is not None and not (a.op is Op.FORWARD and a.index >= self.fed):
+                raise RuntimeError(
+                    f"pipeline deadlock: stage {w.stage.index} waits to run {a} but no stage "
+                    "can make progress; this is a bug in the schedule, please report it"
+                )
+
+    def drain(self) -> None:
+        """Finish every microbatch in flight (backward passes and updates); nothing new starts."""
+        start = self.fed // self.microbatches
+        for w in self.workers:
+            tail = drain_tail(sorted(w.pending), self.microbatches)
+            w.restart(itertools.chain(tail, self._streams(w.stage.index, start)))
+        self.run()
+        self.transport.flush()

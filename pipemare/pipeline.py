@@ -1,0 +1,238 @@
+"""The engine's public front: cut an ``nn.Sequential`` into stages, train it on a schedule."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipemare import partition
+from pipemare.config import PipeMareConfig
+from pipemare.delay import StageDelay, derive_delays
+from pipemare.executor import Executor
+from pipemare.microbatch import batch_size, scatter, to_device
+from pipemare.optim import PipeMareOptimizer
+from pipemare.schedule import Action, spec, stream
+from pipemare.stage import Stage, as_payload
+from pipemare.transport import ACT, DistributedTransport, InProcessTransport, Transport
+
+__all__ = ["Pipeline"]
+
+
+def _first(batch: Any) -> Any:
+    return batch[0]
+
+
+def _second(batch: Any) -> Any:
+    return batch[1]
+
+
+class Pipeline:
+    """Trains an ``nn.Sequential`` as a pipeline of stages, synchronous or asynchronous.
+
+    All stages can run in this process (``transport="inprocess"``: the simulator, any number
+    of stages, same staleness as the real thing) or one per process
+    (``transport="distributed"``: launch P processes, gloo on CPU, NCCL on CUDA). With the same
+    seed both give the same weights.
+
+    Args:
+        model: the layers to pipeline.
+        optimizer: a ``torch.optim`` optimiser over ``model``'s parameters; LR schedulers
+            attached to it keep working (see :class:`~pipemare.optim.PipeMareOptimizer`).
+        loss_fn: ``(last stage output, target) -> scalar loss``, a mean over the microbatch.
+        stages: P; default: one per process with the distributed transport, else one per layer.
+        microbatches: N, microbatches per minibatch (one optimiser step).
+        schedule: ``gpipe``, ``1f1b``, ``pipedream``, ``async`` or ``pipemare``.
+        balance: layers per stage (a list), ``"even"`` (default) or ``"params"``.
+        config: PipeMare techniques; default: T1+T2 for ``pipemare``, none for the others.
+        transport: ``"inprocess"``, ``"distributed"`` or a :class:`~pipemare.transport.Transport`.
+        device: where this process's stages run (default: where the model is).
+        input_fn: batch -> the model's input (default ``batch[0]``).
+        target_fn: batch -> what ``loss_fn`` compares with (default ``batch[1]``).
+        forward_context: context manager factory around each stage's forward (e.g. autocast).
+        seed: seeds each stage's own random stream (default: from ``torch.initial_seed()``).
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+        >>> pipe = Pipeline(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                 nn.functional.cross_entropy, stages=3, microbatches=2)
+        >>> [round(d.forward, 2) for d in pipe.delays]
+        [1.0, 0.5, 0.0]
+        >>> loss = pipe.step((torch.randn(4, 8), torch.tensor([0, 1, 2, 0])))
+        >>> pipe.drain()
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        *,
+        stages: int | None = None,
+        microbatches: int = 1,
+        schedule: str = "pipemare",
+        balance: Sequence[int] | str | None = None,
+        config: PipeMareConfig | None = None,
+        transport: str | Transport = "inprocess",
+        device: torch.device | str | None = None,
+        input_fn: Callable[[Any], Any] = _first,
+        target_fn: Callable[[Any], Any] = _second,
+        forward_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        partition.check_sequential(model)
+        sp = spec(schedule)
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+        if device is None:
+            first = next(model.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        if isinstance(transport, str):
+            transport = self._make_transport(transport, stages, len(model))
+        if stages is not None and stages != transport.num_stages:
+            raise ValueError(
+                f"stages={stages} but the transport connects {transport.num_stages} stages"
+            )
+        self.transport = transport
+        self.num_stages = transport.num_stages
+        self.balance = self._balance(model, balance, self.num_stages)
+        self.stage_modules = partition.split(model, self.balance)
+        self.schedule, self.microbatches = schedule, microbatches
+        self.config = config if config is not None else PipeMareConfig.for_schedule(sp.corrected)
+        self.delays: tuple[StageDelay, ...] = derive_delays(schedule, self.num_stages, microbatches)
+        self.input_fn, self.target_fn, self.loss_fn = input_fn, target_fn, loss_fn
+
+        local = transport.local_stages
+        for i, module in enumerate(self.stage_modules):
+            module.to(self.device if i in local else "meta")
+        self.optimizer = PipeMareOptimizer(
+            optimizer,
+            {i: list(self.stage_modules[i].parameters()) for i in local},
+            self.delays,
+            self.config,
+        )
+        base_seed = torch.initial_seed() if seed is None else seed
+        self.stages = [
+            Stage(
+                i,
+                self.stage_modules[i],
+                stashes=sp.stashes,
+                track=not sp.flushes,
+                backward_weight=self.optimizer.backward_weight,
+                forward_context=forward_context,
+                seed=(base_seed + 7919 * (i + 1)) % 2**63,
+            )
+            for i in local
+        ]
+        self.executor = Executor(
+            self.stages,
+            self.num_stages,
+            microbatches,
+            self._stream,
+            transport,
+            self.optimizer,
+            input_fn=lambda b: to_device(input_fn(b), self.device),
+            loss_fn=lambda out, b: loss_fn(out, to_device(target_fn(b), self.device)),
+        )
+
+    # -- construction helpers ----------------------------------------------------------------
+
+    def _make_transport(self, name: str, stages: int | None, layers: int) -> Transport:
+        if name == "inprocess":
+            return InProcessTransport(stages if stages is not None else layers)
+        if name == "distributed":
+            return DistributedTransport(stages, self.device)
+        raise ValueError(
+            f"transport must be 'inprocess', 'distributed' or a Transport, got {name!r}"
+        )
+
+    @staticmethod
+    def _balance(
+        model: nn.Sequential, balance: Sequence[int] | str | None, stages: int
+    ) -> list[int]:
+        if balance is None or balance == "even":
+            return partition.even_balance(len(model), stages)
+        if balance == "params":
+            return partition.balance_by_params(model, stages)
+        if isinstance(balance, str):
+            raise ValueError(
+                f"balance must be a list of layer counts, 'even' or 'params', got {balance!r}"
+            )
+        if len(balance) != stages:
+            raise ValueError(
+                f"balance {list(balance)} has {len(balance)} entries for {stages} stages"
+            )
+        return list(balance)
+
+    def _stream(self, stage: int, start: int) -> Iterator[Action]:
+        return stream(
+            self.schedule, self.num_stages, self.microbatches, stage,
+            start=start, warmup=self.config.warmup_steps,
+        )  # fmt: skip
+
+    # -- training ----------------------------------------------------------------------------
+
+    @property
+    def local_stages(self) -> tuple[int, ...]:
+        """The stages this process runs."""
+        return self.transport.local_stages
+
+    @property
+    def minibatches_fed(self) -> int:
+        return self.executor.fed // self.microbatches
+
+    def step(self, batch: Any) -> torch.Tensor | None:
+        """Feed one minibatch and run the pipeline as far as it can go.
+
+        Returns the minibatch's loss where the last stage runs (every microbatch of it has
+        passed the last stage by then), None in other processes. With a non-flushing schedule
+        its weight update happens later, as the pipeline moves on.
+        """
+        k = self.minibatches_fed
+        self.optimizer.record(k)
+        chunks = scatter(batch, self.microbatches)
+        total = batch_size(batch)
+        self.executor.feed(chunks, [batch_size(c) / total for c in chunks])
+        self.executor.run()
+        return self.executor.pop_loss(k)
+
+    def drain(self) -> None:
+        """Finish all microbatches in flight and apply their updates (e.g. before evaluating)."""
+        self.executor.drain()
+
+    @torch.no_grad()
+    def predict(self, inputs: Any) -> Any:
+        """Forward ``inputs`` through every stage without gradients (drains first).
+
+        Returns the last stage's outputs, concatenated over microbatches, where the last
+        stage runs; None in other processes.
+        """
+        self.drain()
+        chunks = scatter(inputs, self.microbatches)
+        outputs = []
+        for j, chunk in enumerate(chunks):
+            tag = -1 - j  # negative indices keep evaluation apart from training microbatches
+            for stage in self.stages:
+                i = stage.index
+                x = (
+                    to_device(chunk, self.device)
+                    if i == 0
+                    else self.transport.recv(i - 1, i, ACT, tag)
+                )
+                y = stage.forward(tag, x, grad=False)
+                if i == self.num_stages - 1:
+                    outputs.append(y)
+                else:
+                    self.transport.send(i, i + 1, ACT, tag, as_payload(y, i))
+        self.transport.flush()
+        if not outputs:
+            return None
+        if isinstance(outputs[0], torch.Tensor):
+            return torch.cat(outputs)
+        return outputs

@@ -1,0 +1,62 @@
+"""Worker for test_distributed: one stage per process, launched by torchrun.
+
+Also imported by the test for the shared model and data, so both sides build them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pipemare import Pipeline, PipeMareConfig
+
+STEPS = 20
+
+
+def build_model() -> nn.Sequential:
+    torch.manual_seed(1234)
+    return nn.Sequential(
+        nn.Linear(12, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), nn.GELU(),
+        nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(99)
+    return [
+        (torch.randn(16, 12, generator=gen), torch.randint(0, 4, (16,), generator=gen))
+        for _ in range(STEPS)
+    ]
+
+
+def train(schedule: str, stages: int, transport: str) -> tuple[nn.Sequential, Pipeline]:
+    model = build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    cfg = PipeMareConfig(reschedule_steps=10) if schedule == "pipemare" else None
+    pipe = Pipeline(model, opt, nn.functional.cross_entropy, stages=stages, microbatches=2,
+                    schedule=schedule, config=cfg, transport=transport, seed=7)  # fmt: skip
+    for batch in batches():
+        pipe.step(batch)
+    pipe.drain()
+    return model, pipe
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--schedules", nargs="+", default=["async", "pipemare"])
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    for schedule in args.schedules:
+        _, pipe = train(schedule, world, "distributed")
+        (stage,) = pipe.stages
+        state = {k: v.detach().clone() for k, v in stage.module.state_dict().items()}
+        torch.save({"stage": stage.index, "state": state}, args.out / f"{schedule}-rank{rank}.pt")
+
+
+if __name__ == "__main__":
+    main()
