@@ -78,7 +78,9 @@ class PipeMareOptimizer:
             )
             for stage in stage_params
         }
-        self._velocity: dict[nn.Parameter, torch.Tensor] = {}
+        # T2 keeps u = -δ (one buffer per weight): the update around a step is then two fused
+        # passes, u.lerp_(w_old, 1-γ) before and u -= (1-γ) w_new after.
+        self._neg_velocity: dict[nn.Parameter, torch.Tensor] = {}
         # Hyperparameters of each group when minibatch k was fed, until every stage used them.
         self._hparams: dict[int, list[dict[str, Any]]] = {}
         self._waiting: dict[int, set[int]] = {}
@@ -115,14 +117,15 @@ class PipeMareOptimizer:
         return float(base) * self.lr_factor(stage, minibatch)
 
     def _t2_active(self, stage: int) -> bool:
-        return self.config.discrepancy_correction and self._gamma.get(stage, 0.0) > 0.0
+        # Stages whose backward is not behind their forward (the last one) need no velocity.
+        return self.config.discrepancy_correction and self.delays[stage].discrepancy > 0
 
-    def _velocity_of(self, p: nn.Parameter) -> torch.Tensor:
-        v = self._velocity.get(p)
-        if v is None:
+    def _buffer(self, p: nn.Parameter) -> torch.Tensor:
+        u = self._neg_velocity.get(p)
+        if u is None:
             dtype = p.dtype if p.dtype in (torch.float32, torch.float64) else torch.float32
-            v = self._velocity[p] = torch.zeros_like(p, dtype=dtype)
-        return v
+            u = self._neg_velocity[p] = torch.zeros_like(p, dtype=dtype)
+        return u
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
         return [p for group in self._groups[stage] for p in group]
@@ -133,10 +136,12 @@ class PipeMareOptimizer:
         params = self.stage_parameters(stage)
         t2, gamma = self._t2_active(stage), self._gamma.get(stage, 0.0)
         if t2:
-            # δ ← γδ + (1-γ)(w_new - w_old) split around the step, so no copy of w_old is kept:
-            # subtract (1-γ)w_old now, add (1-γ)w_new after. Rounding: ~2^-24 |w| in float32.
+            # δ ← γδ + (1-γ)(w_new - w_old) split around the step, so no copy of w_old is kept
+            # (on u = -δ): u ← γu + (1-γ)w_old now, u ← u - (1-γ)w_new after. The rounding
+            # this adds is about 2^-24 |w| in float32.
             for p in params:
-                self._velocity_of(p).mul_(gamma).sub_(p, alpha=1.0 - gamma)
+                u = self._buffer(p)
+                u.lerp_(p if p.dtype == u.dtype else p.to(u.dtype), 1.0 - gamma)
         # Without a record (step() called directly), the user's current hyperparameters apply.
         hparams = self._hparams.get(minibatch) or [{}] * len(self.optimizer.param_groups)
         factor = self.lr_factor(stage, minibatch)
@@ -156,7 +161,7 @@ class PipeMareOptimizer:
                 g.update(old)
         if t2:
             for p in params:
-                self._velocity[p].add_(p, alpha=1.0 - gamma)
+                self._neg_velocity[p].sub_(p, alpha=1.0 - gamma)
         for p in params:
             p.grad = None
         waiting = self._waiting.get(minibatch)
@@ -167,14 +172,15 @@ class PipeMareOptimizer:
 
     def backward_weight(self, param: nn.Parameter, delta: int) -> torch.Tensor:
         """The weights the backward pass of a microbatch ``delta`` updates old should use."""
-        v = self._velocity.get(param) if self.config.discrepancy_correction else None
-        if delta <= 0 or v is None:
+        u = self._neg_velocity.get(param) if self.config.discrepancy_correction else None
+        if delta <= 0 or u is None:
             return param.detach()
-        return correction.backward_weight(param.detach(), v, float(delta))
+        return correction.backward_weight(param.detach(), u, -float(delta))
 
     def velocity(self, param: nn.Parameter) -> torch.Tensor | None:
-        """T2's velocity buffer of ``param`` (None before its first update or with T2 off)."""
-        return self._velocity.get(param)
+        """T2's velocity δ of ``param`` as a new tensor; None before any update or with T2 off."""
+        u = self._neg_velocity.get(param)
+        return None if u is None else -u
 
     def _index(self) -> dict[int, nn.Parameter]:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -185,7 +191,7 @@ class PipeMareOptimizer:
         ids = {id(p): i for i, p in self._index().items()}
         return {
             "optimizer": self.optimizer.state_dict(),
-            "velocity": {ids[id(p)]: v.clone() for p, v in self._velocity.items()},
+            "velocity": {ids[id(p)]: -u for p, u in self._neg_velocity.items()},
             "hparams": {k: [dict(h) for h in hs] for k, hs in self._hparams.items()},
             "waiting": {k: sorted(s) for k, s in self._waiting.items()},
         }
@@ -193,8 +199,8 @@ class PipeMareOptimizer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         index = self._index()
-        self._velocity = {
-            index[int(i)]: v.to(device=index[int(i)].device) for i, v in state["velocity"].items()
+        self._neg_velocity = {
+            index[int(i)]: -v.to(device=index[int(i)].device) for i, v in state["velocity"].items()
         }
         self._hparams = {int(k): [dict(h) for h in hs] for k, hs in state["hparams"].items()}
         self._waiting = {int(k): set(s) for k, s in state["waiting"].items()}

@@ -131,6 +131,20 @@ def test_t2_velocity_follows_its_formula(name):
     assert torch.equal(opt.backward_weight(w, 0), w.detach())
 
 
+def test_t2_with_d_zero_extrapolates_the_last_step():
+    model, stages = two_stage()
+    delays = derive_delays("pipemare", 3, 1)[:2]
+    cfg = PipeMareConfig(lr_reschedule=False, discrepancy_decay=0.0)
+    opt = PipeMareOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stages, delays, cfg)
+    w = stages[0][0]
+    for k in range(2):
+        fill_grads(model, k)
+        before = w.detach().clone()
+        opt.record(k)
+        opt.step(0, k)
+    torch.testing.assert_close(opt.velocity(w), w.detach() - before)
+
+
 def test_t2_off_uses_live_weights():
     model, stages = two_stage()
     opt = PipeMareOptimizer(
