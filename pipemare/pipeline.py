@@ -172,9 +172,13 @@ class Pipeline:
 
     def _stream(self, stage: int, start: int) -> Iterator[Action]:
         return stream(
-            self.schedule, self.num_stages, self.microbatches, stage,
-            start=start, warmup=self.config.warmup_steps,
-        )  # fmt: skip
+            self.schedule,
+            self.num_stages,
+            self.microbatches,
+            stage,
+            start=start,
+            warmup=self.config.warmup_steps,
+        )
 
     # -- training ----------------------------------------------------------------------------
 

@@ -91,10 +91,19 @@ class InProcessTransport(Transport):
 # ndim, dims...].
 _HEADER = 128
 _DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-    torch.complex64, torch.complex128,
-]  # fmt: skip
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+]
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 

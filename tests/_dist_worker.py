@@ -20,9 +20,15 @@ STEPS = 20
 def build_model() -> nn.Sequential:
     torch.manual_seed(1234)
     return nn.Sequential(
-        nn.Linear(12, 32), nn.Tanh(), nn.Dropout(0.2), nn.Linear(32, 32), nn.GELU(),
-        nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 4),
-    )  # fmt: skip
+        nn.Linear(12, 32),
+        nn.Tanh(),
+        nn.Dropout(0.2),
+        nn.Linear(32, 32),
+        nn.GELU(),
+        nn.Linear(32, 16),
+        nn.Tanh(),
+        nn.Linear(16, 4),
+    )
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -37,8 +43,17 @@ def train(schedule: str, stages: int, transport: str) -> tuple[nn.Sequential, Pi
     model = build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cfg = PipeMareConfig(reschedule_steps=10) if schedule == "pipemare" else None
-    pipe = Pipeline(model, opt, nn.functional.cross_entropy, stages=stages, microbatches=2,
-                    schedule=schedule, config=cfg, transport=transport, seed=7)  # fmt: skip
+    pipe = Pipeline(
+        model,
+        opt,
+        nn.functional.cross_entropy,
+        stages=stages,
+        microbatches=2,
+        schedule=schedule,
+        config=cfg,
+        transport=transport,
+        seed=7,
+    )
     for batch in batches():
         pipe.step(batch)
     pipe.drain()

@@ -31,8 +31,14 @@ class Join(nn.Module):
 def test_tuple_payloads_and_parameterless_stages(schedule):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 8), Split(), Join(), nn.ReLU(), nn.Linear(8, 2))
-    pipe = Pipeline(net, torch.optim.SGD(net.parameters(), lr=0.1), mse, stages=5,
-                    microbatches=2, schedule=schedule)  # fmt: skip
+    pipe = Pipeline(
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        mse,
+        stages=5,
+        microbatches=2,
+        schedule=schedule,
+    )
     before = net[0].weight.detach().clone()
     for _ in range(4):
         pipe.step((torch.randn(6, 3), torch.randn(6, 2)))

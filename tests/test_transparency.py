@@ -19,9 +19,14 @@ OPTIMIZERS = {
 def model():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 32), nn.GELU(),
-        nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 5),
-    )  # fmt: skip
+        nn.Linear(10, 32),
+        nn.Tanh(),
+        nn.Linear(32, 32),
+        nn.GELU(),
+        nn.Linear(32, 16),
+        nn.Tanh(),
+        nn.Linear(16, 5),
+    )
 
 
 def batches(steps=5, size=12):
@@ -45,8 +50,14 @@ def test_sync_schedules_equal_plain_training(schedule, opt, stages, micro):
         ref_opt.step()
 
     net = model()
-    pipe = Pipeline(net, OPTIMIZERS[opt](net.parameters()), nn.functional.cross_entropy,
-                    stages=stages, microbatches=micro, schedule=schedule)  # fmt: skip
+    pipe = Pipeline(
+        net,
+        OPTIMIZERS[opt](net.parameters()),
+        nn.functional.cross_entropy,
+        stages=stages,
+        microbatches=micro,
+        schedule=schedule,
+    )
     losses = [pipe.step(b) for b in data]
     pipe.drain()
     for a, b in zip(net.parameters(), ref.parameters(), strict=True):
@@ -57,8 +68,14 @@ def test_sync_schedules_equal_plain_training(schedule, opt, stages, micro):
 def test_reported_loss_is_the_minibatch_mean_with_uneven_microbatches():
     net = model()
     ref = copy.deepcopy(net)
-    pipe = Pipeline(net, torch.optim.SGD(net.parameters(), lr=0.0), nn.functional.cross_entropy,
-                    stages=3, microbatches=4, schedule="gpipe")  # fmt: skip
+    pipe = Pipeline(
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.0),
+        nn.functional.cross_entropy,
+        stages=3,
+        microbatches=4,
+        schedule="gpipe",
+    )
     x, y = batches(1, size=10)[0]  # microbatches of 3, 3, 2, 2
     loss = pipe.step((x, y))
     torch.testing.assert_close(loss, nn.functional.cross_entropy(ref(x), y))

@@ -1,0 +1,1 @@
+"""Experiments shipped with pipemare: models, offline data, the engine demo and benchmarks."""
