@@ -36,3 +36,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; the CPU path is tested elsewhere")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

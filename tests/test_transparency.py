@@ -79,3 +79,34 @@ def test_reported_loss_is_the_minibatch_mean_with_uneven_microbatches():
     x, y = batches(1, size=10)[0]  # microbatches of 3, 3, 2, 2
     loss = pipe.step((x, y))
     torch.testing.assert_close(loss, nn.functional.cross_entropy(ref(x), y))
+
+
+def test_t3_warmup_is_synchronous_then_the_pipeline_fills():
+    from pipemare import PipeMareConfig
+
+    data = batches(steps=6)
+    ref = model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    net = model()
+    cfg = PipeMareConfig(lr_reschedule=False, discrepancy_correction=False, warmup_steps=3)
+    pipe = Pipeline(
+        net,
+        torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+        nn.functional.cross_entropy,
+        stages=4,
+        microbatches=2,
+        schedule="async",
+        config=cfg,
+    )
+    for step, (x, y) in enumerate(data[:3]):
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        ref_opt.step()
+        pipe.step((x, y))
+        assert [s.in_flight for s in pipe.stages] == [0, 0, 0, 0], f"flushed after step {step}"
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    for batch in data[3:]:
+        pipe.step(batch)
+    assert [s.in_flight for s in pipe.stages] == [3, 2, 1, 0]  # asynchronous from step 3 on
+    assert [s.version for s in pipe.stages] == [4, 5, 5, 6]  # stage i lags by ceil((P-1-i)/N)
