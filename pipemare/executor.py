@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from pipemare.clip import GradClip
 from pipemare.optim import PipeMareOptimizer
 from pipemare.schedule import Action, Op, drain_tail
 from pipemare.stage import Stage, as_payload
@@ -50,6 +51,7 @@ class Executor:
         optimizer: applies updates.
         input_fn: microbatch -> stage 0's input.
         loss_fn: (last stage output, microbatch) -> scalar loss.
+        clip: gradient clipping applied right before each update.
     """
 
     def __init__(
@@ -62,10 +64,12 @@ class Executor:
         optimizer: PipeMareOptimizer,
         input_fn: Callable[[Any], Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
+        clip: GradClip | None = None,
     ) -> None:
         self.num_stages, self.microbatches = num_stages, microbatches
         self.transport, self.optimizer = transport, optimizer
         self.input_fn, self.loss_fn = input_fn, loss_fn
+        self.clip = clip
         self._streams = streams
         self.workers = [_Worker(s, streams(s.index, 0)) for s in stages]
         self.fed = 0  # microbatches available
@@ -117,6 +121,9 @@ class Executor:
             return i == 0 or self.transport.ready(i - 1, i, ACT)
         if a.op is Op.BACKWARD:
             return i == self.num_stages - 1 or self.transport.ready(i + 1, i, GRAD)
+        if self.clip is not None:  # the update's gradients are complete: publish their norm
+            self.clip.post(i, a.index, self.optimizer.stage_parameters(i))
+            return self.clip.ready(i, a.index)
         return True
 
     def _run(self, w: _Worker, a: Action) -> None:
@@ -155,6 +162,8 @@ class Executor:
             if i > 0:
                 self.transport.send(i, i - 1, GRAD, m, grads)
         else:
+            if self.clip is not None:
+                self.clip.apply(i, a.index, self.optimizer.stage_parameters(i))
             stage.before_update()
             self.optimizer.step(i, a.index)
             stage.after_update()
@@ -177,6 +186,13 @@ class Executor:
                     f"pipeline deadlock: stage {w.stage.index} waits to run {a} but no stage "
                     "can make progress; this is a bug in the schedule, please report it"
                 )
+
+    def restart(self, minibatches: int) -> None:
+        """Start the streams afresh at ``minibatches`` (the pipeline must be empty)."""
+        assert all(not w.pending for w in self.workers), "restart needs a drained pipeline"
+        self.fed = minibatches * self.microbatches
+        for w in self.workers:
+            w.restart(self._streams(w.stage.index, minibatches))
 
     def drain(self) -> None:
         """Finish every microbatch in flight (backward passes and updates); nothing new starts."""

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pipemare import partition
+from pipemare.clip import DistributedNormBoard, GradClip, NormBoard, global_norm_lag
 from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, derive_delays
 from pipemare.executor import Executor
@@ -54,6 +55,8 @@ class Pipeline:
         target_fn: batch -> what ``loss_fn`` compares with (default ``batch[1]``).
         forward_context: context manager factory around each stage's forward (e.g. autocast).
         seed: seeds each stage's own random stream (default: from ``torch.initial_seed()``).
+        clip_grad_norm: clip by the global L2 norm over all stages (see :mod:`pipemare.clip`).
+        clip_grad_value: clip every gradient element to ``[-value, value]``.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -84,6 +87,8 @@ class Pipeline:
         target_fn: Callable[[Any], Any] = _second,
         forward_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         seed: int | None = None,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
     ) -> None:
         partition.check_sequential(model)
         sp = spec(schedule)
@@ -130,6 +135,7 @@ class Pipeline:
             )
             for i in local
         ]
+        self.clip = self._make_clip(clip_grad_norm, clip_grad_value, sp.flushes)
         self.executor = Executor(
             self.stages,
             self.num_stages,
@@ -139,6 +145,7 @@ class Pipeline:
             self.optimizer,
             input_fn=lambda b: to_device(input_fn(b), self.device),
             loss_fn=lambda out, b: loss_fn(out, to_device(target_fn(b), self.device)),
+            clip=self.clip,
         )
 
     # -- construction helpers ----------------------------------------------------------------
@@ -151,6 +158,21 @@ class Pipeline:
         raise ValueError(
             f"transport must be 'inprocess', 'distributed' or a Transport, got {name!r}"
         )
+
+    def _make_clip(self, norm: float | None, value: float | None, flushes: bool) -> GradClip | None:
+        if norm is not None and value is not None:
+            raise ValueError("choose one of clip_grad_norm and clip_grad_value, not both")
+        if norm is None and value is None:
+            return None
+        if value is not None:
+            return GradClip("value", value, None, 0)
+        board: NormBoard
+        if isinstance(self.transport, DistributedTransport):
+            board = DistributedNormBoard(self.transport.collective_group, self.device)
+        else:
+            board = NormBoard(self.num_stages)
+        lag = global_norm_lag(self.num_stages, self.microbatches, flushes)
+        return GradClip("norm", float(norm), board, lag)  # type: ignore[arg-type]
 
     @staticmethod
     def _balance(
@@ -211,32 +233,72 @@ class Pipeline:
         self.executor.drain()
 
     @torch.no_grad()
+    def evaluate(
+        self,
+        batch: Any,
+        input_fn: Callable[[Any], Any] | None = None,
+        head: Callable[[Any, Any], Any] | None = None,
+        microbatches: int | None = None,
+    ) -> list[Any] | None:
+        """Forward ``batch`` through every stage without gradients (drains training first).
+
+        Args:
+            batch: what to evaluate; split into ``microbatches`` (default: the pipeline's N).
+            input_fn: microbatch -> the first stage's input (default: the microbatch itself).
+            head: ``(last stage output, microbatch) -> result``, run on the last stage.
+
+        Returns:
+            One result per microbatch where the last stage runs, None in other processes.
+        """
+        self.drain()
+        chunks = scatter(batch, microbatches or self.microbatches)
+        results = []
+        for j, chunk in enumerate(chunks):
+            tag = -1 - j  # negative indices keep evaluation apart from training microbatches
+            for stage in self.stages:
+                i = stage.index
+                if i == 0:
+                    x = to_device(input_fn(chunk) if input_fn is not None else chunk, self.device)
+                else:
+                    x = self.transport.recv(i - 1, i, ACT, tag)
+                y = stage.forward(tag, x, grad=False)
+                if i == self.num_stages - 1:
+                    results.append(head(y, chunk) if head is not None else y)
+                else:
+                    self.transport.send(i, i + 1, ACT, tag, as_payload(y, i))
+        self.transport.flush()
+        return results if self.num_stages - 1 in self.local_stages else None
+
     def predict(self, inputs: Any) -> Any:
         """Forward ``inputs`` through every stage without gradients (drains first).
 
         Returns the last stage's outputs, concatenated over microbatches, where the last
         stage runs; None in other processes.
         """
-        self.drain()
-        chunks = scatter(inputs, self.microbatches)
-        outputs = []
-        for j, chunk in enumerate(chunks):
-            tag = -1 - j  # negative indices keep evaluation apart from training microbatches
-            for stage in self.stages:
-                i = stage.index
-                x = (
-                    to_device(chunk, self.device)
-                    if i == 0
-                    else self.transport.recv(i - 1, i, ACT, tag)
-                )
-                y = stage.forward(tag, x, grad=False)
-                if i == self.num_stages - 1:
-                    outputs.append(y)
-                else:
-                    self.transport.send(i, i + 1, ACT, tag, as_payload(y, i))
-        self.transport.flush()
+        outputs = self.evaluate(inputs)
         if not outputs:
             return None
         if isinstance(outputs[0], torch.Tensor):
             return torch.cat(outputs)
         return outputs
+
+    def state_dict(self) -> dict[str, Any]:
+        """The pipeline's own state (this process's stages): drains, so nothing is in flight.
+
+        Weights and the optimiser are saved by their owners; this holds how many minibatches
+        ran (T1's and T3's clock) and each stage's random stream.
+        """
+        self.drain()
+        return {
+            "minibatches": self.minibatches_fed,
+            "rng": {s.index: s.rng_state() for s in self.stages},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue after ``state["minibatches"]`` minibatches, with an empty pipeline."""
+        self.drain()
+        self.executor.restart(int(state["minibatches"]))
+        for s in self.stages:
+            s.version = int(state["minibatches"])
+            if s.index in state["rng"]:
+                s.set_rng_state(state["rng"][s.index])

@@ -227,6 +227,13 @@ class Stage:
             self._stash[self.version] = {i: p.detach().clone() for i, p in self._params.items()}
             self.peak_stashed_versions = max(self.peak_stashed_versions, len(self._stash))
 
+    def rng_state(self) -> torch.Tensor | None:
+        """This stage's random stream, to save with a checkpoint."""
+        return None if self._rng is None else self._rng.clone()
+
+    def set_rng_state(self, state: torch.Tensor | None) -> None:
+        self._rng = None if state is None else state.clone()
+
     def after_update(self) -> None:
         self.version += 1
 

@@ -196,6 +196,8 @@ class DistributedTransport(Transport):
         self._rank_of = {stage: r for r, stage in enumerate(order)}
         self.local_stages = (order[rank],)
         self._groups = {ACT: dist.new_group(backend=backend), GRAD: dist.new_group(backend=backend)}
+        #: a group of its own for collectives the pipeline needs (gradient norms)
+        self.collective_group = dist.new_group(backend=backend)
         self._sent: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until sent)
 
     def rank_of(self, stage: int) -> int:

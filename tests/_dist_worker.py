@@ -43,6 +43,7 @@ def train(schedule: str, stages: int, transport: str) -> tuple[nn.Sequential, Pi
     model = build_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cfg = PipeMareConfig(reschedule_steps=10) if schedule == "pipemare" else None
+    clip = {"clip_grad_norm": 0.5} if schedule == "pipemare" else {}
     pipe = Pipeline(
         model,
         opt,
@@ -53,6 +54,7 @@ def train(schedule: str, stages: int, transport: str) -> tuple[nn.Sequential, Pi
         config=cfg,
         transport=transport,
         seed=7,
+        **clip,
     )
     for batch in batches():
         pipe.step(batch)
