@@ -1,18 +1,26 @@
-"""pipemare: PipeMare-style asynchronous pipeline parallelism for PyTorch (Lightning)."""
+"""pipemare: PipeMare-style asynchronous pipeline parallelism for PyTorch Lightning.
+
+Importing it registers ``strategy="pipemare"`` (and ``pipemare_<schedule>``) with Lightning.
+"""
 
 from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, closed_form_delays, derive_delays
 from pipemare.optim import PipeMareOptimizer
 from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, generate
+from pipemare.strategy import LightningPipeMareStrategy, PipeMareStrategy, register
 from pipemare.transport import DistributedTransport, InProcessTransport, Transport
+
+register()
 
 __all__ = [
     "SCHEDULES",
     "DistributedTransport",
     "InProcessTransport",
+    "LightningPipeMareStrategy",
     "PipeMareConfig",
     "PipeMareOptimizer",
+    "PipeMareStrategy",
     "Pipeline",
     "StageDelay",
     "Transport",

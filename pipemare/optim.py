@@ -186,21 +186,32 @@ class PipeMareOptimizer:
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         return dict(enumerate(params))
 
-    def state_dict(self) -> dict[str, Any]:
-        """All state needed to resume: the optimiser's, T2's velocities, pending hyperparameters."""
+    def state_dict(self, include_optimizer: bool = True) -> dict[str, Any]:
+        """All state needed to resume: the optimiser's, T2's velocities, pending hyperparameters.
+
+        Velocities are keyed by the parameter's position in the optimiser's param groups, as
+        ``torch.optim`` keys its own state. ``include_optimizer=False`` leaves out the user's
+        optimiser (for callers that save it themselves, like Lightning).
+        """
         ids = {id(p): i for i, p in self._index().items()}
-        return {
-            "optimizer": self.optimizer.state_dict(),
+        state = {
             "velocity": {ids[id(p)]: -u for p, u in self._neg_velocity.items()},
             "hparams": {k: [dict(h) for h in hs] for k, hs in self._hparams.items()},
             "waiting": {k: sorted(s) for k, s in self._waiting.items()},
         }
+        if include_optimizer:
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        if "optimizer" in state:
+            self.optimizer.load_state_dict(state["optimizer"])
         index = self._index()
+        mine = {id(p) for ps in self._groups.values() for g in ps for p in g}
         self._neg_velocity = {
-            index[int(i)]: -v.to(device=index[int(i)].device) for i, v in state["velocity"].items()
+            index[int(i)]: -v.to(device=index[int(i)].device)
+            for i, v in state["velocity"].items()
+            if id(index[int(i)]) in mine  # in a multi-process run: this process's stages only
         }
         self._hparams = {int(k): [dict(h) for h in hs] for k, hs in state["hparams"].items()}
         self._waiting = {int(k): set(s) for k, s in state["waiting"].items()}

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["balance_by_cost", "balance_by_params", "check_sequential", "even_balance", "split"]
+__all__ = [
+    "balance_by_cost",
+    "balance_by_params",
+    "balance_by_time",
+    "check_sequential",
+    "even_balance",
+    "layer_times",
+    "split",
+]
 
 
 def check_sequential(model: object, what: str = "the model") -> nn.Sequential:
@@ -80,6 +92,73 @@ def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
     check_sequential(model)
     costs = [sum(p.numel() for p in layer.parameters()) for layer in model]
     return balance_by_cost(costs, stages)
+
+
+def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[float]:
+    """Median seconds of each layer's forward plus backward pass on ``sample`` (the model's input).
+
+    Each layer runs on the output of the previous one, as in the pipeline; gradients flow into
+    a detached copy of the layer's input and are thrown away (parameters keep theirs).
+    """
+    check_sequential(model)
+    # Lightning may call this from validation, under inference mode: time with autograd on.
+    with torch.inference_mode(False), torch.enable_grad():
+        return _layer_times(model, _clone(sample), repeats)
+
+
+def _layer_times(model: nn.Sequential, sample: Any, repeats: int) -> list[float]:
+    sync = torch.cuda.synchronize if _on_cuda(sample) else (lambda: None)
+    times, x = [], sample
+    for layer in model:
+        samples = []
+        for _ in range(repeats + 1):
+            leaf = _leaf(x)
+            start = time.perf_counter()
+            out = layer(leaf)
+            outs = [t for t in _flat(out) if t.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            sync()
+            samples.append(time.perf_counter() - start)
+        for p in layer.parameters():
+            p.grad = None
+        times.append(statistics.median(samples[1:]))  # the first run warms caches up
+        with torch.no_grad():
+            x = layer(_leaf(x))
+    return times
+
+
+def balance_by_time(model: nn.Sequential, sample: Any, stages: int) -> list[int]:
+    """Split so that every stage's measured forward+backward time is about the same."""
+    return balance_by_cost(layer_times(model, sample), stages)
+
+
+def _flat(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _flat(v)]
+    return []
+
+
+def _clone(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, tuple):
+        return tuple(_clone(v) for v in value)
+    return value
+
+
+def _leaf(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_(value.is_floating_point())
+    if isinstance(value, tuple):
+        return tuple(_leaf(v) for v in value)
+    return value
+
+
+def _on_cuda(value: Any) -> bool:
+    return any(t.is_cuda for t in _flat(value))
 
 
 def split(model: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:

@@ -1,0 +1,159 @@
+"""Running an unchanged LightningModule's step functions through a pipeline.
+
+The user's ``training_step`` calls its ``nn.Sequential`` once. To run it on a pipeline, the
+Sequential attribute is swapped, for the duration of one call, for a stand-in:
+
+- on the first stage a :class:`_Capture` records what the Sequential receives and stops the
+  step right there (the rest of the step, the loss, runs on the last stage);
+- on the last stage an :class:`_Inject` returns the pipeline's output instead of running the
+  layers, so the rest of the user's step (loss, metrics, ``self.log``) runs on it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["ModuleAdapter", "find_sequential", "loss_of"]
+
+
+class _Captured(BaseException):  # BaseException: a user's `except Exception` must not swallow it
+    def __init__(self, value: Any) -> None:
+        super().__init__("pipemare captured the Sequential's input")
+        self.value = value
+
+
+class _Capture(nn.Module):
+    def forward(self, x: Any) -> Any:
+        raise _Captured(x)
+
+
+class _Inject(nn.Module):
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output, self.calls = output, 0
+
+    def forward(self, x: Any) -> Any:
+        self.calls += 1
+        if self.calls > 1:
+            raise RuntimeError(
+                "the pipelined nn.Sequential was called twice in one step; pipemare runs it "
+                "once per microbatch. Call it once per step, or pipeline a different module"
+            )
+        return self.output
+
+
+def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
+    """The Sequential to pipeline: ``name`` (a dotted attribute path), or the only one there is.
+
+    Raises:
+        ValueError: no Sequential, several candidates, or ``name`` is not a Sequential.
+    """
+    if name is not None:
+        try:
+            found = module.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"{type(module).__name__} has no submodule {name!r} to pipeline; pass the "
+                f"attribute that holds your nn.Sequential, e.g. sequential='net'"
+            ) from None
+        if not isinstance(found, nn.Sequential):
+            raise ValueError(
+                f"{type(module).__name__}.{name} is a {type(found).__name__}, not an "
+                "nn.Sequential; "
+                "pipemare cuts an nn.Sequential into stages: wrap the layers in one"
+            )
+        return name, found
+    candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
+    if not candidates:
+        raise ValueError(
+            f"{type(module).__name__} has no nn.Sequential attribute to pipeline; hold the layers "
+            "in one (self.net = nn.Sequential(...)) and call it in training_step, or name a "
+            "nested one with PipeMareStrategy(sequential='model.layers')"
+        )
+    if len(candidates) > 1:
+        names = ", ".join(n for n, _ in candidates)
+        raise ValueError(
+            f"{type(module).__name__} has several nn.Sequential attributes ({names}); choose the "
+            f"one to pipeline with PipeMareStrategy(sequential='{candidates[0][0]}')"
+        )
+    return candidates[0]
+
+
+class ModuleAdapter:
+    """Calls a LightningModule's step functions with its Sequential swapped for a stand-in.
+
+    Args:
+        module: the user's LightningModule.
+        path: dotted path of the pipelined Sequential inside ``module``.
+    """
+
+    def __init__(self, module: nn.Module, path: str) -> None:
+        self.module, self.path = module, path
+        parent, _, attr = path.rpartition(".")
+        self._parent = module.get_submodule(parent) if parent else module
+        self._attr = attr
+        self.sequential = getattr(self._parent, attr)
+
+    def check_no_outside_parameters(self) -> None:
+        """Trainable parameters outside the Sequential would be trained on one stage only."""
+        inside = {id(p) for p in self.sequential.parameters()}
+        outside = [
+            n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in inside
+        ]
+        if outside:
+            shown = ", ".join(outside[:4]) + (", ..." if len(outside) > 4 else "")
+            raise ValueError(
+                f"{type(self.module).__name__} has trainable parameters outside "
+                f"{self.path} ({shown}); pipemare only pipelines {self.path}, so these would "
+                f"train on one stage and go stale on the others. Move those layers into the "
+                f"nn.Sequential (e.g. nn.Sequential(embedding, *blocks, head)) or freeze them"
+            )
+
+    @contextlib.contextmanager
+    def _swapped(self, stand_in: nn.Module) -> Iterator[None]:
+        self._parent._modules[self._attr] = stand_in
+        try:
+            yield
+        finally:
+            self._parent._modules[self._attr] = self.sequential
+
+    def capture_input(self, step: str, *args: Any) -> Any:
+        """Run ``module.<step>(*args)`` up to its Sequential call; return the Sequential's input."""
+        with self._swapped(_Capture()):
+            try:
+                getattr(self.module, step)(*args)
+            except _Captured as captured:
+                return captured.value
+        raise RuntimeError(
+            f"{type(self.module).__name__}.{step} returned without calling {self.path}; "
+            f"pipemare needs the step to pass its input through {self.path}"
+        )
+
+    def run_with_output(self, step: str, output: Any, *args: Any) -> Any:
+        """Run ``module.<step>(*args)``, the Sequential returning ``output``; return the result."""
+        inject = _Inject(output)
+        with self._swapped(inject):
+            result = getattr(self.module, step)(*args)
+        if inject.calls == 0:
+            raise RuntimeError(
+                f"{type(self.module).__name__}.{step} did not call {self.path}; pipemare needs "
+                f"the step to pass its input through {self.path}"
+            )
+        return result
+
+
+def loss_of(result: Any, step: str = "training_step") -> torch.Tensor:
+    """The loss in what a training step returned: a tensor or a dict with ``"loss"``."""
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, dict) and isinstance(result.get("loss"), torch.Tensor):
+        return result["loss"]
+    raise TypeError(
+        f"{step} returned {type(result).__name__}; with pipemare it must return the loss "
+        "tensor (or a dict with a 'loss' tensor) for every batch"
+    )

@@ -1,0 +1,711 @@
+"""Lightning strategy: ``Trainer(strategy="pipemare")`` pipelines an unchanged LightningModule.
+
+The strategy is glue between Lightning's hooks and :class:`~pipemare.pipeline.Pipeline`:
+
+- ``training_step`` feeds the batch to the pipeline, which runs this process's share of the
+  schedule, weight updates included; the user's ``training_step`` runs per microbatch through
+  :class:`~pipemare.module_adapter.ModuleAdapter` (its first half on the first stage, its loss
+  on the last), and its ``self.log`` calls are replayed once per step on every rank;
+- ``backward`` does nothing and ``optimizer_step`` only runs Lightning's closure: the engine
+  already applied each stage's update when the schedule called for it;
+- validation, test and predict run forward through the pipeline after draining it;
+- checkpoints hold the whole model and optimiser state, gathered from every stage.
+
+Two modes: one stage per process (``devices=P``: Lightning's launchers, torchrun or SLURM,
+gloo on CPU and NCCL on CUDA), or every stage in one process (``devices=1``, ``stages=P``).
+Lightning ships two packages with separate strategy registries; ``import pipemare`` registers
+the strategy in ``pytorch_lightning`` and, when installed, in ``lightning.pytorch``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import importlib.util
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipemare import partition
+from pipemare.config import PipeMareConfig
+from pipemare.delay import StageDelay, derive_delays
+from pipemare.logreplay import LogRecorder, Record
+from pipemare.microbatch import batch_size, scatter
+from pipemare.module_adapter import ModuleAdapter, find_sequential, loss_of
+from pipemare.pipeline import Pipeline
+from pipemare.schedule import SCHEDULES, spec
+
+__all__ = ["PipeMareStrategy", "register"]
+
+_BALANCES = ("time", "params", "even")
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class _Lightning:
+    """The Lightning symbols the strategy needs, from one of Lightning's two packages."""
+
+    def __init__(self, package: str) -> None:
+        fabric = "lightning_fabric" if package == "pytorch_lightning" else "lightning.fabric"
+        self.package = package
+        self.strategies = importlib.import_module(f"{package}.strategies")
+        launchers = importlib.import_module(f"{package}.strategies.launchers")
+        self.SubprocessScriptLauncher = importlib.import_module(
+            f"{package}.strategies.launchers.subprocess_script"
+        )._SubprocessScriptLauncher
+        self.MultiProcessingLauncher = launchers._MultiProcessingLauncher
+        precision = importlib.import_module(f"{package}.plugins.precision")
+        self.Precision, self.MixedPrecision = precision.Precision, precision.MixedPrecision
+        self.HalfPrecision = precision.HalfPrecision
+        self.rank_zero_only = importlib.import_module(
+            f"{package}.utilities.rank_zero"
+        ).rank_zero_only
+        self.rank_zero_info = importlib.import_module(
+            f"{package}.utilities.rank_zero"
+        ).rank_zero_info
+        distributed = importlib.import_module(f"{fabric}.utilities.distributed")
+        self.init_dist_connection = distributed._init_dist_connection
+        self.sync_ddp_if_available = distributed._sync_ddp_if_available
+        self.backend_for_device = distributed._get_default_process_group_backend_for_device
+        self.reset_seed = importlib.import_module(f"{fabric}.utilities.seed").reset_seed
+        self.TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
+
+
+if TYPE_CHECKING:  # the mixin is combined with a Lightning ParallelStrategy at run time
+    from pytorch_lightning.strategies import ParallelStrategy as _Base
+else:
+    _Base = object
+
+
+class _PipeMareStrategyMixin(_Base):
+    """Implementation shared by the ``pytorch_lightning`` and ``lightning.pytorch`` classes."""
+
+    strategy_name = "pipemare"
+    _lightning: _Lightning
+
+    def __init__(
+        self,
+        stages: int | None = None,
+        microbatches: int = 1,
+        schedule: str = "pipemare",
+        balance: Sequence[int] | str = "time",
+        config: PipeMareConfig | None = None,
+        sequential: str | None = None,
+        start_method: str = "popen",
+        timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        spec(schedule)  # a clear error for an unknown name, before anything runs
+        if stages is not None and (not isinstance(stages, int) or stages < 1):
+            raise ValueError(f"stages must be a positive integer, got {stages!r}")
+        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+        if isinstance(balance, str) and balance not in _BALANCES:
+            raise ValueError(
+                f"balance must be one of {', '.join(_BALANCES)} or a list of layer counts, "
+                f"got {balance!r}"
+            )
+        if config is not None and not isinstance(config, PipeMareConfig):
+            raise TypeError(
+                f"config must be a pipemare.PipeMareConfig, got {type(config).__name__}"
+            )
+        if start_method not in _START_METHODS:
+            raise ValueError(
+                f"start_method must be one of {', '.join(_START_METHODS)}, got {start_method!r}"
+            )
+        self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.balance: Sequence[int] | str = balance
+        self.config = (
+            config if config is not None else PipeMareConfig.for_schedule(spec(schedule).corrected)
+        )
+        self.sequential = sequential
+        self._start_method, self._timeout = start_method, timeout
+        self._num_nodes = 1
+        self.pipeline: Pipeline | None = None
+        self._adapter: ModuleAdapter | None = None
+        self._recorder: LogRecorder | None = None
+        self._pending_state: dict[str, Any] | None = None
+        self._grad_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._step: dict[str, Any] = {}
+
+    # -- devices, ranks, launch ------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed(self) -> bool:
+        """One stage per process (else every stage runs in this process)."""
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    def is_distributed(self) -> bool:  # Lightning reads it for sync_dist and samplers
+        return self.distributed
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        return {"num_replicas": 1, "rank": 0}  # every stage sees the same batches
+
+    @property
+    def num_stages(self) -> int | None:
+        if self.distributed:
+            return self.num_processes * self.num_nodes
+        return self.stages if self.stages is not None else None
+
+    @property
+    def delays(self) -> tuple[StageDelay, ...]:
+        """Every stage's delays, derived from the schedule (see :func:`pipemare.derive_delays`)."""
+        p = (
+            self.num_stages
+            if self.num_stages is not None
+            else (len(self._adapter.sequential) if self._adapter else None)
+        )
+        if p is None:
+            raise RuntimeError(
+                "the number of stages is known once the Trainer set the strategy up; pass stages=P"
+            )
+        return derive_delays(self.schedule, p, self.microbatches)
+
+    def _check_layout(self) -> None:
+        world = self.num_processes * self.num_nodes
+        if world > 1 and self.stages is not None and self.stages != world:
+            raise ValueError(
+                f"PipeMareStrategy(stages={self.stages}) with devices={self.num_processes} and "
+                f"num_nodes={self.num_nodes}: run one stage per device (devices*num_nodes = "
+                f"{self.stages}), or devices=1 to simulate the {self.stages} stages in one process"
+            )
+
+    def _check_precision(self) -> None:
+        lt, p = self._lightning, self.precision_plugin
+        name = getattr(p, "precision", "32-true")
+        ok = (
+            (type(p) is lt.Precision)
+            or (isinstance(p, lt.MixedPrecision) and name == "bf16-mixed")
+            or (isinstance(p, lt.HalfPrecision) and name == "bf16-true")
+        )
+        if not ok:
+            raise ValueError(
+                f"pipemare supports precision '32-true', 'bf16-mixed' and 'bf16-true', not "
+                f"{name!r} ({type(p).__name__}); float16 needs loss scaling across stages, which "
+                "pipemare does not do: use precision='bf16-mixed'"
+            )
+
+    def _configure_launcher(self) -> None:
+        self._check_layout()
+        self._check_precision()
+        if not self.distributed:
+            self._launcher = None
+        elif self._start_method == "popen":
+            self._launcher = self._lightning.SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = self._lightning.MultiProcessingLauncher(
+                self, start_method=self._start_method
+            )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Both namespaces' rank_zero_only must know the rank: loggers write from rank 0 only.
+        self._lightning.rank_zero_only.rank = self.global_rank
+        pl.utilities.rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        if self.distributed:
+            self._lightning.reset_seed()
+            self.set_world_ranks()
+            backend = self._lightning.backend_for_device(self.root_device)
+            self._lightning.init_dist_connection(
+                self.cluster_environment, backend, timeout=self._timeout
+            )
+
+    # -- collectives (identity in one process) ----------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (self.distributed and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor) and self.distributed:
+            return self._lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @property
+    def _last_rank(self) -> int:
+        assert self.pipeline is not None
+        if not self.distributed:
+            return 0
+        return self.pipeline.transport.rank_of(self.pipeline.num_stages - 1)  # type: ignore[attr-defined]
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """``obj`` as the process running the last stage has it, on every process."""
+        return self.broadcast(obj, src=self._last_rank) if self.distributed else obj
+
+    # -- setup --------------------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._check_precision()
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ValueError(
+                "pipemare applies each stage's optimiser step itself; manual optimization "
+                "(self.automatic_optimization = False) is not supported"
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches}: a pipeline already "
+                "accumulates over its microbatches; use PipeMareStrategy(microbatches=N) instead"
+            )
+        path, seq = find_sequential(module, self.sequential)
+        partition.check_sequential(seq)
+        stages = self.num_stages or len(seq)
+        if stages > len(seq):
+            raise ValueError(
+                f"cannot cut {module.__class__.__name__}.{path} ({len(seq)} layers) into {stages} "
+                f"stages: every stage needs at least one layer; use at most {len(seq)} stages or "
+                "split the model into more layers"
+            )
+        self._adapter = ModuleAdapter(module, path)
+        self._adapter.check_no_outside_parameters()
+        self._recorder = LogRecorder(module)
+        self.pipeline = None
+        super().setup(trainer)
+        # The pipeline steps the optimiser per stage; before its first update a non-flushing
+        # pipeline is still filling, which torch would otherwise report as a wrong call order.
+        warnings.filterwarnings(
+            "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before"
+        )
+
+    # -- building the pipeline (at the first batch: timing the layers needs one) -------------
+
+    def _optimizer(self, seq: nn.Sequential) -> torch.optim.Optimizer:
+        if len(self.optimizers) > 1:
+            raise ValueError(
+                "pipemare trains with one optimiser; configure_optimizers returned several"
+            )
+        if self.optimizers:
+            return self.optimizers[0]
+        return torch.optim.SGD(seq.parameters(), lr=0.0)  # evaluation only: never stepped
+
+    def _choose_balance(
+        self, seq: nn.Sequential, stages: int, sample: Any, step: str, args: tuple
+    ) -> list[int]:
+        if not isinstance(self.balance, str):
+            return list(self.balance)
+        if self.balance == "even" or stages == len(seq):
+            return partition.even_balance(len(seq), stages)
+        if self.balance == "params":
+            return partition.balance_by_params(seq, stages)
+        balance = None
+        if self.global_rank == 0:  # time on one process, so every process cuts alike
+            assert self._adapter is not None
+            with self._user_logging_discarded(), torch.random.fork_rng(devices=[]):
+                x = self._adapter.capture_input(step, scatter(sample, self.microbatches)[0], *args)
+                with self.precision_plugin.forward_context():  # time what will run (autocast)
+                    balance = partition.balance_by_time(seq, x, stages)
+        return self.broadcast(balance, src=0)
+
+    def _build(self, batch: Any, step: str, args: tuple) -> Pipeline:
+        assert self._adapter is not None
+        seq = self._adapter.sequential
+        stages = self.num_stages or len(seq)
+        if self.pipeline is None:
+            balance = self._choose_balance(seq, stages, batch, step, args)
+            self.balance = balance  # later rebuilds (after fit, for test) cut the same way
+            trainer = self._module.trainer
+            clip_val = trainer.gradient_clip_val if self._fitting else None
+            algorithm = trainer.gradient_clip_algorithm or "norm"
+            clip: dict[str, Any] = {}
+            if clip_val:
+                clip = {
+                    "clip_grad_norm" if algorithm == "norm" else "clip_grad_value": float(clip_val)
+                }
+            self.pipeline = Pipeline(
+                seq,
+                self._optimizer(seq),
+                self._loss,
+                stages=stages,
+                microbatches=self.microbatches,
+                schedule=self.schedule,
+                balance=balance,
+                config=self.config,
+                transport="distributed" if self.distributed else "inprocess",
+                device=self.root_device,
+                input_fn=self._input,
+                target_fn=lambda mb: mb,
+                forward_context=self.precision_plugin.forward_context,
+                **clip,
+            )
+            self._lightning.rank_zero_info(
+                f"pipemare: {stages} stages "
+                f"({'one per process' if self.distributed else 'in one process'}), "
+                f"layers per stage {balance}, schedule {self.schedule!r}, N={self.microbatches}"
+            )
+            if self._pending_state is not None:
+                self._load_pipemare_state(self._pending_state)
+                self._pending_state = None
+        return self.pipeline
+
+    @property
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        assert module is not None, "the strategy has no LightningModule yet"
+        return module
+
+    @property
+    def _fitting(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == self._lightning.TrainerFn.FITTING
+
+    # -- running the user's steps per microbatch ---------------------------------------------
+
+    @contextlib.contextmanager
+    def _user_logging(self, log: Callable[..., None]) -> Iterator[None]:
+        module = self._module
+        module.log = log  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del module.log
+
+    def _user_logging_discarded(self) -> contextlib.AbstractContextManager[None]:
+        return self._user_logging(lambda *a, **k: None)
+
+    def _input(self, microbatch: Any) -> Any:
+        assert self._adapter is not None
+        with self._user_logging_discarded(), self.precision_plugin.forward_context():
+            return self._adapter.capture_input(self._step["name"], microbatch, *self._step["args"])
+
+    def _run_head(self, out: Any, microbatch: Any) -> Any:
+        assert self._adapter is not None and self._recorder is not None
+        weight = batch_size(microbatch) / self._step["size"]
+        with self._user_logging(self._recorder.recording(weight)):
+            return self._adapter.run_with_output(
+                self._step["name"], out, microbatch, *self._step["args"]
+            )
+
+    def _loss(self, out: Any, microbatch: Any) -> torch.Tensor:
+        return loss_of(self._run_head(out, microbatch))
+
+    def _replay(self, records: list[Record]) -> None:
+        assert self._recorder is not None
+        self._recorder.replay(records, self._module.log, self.root_device)
+
+    # -- Lightning's step hooks ---------------------------------------------------------------
+
+    def training_step(self, batch: Any, batch_idx: int, *args: Any) -> torch.Tensor:
+        pipe = self._build(batch, "training_step", (batch_idx, *args))
+        self._step = {
+            "name": "training_step",
+            "args": (batch_idx, *args),
+            "size": batch_size(batch),
+        }
+        loss = pipe.step(batch)
+        assert self._recorder is not None
+        loss_value, records = self._from_last_stage(
+            (None if loss is None else float(loss), self._recorder.take())
+        )
+        self._replay(records)
+        self._stash_grads()
+        return torch.tensor(loss_value, device=self.root_device)
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        return closure_loss  # the pipeline ran every backward pass inside training_step
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        result = closure()  # runs training_step, in which the stages applied their updates
+        self._restore_grads()
+        return result
+
+    def _stash_grads(self) -> None:
+        # Lightning zeroes gradients after training_step; a non-flushing pipeline carries
+        # partial gradients of in-flight minibatches across steps, so keep them aside.
+        assert self.pipeline is not None
+        self._grad_stash = []
+        for i in self.pipeline.local_stages:
+            for p in self.pipeline.optimizer.stage_parameters(i):
+                self._grad_stash.append((p, p.grad))
+                p.grad = None
+
+    def _restore_grads(self) -> None:
+        for p, g in self._grad_stash:
+            p.grad = g
+        self._grad_stash = []
+
+    def _evaluate(self, step: str, batch: Any, args: tuple) -> Any:
+        pipe = self._build(batch, step, args)
+        self._step = {"name": step, "args": args, "size": batch_size(batch)}
+        results = pipe.evaluate(batch, input_fn=self._input, head=self._run_head, microbatches=1)
+        assert self._recorder is not None
+        result, records = self._from_last_stage(
+            (results[0] if results else None, self._recorder.take())
+        )
+        self._replay(records)
+        return result
+
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._evaluate("validation_step", batch, (batch_idx, *args))
+
+    def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._evaluate("test_step", batch, (batch_idx, *args))
+
+    def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._evaluate("predict_step", batch, (batch_idx, *args))
+
+    def _drain(self) -> None:
+        if self.pipeline is not None:
+            self.pipeline.drain()
+
+    def on_validation_start(self) -> None:
+        self._drain()
+
+    def on_test_start(self) -> None:
+        self._drain()
+
+    def on_predict_start(self) -> None:
+        self._drain()
+
+    def _consolidate(self) -> None:
+        """Give every process the whole model again (as DDP leaves it): each held one stage."""
+        self._drain()
+        if self.distributed and self.pipeline is not None:
+            full = self._gather_state(all_ranks=True)
+            for module in self.pipeline.stage_modules:
+                if any(p.is_meta for p in module.parameters()):
+                    module.to_empty(device=self.root_device)
+            self._module.load_state_dict(full)
+            self.pipeline = None  # its stages are no longer split; the next run rebuilds it
+
+    def on_train_end(self) -> None:
+        self._consolidate()
+
+    def on_validation_end(self) -> None:
+        if not self._fitting:  # validation inside fit keeps the pipeline
+            self._consolidate()
+
+    def on_test_end(self) -> None:
+        self._consolidate()
+
+    def on_predict_end(self) -> None:
+        self._consolidate()
+
+    def teardown(self) -> None:
+        self._restore_grads()
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            # Only after an error: a run ends by consolidating. Moving meta stages to the CPU
+            # would raise and hide the original error, so skip that step of the teardown.
+            for part in (
+                self.cluster_environment,
+                self.precision_plugin,
+                self.accelerator,
+                self.checkpoint_io,
+            ):
+                if part is not None:
+                    part.teardown()
+            return
+        super().teardown()
+
+    # -- checkpoints: one ordinary checkpoint with the whole model ---------------------------
+
+    def _gather(self, local: Any, all_ranks: bool) -> list[Any]:
+        """Every process's ``local``, on every process or on rank 0 only (else an empty list)."""
+        parts: list[Any] = [None] * dist.get_world_size()
+        if all_ranks:
+            dist.all_gather_object(parts, local)
+            return parts
+        dist.gather_object(local, parts if self.global_rank == 0 else None, dst=0)
+        return parts if self.global_rank == 0 else []
+
+    def _gather_state(self, all_ranks: bool = False) -> dict[str, Any]:
+        module, pipe = self._module, self.pipeline
+        assert self._adapter is not None and pipe is not None
+        prefix = self._adapter.path + "."
+        local = {}
+        for i in pipe.local_stages:
+            for key, value in pipe.stage_modules[i].state_dict().items():
+                local[prefix + key] = value.detach().cpu()
+        outside = {
+            k: v.detach().cpu() for k, v in module.state_dict().items() if not k.startswith(prefix)
+        }
+        if self.global_rank == 0:
+            local.update(outside)
+        full: dict[str, Any] = {}
+        for part in self._gather(local, all_ranks):
+            full.update(part)
+        return {k: full[k] for k in module.state_dict()} if full else {}
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        self._drain()
+        if not self.distributed or self.pipeline is None:
+            return self._module.state_dict()
+        return self._gather_state()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
+        self._drain()
+        state = optimizer.state_dict()
+        if self.pipeline is None:
+            return state
+        extra = {
+            "optimizer": self.pipeline.optimizer.state_dict(include_optimizer=False),
+            "pipeline": self.pipeline.state_dict(),
+        }
+        if self.distributed:
+            cpu = {
+                i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                for i, s in state["state"].items()
+            }
+            parts = self._gather({"state": cpu, "extra": extra}, all_ranks=False)
+            if not parts:  # only rank 0 writes checkpoints
+                return state
+            state = {"state": {}, "param_groups": state["param_groups"]}
+            extra = {
+                "optimizer": {"velocity": {}, "hparams": {}, "waiting": {}},
+                "pipeline": dict(extra["pipeline"], rng={}),
+            }
+            for part in parts:
+                state["state"].update(part["state"])
+                extra["optimizer"]["velocity"].update(part["extra"]["optimizer"]["velocity"])
+                extra["pipeline"]["rng"].update(part["extra"]["pipeline"]["rng"])
+        return {**state, "pipemare": extra}
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint["optimizer_states"]
+        for optimizer, state in zip(self.optimizers, states, strict=False):
+            plain = {k: v for k, v in state.items() if k != "pipemare"}
+            optimizer.load_state_dict(plain)
+            if "pipemare" in state:
+                self._pending_state = state["pipemare"]
+        if self.pipeline is not None and self._pending_state is not None:
+            self._load_pipemare_state(self._pending_state)
+            self._pending_state = None
+
+    def _load_pipemare_state(self, state: dict[str, Any]) -> None:
+        assert self.pipeline is not None
+        self.pipeline.optimizer.load_state_dict(state["optimizer"])
+        self.pipeline.load_state_dict(state["pipeline"])
+
+    # -- registration -------------------------------------------------------------------------
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        entries: list[tuple[str, dict[str, Any], str]] = [
+            ("pipemare", {}, "PipeMare asynchronous pipeline: T1 + T2, no flush, no weight stash"),
+            ("pipemare_spawn", {"start_method": "spawn"}, "pipemare launched with spawn"),
+            ("pipemare_fork", {"start_method": "fork"}, "pipemare launched with fork (notebooks)"),
+        ]
+        entries += [
+            (f"pipemare_{name}", {"schedule": name}, f"pipemare engine with the {name!r} schedule")
+            for name in SCHEDULES
+            if name != "pipemare"
+        ]
+        for name, params, description in entries:
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=description, **params)
+
+
+def _make(package: str) -> type[_PipeMareStrategyMixin]:
+    lt = _Lightning(package)
+    cls = type(
+        "PipeMareStrategy",
+        (_PipeMareStrategyMixin, lt.strategies.ParallelStrategy),
+        {"__module__": __name__, "__doc__": _STRATEGY_DOC, "_lightning": lt},
+    )
+    return cls
+
+
+_STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningModule.
+
+    Args:
+        stages: P. Default: the number of devices (one stage per process), or with
+            ``devices=1`` one stage per child of the Sequential (the paper's fine-grained
+            pipeline, simulated in one process with the same staleness).
+        microbatches: N microbatches per batch; the batch size must be at least N.
+        schedule: ``pipemare`` (default), ``async``, ``pipedream``, ``1f1b`` or ``gpipe``.
+        balance: layers per stage: ``"time"`` (measured forward+backward time of each layer on
+            the first batch, default), ``"params"``, ``"even"`` or a list of counts.
+        config: :class:`~pipemare.PipeMareConfig` (T1, T2, T3); default per schedule.
+        sequential: attribute path of the ``nn.Sequential`` to pipeline; found automatically
+            when the module has exactly one.
+        start_method: how Lightning starts processes: ``popen`` (default), ``spawn``, ``fork``.
+
+    Example::
+
+        trainer = Trainer(strategy=PipeMareStrategy(microbatches=4), accelerator="cpu", devices=2)
+        trainer = Trainer(strategy="pipemare_gpipe", devices=1)   # a baseline, by name
+    """
+
+PipeMareStrategy: type[_PipeMareStrategyMixin] = _make("pytorch_lightning")
+
+
+def _lightning_strategy() -> type[_PipeMareStrategyMixin] | None:
+    if importlib.util.find_spec("lightning") is None:
+        return None
+    return _make("lightning.pytorch")
+
+
+LightningPipeMareStrategy: type[_PipeMareStrategyMixin] | None = _lightning_strategy()
+
+
+def register() -> None:
+    """Register ``"pipemare"`` (and the ``pipemare_<schedule>`` variants) with Lightning."""
+    from pytorch_lightning.strategies import StrategyRegistry
+
+    PipeMareStrategy.register_strategies(StrategyRegistry)
+    if LightningPipeMareStrategy is not None:
+        from lightning.pytorch.strategies import StrategyRegistry as LightningRegistry
+
+        LightningPipeMareStrategy.register_strategies(LightningRegistry)

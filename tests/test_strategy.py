@@ -1,0 +1,341 @@
+"""The Lightning strategy in one process (simulated stages): transparency, checkpoints, errors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import pipemare
+from pipemare import PipeMareConfig, PipeMareStrategy
+from pipemare.experiments.classifiers import DigitsCNN
+from pipemare.experiments.datamodules import DigitsDataModule
+
+
+def trainer(strategy, **kwargs):
+    defaults = dict(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    defaults.update(kwargs)
+    return pl.Trainer(strategy=strategy, **defaults)
+
+
+class Tiny(pl.LightningModule):
+    """A module written for one device: nothing in it knows about pipelines."""
+
+    def __init__(self, lr=0.05, scheduler=None):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+        )
+        self.lr, self.scheduler = lr, scheduler
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", F.cross_entropy(self.net(x), y))
+
+    def configure_optimizers(self):
+        opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        if self.scheduler is None:
+            return opt
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": self.scheduler(opt), "interval": "step"},
+        }
+
+
+def tiny_data(n=96, batch=12):
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen)
+    return DataLoader(TensorDataset(x, y), batch_size=batch)
+
+
+def weights(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_sync_schedule_reproduces_single_device_lightning(schedule):
+    pl.seed_everything(0)
+    base = Tiny()
+    plain, piped = copy.deepcopy(base), copy.deepcopy(base)
+    trainer("auto", max_steps=7, gradient_clip_val=0.5).fit(plain, tiny_data())
+    strategy = PipeMareStrategy(stages=3, microbatches=4, schedule=schedule, balance=[2, 2, 1])
+    t = trainer(strategy, max_steps=7, gradient_clip_val=0.5)
+    t.fit(piped, tiny_data())
+    assert t.global_step == 7
+    for a, b in zip(weights(piped), weights(plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert weights(piped)[0].abs().sum() != weights(base)[0].abs().sum()
+
+
+def test_updates_use_the_lr_of_the_step_that_fed_them():
+    # The LR drops to 0 from step 5 on. With an 8-stage asynchronous pipeline the updates of
+    # minibatches 3 and 4 happen during later steps; they must still use the LR of steps 3 and 4.
+    def zero_after_five(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 if k < 5 else 0.0)
+
+    pl.seed_everything(0)
+    base = Tiny(scheduler=zero_after_five)
+    cfg = PipeMareConfig(discrepancy_correction=False, reschedule_steps=3)
+    runs = {}
+    for steps in (5, 8):
+        m = copy.deepcopy(base)
+        trainer(PipeMareStrategy(stages=5, schedule="async", config=cfg), max_steps=steps).fit(
+            m, tiny_data()
+        )
+        runs[steps] = weights(m)
+    for a, b in zip(runs[5], runs[8], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(runs[5][0], weights(base)[0])
+
+
+def test_eight_simulated_stages_train_the_cnn_close_to_one_device():
+    results = {}
+    for name, strategy in [
+        ("single", "auto"),
+        ("pipemare-8", PipeMareStrategy(stages=8, microbatches=2)),
+    ]:
+        pl.seed_everything(0)
+        model = DigitsCNN(lr=2e-3)
+        t = trainer(strategy, max_epochs=6)
+        t.fit(model, DigitsDataModule(batch_size=32))
+        results[name] = float(t.callback_metrics["val_acc"])
+    print(
+        f"\nval_acc after 6 epochs: single device {results['single']:.3f}, "
+        f"8 simulated stages {results['pipemare-8']:.3f}"
+    )
+    assert results["single"] > 0.9
+    assert results["pipemare-8"] > results["single"] - 0.06
+
+
+def test_checkpoint_loads_into_a_plain_module_with_identical_predictions(tmp_path):
+    pl.seed_everything(0)
+    model = DigitsCNN()
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    t = trainer(
+        PipeMareStrategy(stages=4, microbatches=2),
+        max_epochs=1,
+        enable_checkpointing=True,
+        callbacks=[ckpt],
+    )
+    data = DigitsDataModule()
+    t.fit(model, data)
+    piped = torch.cat(t.predict(model, data))
+    plain = DigitsCNN.load_from_checkpoint(ckpt.last_model_path)
+    plain.eval()
+    data.setup()
+    with torch.no_grad():
+        direct = plain(data.val_set.tensors[0]).argmax(1)
+    assert torch.equal(piped, direct)
+    state = torch.load(ckpt.last_model_path, weights_only=False)["optimizer_states"][0]
+    assert len(state["state"]) == len(list(model.parameters()))  # every stage's Adam moments
+    assert state["pipemare"]["pipeline"]["minibatches"] == t.global_step
+    assert len(state["pipemare"]["optimizer"]["velocity"]) > 0  # T2's buffers travel too
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "1f1b"])
+def test_resume_continues_as_the_uninterrupted_run(tmp_path, schedule):
+    def data():
+        return DigitsDataModule(batch_size=32, shuffle=False)
+
+    def strategy():
+        return PipeMareStrategy(
+            stages=5,
+            microbatches=2,
+            schedule=schedule,
+            config=PipeMareConfig(reschedule_steps=60) if schedule == "pipemare" else None,
+        )
+
+    pl.seed_everything(0)
+    base = DigitsCNN(lr=2e-3)
+    full = copy.deepcopy(base)
+    ckpt_full = pl.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / "full", save_top_k=-1, every_n_epochs=1
+    )
+    trainer(strategy(), max_epochs=3, enable_checkpointing=True, callbacks=[ckpt_full]).fit(
+        full, data()
+    )
+
+    first = copy.deepcopy(base)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "part", save_last=True)
+    trainer(strategy(), max_epochs=2, enable_checkpointing=True, callbacks=[ckpt]).fit(
+        first, data()
+    )
+    resumed = copy.deepcopy(base)
+    t = trainer(
+        strategy(),
+        max_epochs=3,
+        enable_checkpointing=True,
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "part2", every_n_epochs=1)],
+    )
+    t.fit(resumed, data(), ckpt_path=ckpt.last_model_path)
+    assert t.global_step == 3 * 46
+    for a, b in zip(weights(resumed), weights(full), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_bf16_mixed_runs_stages_under_autocast():
+    pl.seed_everything(0)
+    model = Tiny(lr=0.1)
+    seen = []
+    model.net[2].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    t = trainer(PipeMareStrategy(stages=3, microbatches=2), precision="bf16-mixed", max_epochs=3)
+    t.fit(model, tiny_data())
+    assert seen and all(d == torch.bfloat16 for d in seen)
+    assert model.net[0].weight.dtype == torch.float32
+    assert torch.isfinite(t.callback_metrics["train_loss"])
+
+
+def test_loop_controls_and_entry_points():
+    pl.seed_everything(0)
+    model = DigitsCNN()
+    data = DigitsDataModule()
+    strategy = PipeMareStrategy(stages=4, microbatches=2)
+    t = trainer(
+        strategy, max_epochs=2, limit_train_batches=10, limit_val_batches=2, val_check_interval=5
+    )
+    t.fit(model, data)
+    assert t.global_step == 20
+    assert "val_acc" in t.callback_metrics and "train_loss" in t.callback_metrics
+    assert [round(d.forward, 2) for d in strategy.delays] == [1.5, 1.0, 0.5, 0.0]
+    assert len(trainer(PipeMareStrategy(stages=4)).validate(model, data)) == 1
+    tested = trainer(PipeMareStrategy(stages=4)).test(model, data)[0]["test_acc"]
+    x, y = data.val_set.tensors
+    with torch.no_grad():
+        direct = float((model(x).argmax(1) == y).float().mean())
+    assert tested == pytest.approx(direct, abs=1e-6)  # test_step ran through the pipeline
+    fast = trainer(PipeMareStrategy(stages=3, microbatches=2), fast_dev_run=True)
+    fast.fit(DigitsCNN(), data)
+    assert fast.global_step == 1
+
+
+def test_registered_in_both_lightning_packages():
+    import lightning.pytorch as L
+
+    from pipemare import LightningPipeMareStrategy
+
+    t = L.Trainer(
+        strategy="pipemare_1f1b",
+        accelerator="cpu",
+        devices=1,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    assert isinstance(t.strategy, LightningPipeMareStrategy) and t.strategy.schedule == "1f1b"
+    t = trainer("pipemare_gpipe")
+    assert isinstance(t.strategy, PipeMareStrategy) and t.strategy.schedule == "gpipe"
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_devices_must_equal_stages():
+    with pytest.raises(
+        ValueError, match=r"stages=4\) with devices=2 and num_nodes=1: run one stage per device"
+    ):
+        pl.Trainer(strategy=PipeMareStrategy(stages=4), accelerator="cpu", devices=2)
+
+
+class NoSequential(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.ModuleList([nn.Linear(5, 3)])
+
+
+class TwoSequentials(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Sequential(nn.Identity())
+
+
+class OutsideParameters(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x) * self.scale, y)
+
+
+@pytest.mark.parametrize(
+    ("module", "message"),
+    [
+        (NoSequential, "has no nn.Sequential attribute to pipeline"),
+        (
+            TwoSequentials,
+            r"several nn.Sequential attributes \(net, head\); choose the one to pipeline with "
+            r"PipeMareStrategy\(sequential='net'\)",
+        ),
+        (OutsideParameters, r"trainable parameters outside net \(scale\)"),
+    ],
+)
+def test_modules_that_cannot_be_pipelined(module, message):
+    with pytest.raises(ValueError, match=message):
+        trainer(PipeMareStrategy(stages=2), max_steps=1).fit(module(), tiny_data())
+
+
+def test_named_sequential_resolves_ambiguity():
+    t = trainer(PipeMareStrategy(stages=2, sequential="net"), max_steps=2)
+    t.fit(TwoSequentials(), tiny_data())
+    assert t.global_step == 2
+
+
+def test_more_stages_than_layers():
+    with pytest.raises(ValueError, match=r"cannot cut Tiny.net \(5 layers\) into 6 stages"):
+        trainer(PipeMareStrategy(stages=6), max_steps=1).fit(Tiny(), tiny_data())
+
+
+@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+def test_unsupported_precision(precision):
+    with pytest.raises(
+        ValueError, match=r"pipemare supports precision '32-true', 'bf16-mixed' and 'bf16-true'"
+    ):
+        pl.Trainer(
+            strategy=PipeMareStrategy(stages=2), accelerator="cpu", devices=1, precision=precision
+        )
+
+
+def test_gradient_accumulation_and_manual_optimization_are_refused():
+    with pytest.raises(ValueError, match=r"use PipeMareStrategy\(microbatches=N\) instead"):
+        trainer(PipeMareStrategy(stages=2), max_steps=1, accumulate_grad_batches=2).fit(
+            Tiny(), tiny_data()
+        )
+
+    class Manual(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.automatic_optimization = False
+
+    with pytest.raises(ValueError, match="manual optimization"):
+        trainer(PipeMareStrategy(stages=2), max_steps=1).fit(Manual(), tiny_data())
+
+
+def test_bad_options():
+    with pytest.raises(ValueError, match="unknown schedule 'zero_bubble'"):
+        PipeMareStrategy(schedule="zero_bubble")
+    with pytest.raises(ValueError, match="balance must be one of time, params, even"):
+        PipeMareStrategy(balance="flops")
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1"):
+        PipeMareStrategy(microbatches=0)
+    assert pipemare.PipeMareStrategy is PipeMareStrategy

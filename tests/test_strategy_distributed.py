@@ -1,0 +1,231 @@
+"""The strategy over real processes: Lightning's launcher, torchrun on two "nodes", and SLURM.
+
+Each launch runs tests/_lightning_worker.py in subprocesses (never inside pytest) and every
+rank reports what it saw; the tests compare the ranks with each other and across launchers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipemare.experiments.classifiers import DigitsCNN
+from pipemare.experiments.datamodules import DigitsDataModule
+
+pytestmark = pytest.mark.distributed
+HERE = Path(__file__).parent
+WORKER = str(HERE / "_lightning_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
+    }
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 300) -> None:
+    """Start every command and wait for all; show the output of failures. Kills only its own."""
+    procs = [
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for cmd, env in commands
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, out in zip(procs, outputs, strict=False):
+        assert p.returncode == 0, f"launch failed ({p.returncode}):\n{out[-6000:]}"
+
+
+def reports(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"report-rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def lightning_run(tmp_path_factory):
+    """Two processes started by Lightning's own launcher (it re-runs the script for rank 1)."""
+    out = tmp_path_factory.mktemp("lightning")
+    run_all([([sys.executable, WORKER, "--out", str(out), "--devices", "2"], environment())])
+    return out
+
+
+def test_every_rank_sees_the_same_metrics_and_decisions(lightning_run):
+    r0, r1 = reports(lightning_run, 2)
+    assert r0["world_size"] == 2 and r0["environment"] == "LightningEnvironment"
+    for key in (
+        "metrics",
+        "logged",
+        "best_model_path",
+        "best_model_score",
+        "stopped_epoch",
+        "global_step",
+        "predictions",
+        "lr",
+    ):
+        assert r0[key] == r1[key], key
+    assert {"train_loss", "val_loss", "val_acc", "train_acc", "lr-Adam"} <= set(r0["metrics"])
+    assert r0["stopped_epoch"] > 0  # EarlyStopping fired (val_acc >= 0.93), on both ranks at once
+    w0 = torch.load(lightning_run / "weights-rank0.pt")
+    w1 = torch.load(lightning_run / "weights-rank1.pt")
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)  # every process ends with the whole model
+    logs = list((lightning_run / "csv").rglob("metrics.csv"))
+    assert (
+        len(logs) == 1 and "val_acc" in logs[0].read_text().splitlines()[0]
+    )  # written once, by rank 0
+
+
+def test_two_processes_train_close_to_one_device(lightning_run, tmp_path):
+    run_all(
+        [
+            (
+                [
+                    sys.executable,
+                    WORKER,
+                    "--out",
+                    str(tmp_path),
+                    "--devices",
+                    "1",
+                    "--strategy",
+                    "auto",
+                ],
+                environment(),
+            )
+        ]
+    )
+    single = reports(tmp_path, 1)[0]["metrics"]["val_acc"]
+    piped = reports(lightning_run, 2)[0]["metrics"]["val_acc"]
+    print(f"\nval_acc: one device {single:.3f}, pipemare on 2 processes {piped:.3f}")
+    assert single > 0.9
+    assert piped > single - 0.05
+
+
+def test_checkpoint_gives_a_plain_module_the_same_predictions(lightning_run):
+    report = reports(lightning_run, 2)[0]
+    plain = DigitsCNN.load_from_checkpoint(report["best_model_path"])
+    final = DigitsCNN()
+    final.load_state_dict(torch.load(lightning_run / "weights-rank0.pt"))
+    data = DigitsDataModule()
+    data.setup()
+    x = data.val_set.tensors[0]
+    with torch.no_grad():
+        assert final.eval()(x).argmax(1).tolist() == report["predictions"]
+        ckpt = torch.load(lightning_run / "ckpt" / "last.ckpt", weights_only=False)
+        last = DigitsCNN()
+        last.load_state_dict(ckpt["state_dict"])
+        assert last.eval()(x).argmax(1).tolist() == report["predictions"]
+        assert plain.eval()(x).shape == (300, 10)
+    assert len(ckpt["optimizer_states"][0]["state"]) == 8  # both stages' Adam moments
+
+
+def test_torchrun_on_two_nodes_matches_one_node(lightning_run, tmp_path):
+    port = free_port()
+    commands = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc-per-node=1",
+            f"--node-rank={node}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=pipemare-test",
+            WORKER,
+            "--out",
+            str(tmp_path),
+            "--devices",
+            "1",
+            "--num-nodes",
+            "2",
+        ]
+        commands.append((cmd, environment()))
+    run_all(commands)
+    ranks = reports(tmp_path, 2)
+    assert {r["environment"] for r in ranks} == {"TorchElasticEnvironment"}
+    assert ranks[0]["metrics"] == ranks[1]["metrics"] == reports(lightning_run, 2)[0]["metrics"]
+    ours, theirs = (
+        torch.load(tmp_path / "weights-rank0.pt"),
+        torch.load(lightning_run / "weights-rank0.pt"),
+    )
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6)
+
+
+def test_slurm_tasks_match_lightnings_launcher(lightning_run, tmp_path):
+    port = str(free_port())
+    commands = []
+    for rank in (0, 1):  # what `srun --ntasks=2 python worker.py` would start
+        env = environment(
+            SLURM_NTASKS="2",
+            SLURM_NTASKS_PER_NODE="2",
+            SLURM_NNODES="1",
+            SLURM_PROCID=str(rank),
+            SLURM_LOCALID=str(rank),
+            SLURM_NODEID="0",
+            SLURM_JOB_NAME="pipemare-test",
+            SLURM_JOB_ID="4242",
+            SLURM_NODELIST="127.0.0.1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        commands.append(([sys.executable, WORKER, "--out", str(tmp_path), "--devices", "2"], env))
+    run_all(commands)
+    ranks = reports(tmp_path, 2)
+    assert {r["environment"] for r in ranks} == {"SLURMEnvironment"}
+    ours, theirs = (
+        torch.load(tmp_path / "weights-rank1.pt"),
+        torch.load(lightning_run / "weights-rank0.pt"),
+    )
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=1e-6)
+
+
+def test_spawn_returns_the_whole_trained_model_to_the_parent():
+    import pytorch_lightning as pl
+
+    pl.seed_everything(0)
+    model = DigitsCNN(lr=3e-3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = pl.Trainer(
+        strategy="pipemare_spawn",
+        accelerator="cpu",
+        devices=2,
+        max_epochs=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, DigitsDataModule())
+    after = model.state_dict()
+    # both stages changed in the parent, although only rank 0 sends its module back
+    assert not torch.equal(before["net.0.weight"], after["net.0.weight"])
+    assert not torch.equal(before["net.8.weight"], after["net.8.weight"])
+    data = DigitsDataModule()
+    data.setup()
+    x, y = data.val_set.tensors
+    with torch.no_grad():
+        assert (model.eval()(x).argmax(1) == y).float().mean() > 0.6
