@@ -39,8 +39,14 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def train(schedule: str, stages: int, transport: str) -> tuple[nn.Sequential, Pipeline]:
+def train(
+    schedule: str, stages: int, transport: str, device: str = "cpu"
+) -> tuple[nn.Sequential, Pipeline]:
     model = build_model()
+    if device == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        model.to(f"cuda:{local}")
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     cfg = PipeMareConfig(reschedule_steps=10) if schedule == "pipemare" else None
     clip = {"clip_grad_norm": 0.5} if schedule == "pipemare" else {}
@@ -66,12 +72,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--schedules", nargs="+", default=["async", "pipemare"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for schedule in args.schedules:
-        _, pipe = train(schedule, world, "distributed")
+        _, pipe = train(schedule, world, "distributed", args.device)
         (stage,) = pipe.stages
-        state = {k: v.detach().clone() for k, v in stage.module.state_dict().items()}
+        state = {k: v.detach().cpu().clone() for k, v in stage.module.state_dict().items()}
         torch.save({"stage": stage.index, "state": state}, args.out / f"{schedule}-rank{rank}.pt")
 
 
