@@ -1,0 +1,29 @@
+"""Callbacks that watch an asynchronous pipeline train: staleness, convergence, utilisation.
+
+They log through Lightning's logger interface (any logger works) and add Weights & Biases
+extras when a ``WandbLogger`` is present.
+"""
+
+from pipemare.callbacks.convergence import ConvergenceMonitor, Divergence
+from pipemare.callbacks.pipeline import PipelineMonitor, chrome_trace
+from pipemare.callbacks.staleness import StalenessMonitor
+from pipemare.callbacks.wandb import wandb_logger
+
+__all__ = [
+    "ConvergenceMonitor",
+    "Divergence",
+    "PipelineMonitor",
+    "StalenessMonitor",
+    "chrome_trace",
+    "monitors",
+    "wandb_logger",
+]
+
+
+def monitors(trace_path: str | None = None, target: tuple[str, float, str] | None = None) -> list:
+    """pipemare's three monitors with their default settings."""
+    return [
+        StalenessMonitor(),
+        ConvergenceMonitor(target=target),
+        PipelineMonitor(trace_path=trace_path),
+    ]

@@ -17,6 +17,7 @@ from pipemare.clip import GradClip
 from pipemare.optim import PipeMareOptimizer
 from pipemare.schedule import Action, Op, drain_tail
 from pipemare.stage import Stage, as_payload
+from pipemare.telemetry import Probe
 from pipemare.transport import ACT, GRAD, Transport
 
 __all__ = ["Executor"]
@@ -77,9 +78,8 @@ class Executor:
         self._data: dict[int, list[Any]] = {}  # microbatch -> [data, weight, uses left]
         self._losses: dict[int, list[Any]] = {}  # minibatch -> [sum, count]
         self._scale: dict[int, float] = {}  # microbatch -> share of its minibatch (last stage)
-        #: (microbatch, stage) -> (forward version, backward version), for telemetry
-        self.versions: dict[tuple[int, int], tuple[int, int]] = {}
-        self.record_versions = False
+        #: telemetry, when a monitor attached a probe
+        self.probe: Probe | None = None
 
     # -- data in, losses out ---------------------------------------------------------------
 
@@ -126,44 +126,77 @@ class Executor:
             return self.clip.ready(i, a.index)
         return True
 
+    def _timing(self) -> bool:
+        return self.probe is not None and self.probe.timeline
+
+    def _recv(self, src: int, dst: int, channel: str, m: int) -> Any:
+        if not self._timing():
+            return self.transport.recv(src, dst, channel, m)
+        assert self.probe is not None
+        start = self.probe.now()
+        payload = self.transport.recv(src, dst, channel, m)
+        self.probe.record(dst, "recv", m, start)
+        return payload
+
+    def _send(self, src: int, dst: int, channel: str, m: int, payload: Any) -> None:
+        if not self._timing():
+            self.transport.send(src, dst, channel, m, payload)
+            return
+        assert self.probe is not None
+        start = self.probe.now()
+        self.transport.send(src, dst, channel, m, payload)
+        self.probe.record(src, "send", m, start)
+
     def _run(self, w: _Worker, a: Action) -> None:
+        if not self._timing():
+            self._act(w, a)
+            return
+        assert self.probe is not None
+        start = self.probe.now()
+        self._act(w, a)
+        self.probe.record(w.stage.index, a.op.value, a.index, start)
+
+    def _act(self, w: _Worker, a: Action) -> None:
         stage, i, last = w.stage, w.stage.index, w.stage.index == self.num_stages - 1
+        probe = self.probe
         if a.op is Op.FORWARD:
             m = a.index
             if i == 0:
                 data, weight = self._take(m)
                 inputs = self.input_fn(data)
             else:
-                inputs = self.transport.recv(i - 1, i, ACT, m)
+                inputs = self._recv(i - 1, i, ACT, m)
             if last:
                 data, weight = self._take(m) if i > 0 else (data, weight)
-                loss = stage.forward(m, inputs, head=lambda out: self.loss_fn(out, data))
+                out = stage.forward(m, inputs, head=lambda y: self.loss_fn(y, data))
                 k = m // self.microbatches
                 entry = self._losses.setdefault(k, [0.0, 0])
-                entry[0] = entry[0] + loss.detach() * weight
+                entry[0] = entry[0] + out.detach() * weight
                 entry[1] += 1
                 self._scale[m] = weight
             else:
                 out = stage.forward(m, inputs)
-                self.transport.send(i, i + 1, ACT, m, as_payload(out, i))
+                self._send(i, i + 1, ACT, m, as_payload(out, i))
+            if probe is not None:
+                probe.forward(stage, m, out)
             w.pending.add(m)
-            if self.record_versions:
-                self.versions[m, i] = (stage.version, -1)
         elif a.op is Op.BACKWARD:
             m = a.index
-            if self.record_versions:
-                fwd = self.versions[m, i][0]
-                self.versions[m, i] = (fwd, fwd if stage.stashes else stage.version)
+            if probe is not None:
+                probe.backward(stage, m, stage.forward_version(m))
             if last:
                 grads = stage.backward(m, None, scale=self._scale.pop(m))
             else:
-                grads = stage.backward(m, self.transport.recv(i + 1, i, GRAD, m))
+                grads = stage.backward(m, self._recv(i + 1, i, GRAD, m))
             w.pending.discard(m)
             if i > 0:
-                self.transport.send(i, i - 1, GRAD, m, grads)
+                self._send(i, i - 1, GRAD, m, grads)
         else:
+            params = self.optimizer.stage_parameters(i)
+            if probe is not None:
+                probe.update(i, a.index, params)
             if self.clip is not None:
-                self.clip.apply(i, a.index, self.optimizer.stage_parameters(i))
+                self.clip.apply(i, a.index, params)
             stage.before_update()
             self.optimizer.step(i, a.index)
             stage.after_update()

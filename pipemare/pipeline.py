@@ -18,6 +18,7 @@ from pipemare.microbatch import batch_size, scatter, to_device
 from pipemare.optim import PipeMareOptimizer
 from pipemare.schedule import Action, spec, stream
 from pipemare.stage import Stage, as_payload
+from pipemare.telemetry import Probe
 from pipemare.transport import ACT, DistributedTransport, InProcessTransport, Transport
 
 __all__ = ["Pipeline"]
@@ -203,6 +204,17 @@ class Pipeline:
         )
 
     # -- training ----------------------------------------------------------------------------
+
+    @property
+    def probe(self) -> Probe | None:
+        """Telemetry (see :mod:`pipemare.telemetry`); None until a monitor attaches one."""
+        return self.executor.probe
+
+    @probe.setter
+    def probe(self, probe: Probe | None) -> None:
+        if probe is not None:
+            probe.microbatches = self.microbatches
+        self.executor.probe = probe
 
     @property
     def local_stages(self) -> tuple[int, ...]:

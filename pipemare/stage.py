@@ -237,6 +237,10 @@ class Stage:
     def after_update(self) -> None:
         self.version += 1
 
+    def forward_version(self, microbatch: int) -> int:
+        """The weight version the forward of an in-flight ``microbatch`` ran with."""
+        return self._inflight[microbatch].version
+
     @property
     def in_flight(self) -> int:
         """Microbatches whose forward ran and whose backward did not."""

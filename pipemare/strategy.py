@@ -40,6 +40,7 @@ from pipemare.microbatch import batch_size, scatter
 from pipemare.module_adapter import ModuleAdapter, find_sequential, loss_of
 from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, spec
+from pipemare.telemetry import Probe
 
 __all__ = ["PipeMareStrategy", "register"]
 
@@ -143,6 +144,9 @@ class _PipeMareStrategyMixin(_Base):
         self._pending_state: dict[str, Any] | None = None
         self._grad_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._step: dict[str, Any] = {}
+        self._probe_settings: dict[str, Any] = {}
+        #: latest per-stage telemetry, filled by pipemare's monitors: stage -> name -> value
+        self.stage_stats: dict[int, dict[str, float]] = {}
 
     # -- devices, ranks, launch ------------------------------------------------------------
 
@@ -323,6 +327,27 @@ class _PipeMareStrategyMixin(_Base):
             "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before"
         )
 
+    # -- telemetry --------------------------------------------------------------------------
+
+    def request_probe(self, **settings: Any) -> None:
+        """Ask for telemetry (:class:`pipemare.telemetry.Probe`); monitors call this in setup."""
+        for key, value in settings.items():
+            old = self._probe_settings.get(key)
+            if isinstance(value, bool):
+                self._probe_settings[key] = bool(old) or value
+            elif value:
+                self._probe_settings[key] = min(old, value) if old else value
+        if self.pipeline is not None:
+            self._attach_probe(self.pipeline)
+
+    def _attach_probe(self, pipe: Pipeline) -> None:
+        if not self._probe_settings:
+            return
+        if pipe.probe is None:
+            pipe.probe = Probe()
+        assert pipe.probe is not None
+        pipe.probe.merge(**self._probe_settings)
+
     # -- building the pipeline (at the first batch: timing the layers needs one) -------------
 
     def _optimizer(self, seq: nn.Sequential) -> torch.optim.Optimizer:
@@ -391,6 +416,7 @@ class _PipeMareStrategyMixin(_Base):
             if self._pending_state is not None:
                 self._load_pipemare_state(self._pending_state)
                 self._pending_state = None
+            self._attach_probe(self.pipeline)
         return self.pipeline
 
     @property

@@ -229,3 +229,35 @@ def test_spawn_returns_the_whole_trained_model_to_the_parent():
     x, y = data.val_set.tensors
     with torch.no_grad():
         assert (model.eval()(x).argmax(1) == y).float().mean() > 0.6
+
+
+def test_monitors_over_processes_divergence_timeline_utilization(tmp_path):
+    """Stage 1 (on rank 1) blows up after 25 steps: both ranks stop there, naming it."""
+    run_all(
+        [
+            (
+                [sys.executable, str(HERE / "_monitor_worker.py"), "--out", str(tmp_path)],
+                environment(),
+            )
+        ]
+    )
+    r0, r1 = reports(tmp_path, 2)
+    assert r0["divergence"] == r1["divergence"] and r0["global_step"] == r1["global_step"]
+    d = r0["divergence"]
+    assert d["stage"] == 1 and 25 <= d["step"] <= 27 and d["step"] == r0["global_step"]
+    assert f"diverged at step {d['step']} in stage 1" in d["message"]
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["tid"] for e in spans} == {0, 1} and trace["otherData"]["simulated"] is False
+    assert {"forward", "backward", "update", "send", "recv"} <= {e["cat"] for e in spans}
+    (metrics,) = list((tmp_path / "csv").rglob("metrics.csv"))
+    header = metrics.read_text().splitlines()[0].split(",")
+    for name in (
+        "pipemare/stage0/utilization",
+        "pipemare/stage1/utilization",
+        "pipemare/stage1/comm_s",
+        "pipemare/stage0/tau_fwd_measured",
+        "pipemare/stage0/discrepancy",
+        "pipemare/stage1/grad_norm",
+    ):
+        assert name in header, name

@@ -1,0 +1,109 @@
+"""Helpers the monitors share: finding the pipeline, gathering per-stage values, logging."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytorch_lightning as pl
+import torch.distributed as dist
+from pytorch_lightning.utilities import rank_zero_warn
+
+from pipemare.pipeline import Pipeline
+
+PREFIX = "pipemare"
+
+
+def pipemare_strategy(trainer: pl.Trainer, who: str) -> Any | None:
+    """The trainer's PipeMareStrategy, or None (with a warning) when another strategy runs."""
+    strategy = trainer.strategy
+    if hasattr(strategy, "request_probe") and hasattr(strategy, "pipeline"):
+        return strategy
+    rank_zero_warn(
+        f"{who} watches pipemare's pipeline; with strategy {type(strategy).__name__} it "
+        "logs nothing"
+    )
+    return None
+
+
+def pipeline(trainer: pl.Trainer) -> Pipeline | None:
+    return getattr(trainer.strategy, "pipeline", None)
+
+
+def gather(trainer: pl.Trainer, local: Any) -> list[Any]:
+    """``local`` from every process, on every process (a collective when there are several)."""
+    if not (getattr(trainer.strategy, "distributed", False) and dist.is_initialized()):
+        return [local]
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return parts
+
+
+def merge_stages(parts: list[dict[int, dict[str, float]]]) -> dict[int, dict[str, float]]:
+    merged: dict[int, dict[str, float]] = {}
+    for part in parts:
+        for stage, values in part.items():
+            merged.setdefault(stage, {}).update(values)
+    return merged
+
+
+def stage_metrics(stats: dict[int, dict[str, float]]) -> dict[str, float]:
+    """``{stage: {name: value}}`` as flat metric names ``pipemare/stage{i}/{name}``."""
+    return {
+        f"{PREFIX}/stage{i}/{name}": float(v)
+        for i, values in sorted(stats.items())
+        for name, v in values.items()
+    }
+
+
+def log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
+    """Through Lightning's logger interface (loggers write from rank 0), at the global step."""
+    if not metrics:
+        return
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def remember(trainer: pl.Trainer, stats: dict[int, dict[str, float]]) -> None:
+    """Keep the latest per-stage values on the strategy, for the per-stage table."""
+    table = getattr(trainer.strategy, "stage_stats", None)
+    if table is None:
+        return
+    for stage, values in stats.items():
+        table.setdefault(stage, {}).update(values)
+
+
+def interval(trainer: pl.Trainer, every: int | None) -> int:
+    default = getattr(trainer, "log_every_n_steps", 50)  # a Trainer attribute mypy cannot see
+    return every if every is not None else max(int(default), 1)
+
+
+def pipeline_config(trainer: pl.Trainer) -> dict[str, Any]:
+    """The pipeline's whole configuration, for loggers' hyperparameters (the W&B run config)."""
+    strategy: Any = trainer.strategy
+    pipe = pipeline(trainer)
+    config: dict[str, Any] = {
+        "schedule": strategy.schedule,
+        "microbatches": strategy.microbatches,
+        "mode": "distributed" if strategy.distributed else "simulated",
+        "world_size": trainer.world_size,
+        "num_nodes": trainer.num_nodes,
+        "techniques": dataclasses.asdict(strategy.config),
+    }
+    if pipe is not None:
+        config.update(
+            stages=pipe.num_stages,
+            balance=list(pipe.balance),
+            tau_fwd=[d.forward for d in pipe.delays],
+            tau_bkwd=[d.backward for d in pipe.delays],
+            clip=None
+            if pipe.clip is None
+            else {"algorithm": pipe.clip.algorithm, "value": pipe.clip.value},
+        )
+    return config
+
+
+def log_config(trainer: pl.Trainer) -> None:
+    config = {PREFIX: pipeline_config(trainer)}
+    for logger in trainer.loggers:
+        logger.log_hyperparams(config)

@@ -1,0 +1,101 @@
+"""StalenessMonitor: how stale each stage's gradients are, derived and as measured."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import pytorch_lightning as pl
+from pytorch_lightning.callbacks import Callback
+
+from pipemare.callbacks import _common as common
+
+
+class StalenessMonitor(Callback):
+    """Logs, per stage: the delays the schedule implies and the ones measured from the weight
+    versions the passes actually used; the forward/backward weight discrepancy
+    ``||w_fwd - w_bkwd|| / ||w||`` with T2's correction (what the backward used) and without it
+    (the live weights); T1's effective learning rate; and the microbatches in flight.
+
+    Metric names: ``pipemare/stage{i}/{tau_fwd, tau_bkwd, tau_fwd_measured, tau_bkwd_measured,
+    discrepancy, discrepancy_uncorrected, lr, in_flight}``. A logging window that contains a
+    pipeline (re)fill, after a drain for validation, measures smaller delays than the steady state.
+
+    Args:
+        log_every_n_steps: logging interval (default: the Trainer's ``log_every_n_steps``).
+        discrepancy_every_n_steps: how often a stage copies its weights at a forward to measure
+            the discrepancy at the backward (0: never; each sample costs one weight copy).
+    """
+
+    def __init__(
+        self, log_every_n_steps: int | None = None, discrepancy_every_n_steps: int = 50
+    ) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self.discrepancy_every_n_steps = discrepancy_every_n_steps
+        self._strategy: Any = None
+        self._discrepancy: list[Any] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._strategy = common.pipemare_strategy(trainer, type(self).__name__)
+        if self._strategy is not None:
+            self._strategy.request_probe(
+                delays=True, discrepancy_every=self.discrepancy_every_n_steps
+            )
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        pipe = common.pipeline(trainer)
+        if self._strategy is None or pipe is None or pipe.probe is None:
+            return
+        self._discrepancy += pipe.probe.take_discrepancy()
+        if (trainer.global_step % common.interval(trainer, self.log_every_n_steps)) != 0:
+            return
+        local: dict[int, dict[str, float]] = {}
+        for i, fwd, bkwd in _mean_delays(pipe.probe.take_delays()):
+            local.setdefault(i, {}).update(tau_fwd_measured=fwd, tau_bkwd_measured=bkwd)
+        for i, (corrected, uncorrected) in _mean_discrepancy(self._discrepancy).items():
+            local.setdefault(i, {}).update(
+                discrepancy=corrected, discrepancy_uncorrected=uncorrected
+            )
+        self._discrepancy = []
+        for stage in pipe.stages:
+            local.setdefault(stage.index, {})["in_flight"] = float(stage.in_flight)
+        stats = common.merge_stages(common.gather(trainer, local))
+        last = max(pipe.minibatches_fed - 1, 0)
+        user_lr = float(pipe.optimizer.param_groups[0]["lr"])
+        for i, d in enumerate(pipe.delays):
+            s = stats.setdefault(i, {})
+            s.update(
+                tau_fwd=d.forward,
+                tau_bkwd=d.backward,
+                lr=user_lr * pipe.optimizer.lr_factor(i, last),
+            )
+        common.remember(trainer, stats)
+        common.log(trainer, common.stage_metrics(stats))
+
+
+def _mean_delays(delays: list[tuple[int, int, int, int]]) -> list[tuple[int, float, float]]:
+    per_stage: dict[int, list[tuple[int, int]]] = {}
+    for stage, _, fwd, bkwd in delays:
+        per_stage.setdefault(stage, []).append((fwd, bkwd))
+    return [
+        (i, statistics.fmean(f for f, _ in v), statistics.fmean(b for _, b in v))
+        for i, v in sorted(per_stage.items())
+    ]
+
+
+def _mean_discrepancy(samples: list[Any]) -> dict[int, tuple[float, float]]:
+    per_stage: dict[int, list[Any]] = {}
+    for s in samples:
+        if s.delay > 0:  # no update between the passes: nothing to measure
+            per_stage.setdefault(s.stage, []).append(s)
+    return {
+        i: (statistics.fmean(s.corrected for s in v), statistics.fmean(s.uncorrected for s in v))
+        for i, v in per_stage.items()
+    }
