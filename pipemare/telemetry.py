@@ -268,21 +268,24 @@ def replay_timeline(spans: Sequence[Span], num_stages: int) -> tuple[list[Span],
     a real pipeline's utilisation from one process.
 
     Returns:
-        The replayed spans (compute only) and the makespan.
+        The replayed spans and the makespan. Receives and sends (in one process they are queue
+        operations) appear as zero-length marks at the start and end of their action.
     """
     # A receive or send is recorded when it ends, before the action that contains it.
     comm = [0.0] * num_stages
-    actions: list[tuple[int, str, int, float]] = []
+    marks: list[list[tuple[str, int]]] = [[] for _ in range(num_stages)]
+    actions: list[tuple[int, str, int, float, list[tuple[str, int]]]] = []
     for stage, name, index, start, end in spans:
         if name in ("recv", "send"):
             comm[stage] += end - start
+            marks[stage].append((name, index))
             continue
-        actions.append((stage, name, index, end - start - comm[stage]))
-        comm[stage] = 0.0
+        actions.append((stage, name, index, end - start - comm[stage], marks[stage]))
+        comm[stage], marks[stage] = 0.0, []
     ready: dict[tuple[str, int, int], float] = {}
     free = [0.0] * num_stages
     out: list[Span] = []
-    for stage, name, index, dur in actions:
+    for stage, name, index, dur, comms in actions:
         start = free[stage]
         if name == "F" and stage > 0:
             start = max(start, ready.get(("F", index, stage - 1), 0.0))
@@ -291,5 +294,7 @@ def replay_timeline(spans: Sequence[Span], num_stages: int) -> tuple[list[Span],
         end = start + max(dur, 0.0)
         ready[(name, index, stage)] = end
         free[stage] = end
+        out.extend((stage, c, i, start, start) for c, i in comms if c == "recv")
         out.append((stage, name, index, start, end))
+        out.extend((stage, c, i, end, end) for c, i in comms if c == "send")
     return out, max(free) if out else 0.0

@@ -191,9 +191,11 @@ def test_timeline_is_a_chrome_trace_with_a_track_per_stage(tmp_path):
     assert {e["tid"] for e in spans} == {0, 1, 2, 3}
     assert all(isinstance(e["ts"], float) and e["dur"] >= 0 for e in spans)
     kinds = {e["cat"] for e in spans}
-    assert {"forward", "backward", "update"} <= kinds
-    for tid in range(4):  # the replayed spans of one stage never overlap
-        own = sorted((e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == tid)
+    assert {"forward", "backward", "update", "send", "recv"} <= kinds
+    for tid in range(4):  # the replayed compute spans of one stage never overlap
+        own = sorted(
+            (e["ts"], e["ts"] + e["dur"]) for e in spans if e["tid"] == tid and e["dur"] > 0
+        )
         assert all(a[1] <= b[0] + 1e-6 for a, b in itertools.pairwise(own))
 
 

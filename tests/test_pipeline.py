@@ -276,3 +276,35 @@ def test_state_dict_resume_equals_uninterrupted(schedule):
     assert c.minibatches_fed == 8
     for p, q in zip(a_net.parameters(), c_net.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+
+
+def test_replayed_timeline_overlaps_stages_and_respects_dependencies():
+    from pipemare.telemetry import Probe, replay_timeline, summarize_spans
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+    results = {}
+    for schedule in ("gpipe", "async"):
+        pipe = Pipeline(
+            net,
+            torch.optim.SGD(net.parameters(), lr=0.0),
+            mse,
+            stages=4,
+            microbatches=4,
+            schedule=schedule,
+        )
+        pipe.probe = Probe(timeline=True)
+        for _ in range(6):
+            pipe.step((torch.randn(64, 32), torch.randn(64, 32)))
+        spans, makespan = replay_timeline(pipe.probe.take_spans(), 4)
+        ends = {(s, n, i): e for s, n, i, _, e in spans if n in ("F", "B")}
+        for s, n, i, start, _ in spans:  # every forward waits for the previous stage's
+            if n == "F" and s > 0:
+                assert start >= ends[(s - 1, "F", i)] - 1e-12
+            if n == "B" and s < 3:
+                assert start >= ends[(s + 1, "B", i)] - 1e-12
+        compute = sum(e - b for _, n, _, b, e in spans if n in ("F", "B", "U"))
+        assert compute / 4 < makespan < compute  # stages overlap, but not perfectly
+        stats = summarize_spans(spans, makespan)
+        results[schedule] = sum(v["utilization"] for v in stats.values()) / 4
+    assert results["async"] > results["gpipe"]
