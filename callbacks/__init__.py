@@ -7,11 +7,12 @@ extras when a ``WandbLogger`` is present.
 from pipemare.callbacks.convergence import ConvergenceMonitor, Divergence
 from pipemare.callbacks.pipeline import PipelineMonitor, chrome_trace
 from pipemare.callbacks.staleness import StalenessMonitor
-from pipemare.callbacks.wandb import wandb_logger
+from pipemare.callbacks.wandb import OfflineSafeWandbLogger, wandb_logger
 
 __all__ = [
     "ConvergenceMonitor",
     "Divergence",
+    "OfflineSafeWandbLogger",
     "PipelineMonitor",
     "StalenessMonitor",
     "chrome_trace",

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-__all__ = ["define_metrics", "find", "log_stage_table", "wandb_logger"]
+__all__ = ["OfflineSafeWandbLogger", "define_metrics", "find", "log_stage_table", "wandb_logger"]
 
 
 def has_api_key() -> bool:
@@ -26,27 +26,40 @@ def has_api_key() -> bool:
         return False
 
 
-def wandb_logger(
-    project: str = "pipemare",
-    name: str | None = None,
-    group: str | None = None,
-    save_dir: str | Path = ".",
-    offline: bool | None = None,
-    **kwargs: Any,
-) -> pl.loggers.WandbLogger:
+class OfflineSafeWandbLogger(pl.loggers.WandbLogger):
     """A ``WandbLogger`` that runs offline when no API key is configured, so it never prompts,
     hangs or fails for the lack of one (sync later with ``wandb sync``). ``group`` puts the
-    runs of one experiment side by side in the W&B UI.
+    runs of one experiment side by side in the W&B UI. Usable from YAML configs by class path.
     """
-    mode = os.environ.get("WANDB_MODE")
-    if offline is None:
-        offline = mode in ("offline", "dryrun") or (mode != "disabled" and not has_api_key())
-    if offline:
-        os.environ["WANDB_MODE"] = "offline"
-    Path(save_dir).mkdir(parents=True, exist_ok=True)
-    return pl.loggers.WandbLogger(
-        project=project, name=name, group=group, save_dir=str(save_dir), offline=offline, **kwargs
-    )
+
+    def __init__(
+        self,
+        project: str = "pipemare",
+        name: str | None = None,
+        group: str | None = None,
+        save_dir: str = ".",
+        offline: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        mode = os.environ.get("WANDB_MODE")
+        if offline is None:
+            offline = mode in ("offline", "dryrun") or (mode != "disabled" and not has_api_key())
+        if offline:
+            os.environ["WANDB_MODE"] = "offline"
+        Path(save_dir).mkdir(parents=True, exist_ok=True)
+        super().__init__(
+            project=project,
+            name=name,
+            group=group,
+            save_dir=str(save_dir),
+            offline=offline,
+            **kwargs,
+        )
+
+
+def wandb_logger(**kwargs: Any) -> OfflineSafeWandbLogger:
+    """An :class:`OfflineSafeWandbLogger` (same arguments)."""
+    return OfflineSafeWandbLogger(**kwargs)
 
 
 def find(trainer: pl.Trainer) -> pl.loggers.WandbLogger | None:

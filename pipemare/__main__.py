@@ -1,22 +1,46 @@
-"""The ``pipemare`` command line."""
+"""The ``pipemare`` command line: Lightning's CLI for configs, studies, the dashboard, a demo."""
 
 from __future__ import annotations
 
 import sys
 
+_COMMANDS = {
+    "fit": "train from a config (LightningCLI): pipemare fit --config configs/mnist.yaml",
+    "validate": "validate from a config",
+    "test": "test from a config",
+    "predict": "predict from a config",
+    "study": "run a named suite of configs: pipemare study default --out runs",
+    "compare": "write the dashboard comparing runs: pipemare compare runs/default",
+    "demo": "train a small model on real data through 8 simulated stages (the engine alone)",
+}
+
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"demo": "train a small model on real data through 8 simulated stages"}
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
         print("usage: pipemare COMMAND [options]\n\ncommands:")
-        for name, text in commands.items():
-            print(f"  {name:<8} {text}")
+        for name, text in _COMMANDS.items():
+            print(f"  {name:<9} {text}")
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nunknown command {argv[0]!r}")
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
-    if argv[0] == "demo":
+    command, rest = argv[0], argv[1:]
+    if command in ("fit", "validate", "test", "predict"):
+        from pipemare.experiments import cli
+
+        cli.main([command, *rest])
+    elif command == "study":
+        from pipemare.experiments import study
+
+        study.main(rest)
+    elif command == "compare":
+        from pipemare.experiments import dashboard
+
+        dashboard.main(rest)
+    else:
         from pipemare.experiments import demo
 
-        demo.main(argv[1:])
+        demo.main(rest)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ class Stage:
         self._users: Counter[int] = Counter()  # in-flight microbatches per forward version
         self._stash: dict[int, dict[int, torch.Tensor]] = {}
         self.peak_stashed_versions = 0
+        self.peak_in_flight = 0
         self._rng: torch.Tensor | None = None
         if seed is not None:
             self._rng = torch.Generator().manual_seed(seed).get_state()
@@ -182,6 +183,7 @@ class Stage:
             leaves = tensors(inputs) if self.index > 0 else ()
             self._inflight[microbatch] = _InFlight(leaves, result, self.version)
             self._users[self.version] += 1
+            self.peak_in_flight = max(self.peak_in_flight, len(self._inflight))
         return result
 
     def backward(

@@ -1,0 +1,1 @@
+"""Experiment configs (YAML for ``pipemare fit --config``), installed as ``pipemare.configs``."""

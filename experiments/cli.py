@@ -1,0 +1,34 @@
+"""``pipemare fit|validate|test|predict --config ...``: Lightning's own CLI, with pipemare's parts.
+
+Any LightningModule and LightningDataModule can be named by class path in a YAML config (or
+on the command line), the strategy is ``pipemare.PipeMareStrategy`` with any schedule and
+options, and every field can be overridden, e.g.
+``pipemare fit --config configs/mnist.yaml --trainer.strategy.init_args.schedule=async``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pytorch_lightning.cli import LightningCLI
+
+import pipemare  # noqa: F401 - registers the strategy names
+
+__all__ = ["PipeMareCLI", "main"]
+
+
+class PipeMareCLI(LightningCLI):
+    """LightningCLI in subclass mode for model and data; re-running in a directory overwrites
+    its saved config instead of refusing."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("subclass_mode_model", True)
+        kwargs.setdefault("subclass_mode_data", True)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("auto_configure_optimizers", False)  # models take optimizer callables
+        kwargs.setdefault("parser_kwargs", {"default_env": False})
+        super().__init__(*args, **kwargs)
+
+
+def main(argv: list[str] | None = None) -> PipeMareCLI:
+    return PipeMareCLI(args=argv)

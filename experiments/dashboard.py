@@ -1,0 +1,378 @@
+"""``pipemare compare RUN_DIR...``: one self-contained HTML page (and PNGs) comparing runs.
+
+It finds every run (a directory with ``summary.json``) under the given directories and shows,
+per task: the monitored metric and the training loss against steps and against wall time,
+a final-quality table, the delays per stage (derived and measured), utilisation per stage,
+and memory (weights, optimiser state, PipeDream's stash, T2's buffers, activations held).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import csv
+import dataclasses
+import html
+import json
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+import numpy as np
+import yaml
+
+__all__ = ["Run", "find_runs", "main", "write_dashboard"]
+
+_COLORS = {
+    "gpipe": "#1f77b4",
+    "1f1b": "#17becf",
+    "pipedream": "#9467bd",
+    "async": "#d62728",
+    "pipemare-T1": "#ffbb78",
+    "pipemare-T1T2": "#ff7f0e",
+    "pipemare-T1T2T3": "#2ca02c",
+}
+
+
+@dataclasses.dataclass
+class Run:
+    """One finished run: its directory, what it was, and what it logged."""
+
+    path: Path
+    name: str
+    task: str
+    variant: str
+    monitor: str
+    mode: str
+    summary: dict[str, Any]
+    config: dict[str, Any]
+    rows: list[dict[str, str]]
+
+    def series(self, key: str) -> tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of a logged metric."""
+        points = [
+            (float(r["step"]), float(r[key])) for r in self.rows if r.get(key) not in (None, "")
+        ]
+        if not points:
+            return np.zeros(0), np.zeros(0)
+        steps, values = zip(*points, strict=True)
+        return np.array(steps), np.array(values)
+
+    def wall_time(self, steps: np.ndarray) -> np.ndarray:
+        """Seconds since fit started at each of ``steps`` (interpolated from logged wall time)."""
+        s, t = self.series("pipemare/wall_time")
+        if len(s) == 0:
+            return steps * self.summary["wall_time_s"] / max(self.summary["global_step"], 1)
+        return np.interp(steps, np.concatenate([[0.0], s]), np.concatenate([[0.0], t]))
+
+    @property
+    def lr(self) -> float | None:
+        try:
+            return float(self.config["model"]["init_args"]["optimizer"]["init_args"]["lr"])
+        except (KeyError, TypeError):
+            return None
+
+    def last_stage_values(self, name: str) -> list[float]:
+        stages = self.summary.get("stages") or 0
+        values = []
+        for i in range(stages):
+            _, v = self.series(f"pipemare/stage{i}/{name}")
+            values.append(float(v[-1]) if len(v) else float("nan"))
+        return values
+
+
+def find_runs(paths: list[Path]) -> list[Run]:
+    runs = []
+    for root in paths:
+        for summary_path in sorted(root.rglob("summary.json")):
+            d = summary_path.parent
+            spec = json.loads((d / "run.json").read_text()) if (d / "run.json").exists() else {}
+            summary = json.loads(summary_path.read_text())
+            config = (
+                yaml.safe_load((d / "config.yaml").read_text())
+                if (d / "config.yaml").exists()
+                else {}
+            )
+            metrics = d / "metrics.csv"
+            rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
+            name = spec.get("name", d.name)
+            task = spec.get("task", name.split("-", 1)[0])
+            variant = name[len(task) + 1 :] if name.startswith(task + "-") else name
+            runs.append(
+                Run(
+                    d,
+                    name,
+                    task,
+                    variant,
+                    summary["monitor"],
+                    summary["mode"],
+                    summary,
+                    config,
+                    rows,
+                )
+            )
+    return runs
+
+
+def _color(run: Run) -> str | None:
+    base = run.variant.split("-P")[0].split("-lr")[0].split("-N")[0]
+    for key in sorted(_COLORS, key=len, reverse=True):
+        if base.endswith(key):
+            return _COLORS[key]
+    return None
+
+
+def _smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
+    out, acc = [], None
+    for v in values:
+        acc = v if acc is None else weight * acc + (1 - weight) * v
+        out.append(acc)
+    return np.array(out)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _convergence(task: str, runs: list[Run], out: Path) -> Path:
+    monitor = runs[0].monitor
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    for run in runs:
+        kw = {"label": run.variant, "color": _color(run)}
+        s, v = run.series(monitor)
+        axes[0, 0].plot(s, v, marker="o", ms=3, **kw)
+        axes[0, 1].plot(run.wall_time(s), v, marker="o", ms=3, **kw)
+        s, v = (
+            run.series("train_loss_step")
+            if len(run.series("train_loss_step")[0])
+            else run.series("train_loss")
+        )
+        axes[1, 0].plot(s, _smooth(v), **kw)
+        axes[1, 1].plot(run.wall_time(s), _smooth(v), **kw)
+    for ax, (y, x) in zip(
+        axes.flat,
+        [
+            (monitor, "step"),
+            (monitor, "wall time (s)"),
+            ("train loss (smoothed)", "step"),
+            ("train loss (smoothed)", "wall time (s)"),
+        ],
+        strict=True,
+    ):
+        ax.set_xlabel(x)
+        ax.set_ylabel(y)
+        ax.grid(alpha=0.3)
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"{task}: convergence")
+    return _save(fig, out / f"{task}_convergence.png")
+
+
+def _staleness(task: str, runs: list[Run], out: Path) -> Path | None:
+    runs = [r for r in runs if r.summary.get("tau_fwd")]
+    if not runs:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for run in runs:
+        derived = run.summary["tau_fwd"]
+        x = np.arange(len(derived))
+        ax.plot(x, derived, color=_color(run), alpha=0.5, label=f"{run.variant} (derived)")
+        measured = run.last_stage_values("tau_fwd_measured")
+        ax.plot(x, measured, "o", color=_color(run), ms=5, label=f"{run.variant} (measured)")
+    ax.set_xlabel("stage")
+    ax.set_ylabel("forward delay (updates)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    ax.set_title(f"{task}: staleness per stage")
+    return _save(fig, out / f"{task}_staleness.png")
+
+
+def _bars(task: str, runs: list[Run], out: Path, metric: str, label: str, file: str) -> Path | None:
+    values = [(run, run.last_stage_values(metric)) for run in runs]
+    values = [(r, v) for r, v in values if v and not all(np.isnan(v))]
+    if not values:
+        return None
+    fig, ax = plt.subplots(figsize=(10, 4))
+    width = 0.8 / len(values)
+    for j, (run, v) in enumerate(values):
+        ax.bar(
+            np.arange(len(v)) + j * width,
+            v,
+            width,
+            color=_color(run),
+            label=f"{run.variant} (mean {np.nanmean(v):.2f})",
+        )
+    ax.set_xlabel("stage")
+    ax.set_ylabel(label)
+    ax.grid(alpha=0.3, axis="y")
+    ax.legend(fontsize=7)
+    ax.set_title(f"{task}: {label} per stage")
+    return _save(fig, out / file)
+
+
+def _memory(task: str, runs: list[Run], out: Path) -> Path | None:
+    rows = [(run, run.summary.get("memory", {}).get("stages", [])) for run in runs]
+    rows = [(r, s) for r, s in rows if s]
+    if not rows:
+        return None
+    parts = ["weights_mb", "optimizer_state_mb", "stash_mb", "velocity_mb"]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4))
+    bottom = np.zeros(len(rows))
+    for part in parts:
+        values = np.array([sum(s[part] for s in stages) for _, stages in rows])
+        ax.bar(
+            range(len(rows)),
+            values,
+            bottom=bottom,
+            label=part.removesuffix("_mb").replace("_", " "),
+        )
+        bottom += values
+    ax.set_xticks(
+        range(len(rows)), [r.variant for r, _ in rows], rotation=30, ha="right", fontsize=8
+    )
+    ax.set_ylabel("MB over all stages")
+    ax.legend(fontsize=8)
+    ax.set_title("weight memory")
+    for run, stages in rows:
+        ax2.plot(
+            [s["peak_in_flight"] for s in stages], marker="o", color=_color(run), label=run.variant
+        )
+    ax2.set_xlabel("stage")
+    ax2.set_ylabel("peak microbatches in flight")
+    ax2.set_title("activations held (microbatches)")
+    ax2.legend(fontsize=7)
+    ax2.grid(alpha=0.3)
+    fig.suptitle(f"{task}: memory")
+    return _save(fig, out / f"{task}_memory.png")
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
+    """The final-quality table: one row per run."""
+    header = [
+        "task",
+        "run",
+        "stages",
+        "N",
+        "lr",
+        "best",
+        "final",
+        "steps to target",
+        "wall s",
+        "utilisation",
+        "stash MB",
+        "T2 MB",
+        "status",
+    ]
+    rows = []
+    for run in runs:
+        s = run.summary
+        mem = s.get("memory", {}).get("stages", [])
+        util = run.last_stage_values("utilization")
+        final = s["final"].get(run.monitor)
+        rows.append(
+            [
+                run.task,
+                run.variant,
+                _fmt(s.get("stages")),
+                _fmt(s.get("microbatches")),
+                _fmt(run.lr, 4),
+                f"{run.monitor} {_fmt(s.get('best'))}",
+                _fmt(final),
+                _fmt(s.get("steps_to_target")),
+                _fmt(s.get("wall_time_s"), 0),
+                _fmt(float(np.nanmean(util)) if util and not all(np.isnan(util)) else None, 2),
+                _fmt(sum(m["stash_mb"] for m in mem), 2) if mem else "-",
+                _fmt(sum(m["velocity_mb"] for m in mem), 2) if mem else "-",
+                s["status"],
+            ]
+        )
+    return header, rows
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img src="data:image/png;base64,{data}" alt="{html.escape(path.stem)}">'
+
+
+def write_dashboard(paths: list[Path], out: Path) -> Path:
+    """Write ``out/index.html``, the PNGs and ``out/results.md``; return the HTML path."""
+    runs = find_runs(paths)
+    if not runs:
+        raise ValueError(
+            f"no finished runs (directories with summary.json) under {', '.join(map(str, paths))}"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    tasks: dict[str, list[Run]] = {}
+    for run in runs:
+        tasks.setdefault(run.task, []).append(run)
+    header, rows = results_table(runs)
+    (out / "results.md").write_text(_markdown(header, rows))
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>pipemare: runs compared</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;font-size:13px}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}"
+        "img{max-width:100%}"
+        ".diverged{color:#b00}</style></head><body>",
+        f"<h1>pipemare: {len(runs)} runs compared</h1>",
+        "<p>Convergence against steps and wall time, the final quality, staleness, utilisation "
+        "and memory. Utilisation of stages simulated in one process is replayed from their "
+        "measured action times.</p>",
+        "<h2>Results</h2><table><tr>"
+        + "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        + "</tr>",
+    ]
+    for r in rows:
+        cls = ' class="diverged"' if r[-1] != "complete" else ""
+        parts.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>")
+    parts.append("</table>")
+    for task, task_runs in tasks.items():
+        parts.append(f"<h2>{html.escape(task)}</h2>")
+        charts = [
+            _convergence(task, task_runs, out),
+            _staleness(task, task_runs, out),
+            _bars(task, task_runs, out, "utilization", "utilisation", f"{task}_utilization.png"),
+            _memory(task, task_runs, out),
+        ]
+        parts += [_img(c) for c in charts if c is not None]
+        for run in task_runs:
+            if run.summary.get("divergence"):
+                parts.append(
+                    f"<p class='diverged'>{html.escape(run.variant)}: "
+                    f"{html.escape(run.summary['divergence'])}</p>"
+                )
+    parts.append("</body></html>")
+    page = out / "index.html"
+    page.write_text("\n".join(parts))
+    return page
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="pipemare compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="run or study directories")
+    parser.add_argument("--out", type=Path, help="where to write (default: RUNS[0]/dashboard)")
+    args = parser.parse_args(argv)
+    page = write_dashboard(args.runs, args.out or args.runs[0] / "dashboard")
+    print(f"dashboard: {page}")

@@ -1,0 +1,184 @@
+"""``pipemare study SUITE``: run a named suite of configs into one directory and one W&B group.
+
+Every run gets a directory ``OUT/SUITE/RUN`` holding the exact config it ran
+(``config.yaml``, re-runnable with ``pipemare fit --config``), its CSV metrics, its offline
+W&B run and ``summary.json``. A run whose ``summary.json`` exists is skipped, so an
+interrupted study picks up where it stopped. Runs on one device execute in this process;
+runs on several devices start ``pipemare fit`` as a subprocess (Lightning launches the ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.resources
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from pipemare.experiments.suites import SUITES, RunSpec
+
+__all__ = ["config_for", "main", "packaged_config", "run_study"]
+
+
+def packaged_config(name: str) -> dict[str, Any]:
+    """A YAML config shipped with pipemare (``configs/NAME``), as a dict."""
+    text = importlib.resources.files("pipemare.configs").joinpath(name).read_text()
+    return yaml.safe_load(text)
+
+
+def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
+    node = config
+    keys = dotted.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+
+
+def config_for(run: RunSpec, run_dir: Path, suite: str, wandb: bool) -> dict[str, Any]:
+    """The config a run executes: the packaged one, the run's overrides, and its own logs."""
+    config = copy.deepcopy(packaged_config(run.config))
+    for key, value in run.overrides.items():
+        _set(config, key, value)
+    trainer = config.setdefault("trainer", {})
+    trainer["default_root_dir"] = str(run_dir)
+    trainer["enable_checkpointing"] = False
+    trainer["enable_model_summary"] = False
+    loggers: list[dict[str, Any]] = [
+        {
+            "class_path": "pytorch_lightning.loggers.CSVLogger",
+            "init_args": {"save_dir": str(run_dir), "name": "", "version": ""},
+        },
+    ]
+    if wandb:
+        loggers.append(
+            {
+                "class_path": "pipemare.callbacks.OfflineSafeWandbLogger",
+                "init_args": {
+                    "project": "pipemare",
+                    "group": suite,
+                    "name": run.name,
+                    "save_dir": str(run_dir),
+                },
+            }
+        )
+    trainer["logger"] = loggers
+    callbacks = [
+        c for c in trainer.get("callbacks", []) if "RunSummary" not in c.get("class_path", "")
+    ]
+    callbacks.append(
+        {
+            "class_path": "pipemare.experiments.RunSummary",
+            "init_args": {"path": str(run_dir), "monitor": run.monitor, "mode": run.mode},
+        }
+    )
+    trainer["callbacks"] = callbacks
+    return config
+
+
+def _run_one(config_path: Path, devices: int) -> None:
+    if devices > 1:
+        cmd = [sys.executable, "-m", "pipemare", "fit", "--config", str(config_path)]
+        subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        return
+    import torch
+
+    from pipemare.experiments.cli import PipeMareCLI
+
+    threads, argv = torch.get_num_threads(), sys.argv
+    torch.set_num_threads(1)  # like one process per stage, and comparable between runs
+    sys.argv = [argv[0]]  # the study's own arguments are not the run's
+    try:
+        cli = PipeMareCLI(args=["fit", "--config", str(config_path)])
+    finally:
+        torch.set_num_threads(threads)
+        sys.argv = argv
+    for logger in cli.trainer.loggers:  # Lightning leaves W&B runs open; close before the next
+        experiment = getattr(logger, "_experiment", None)
+        if experiment is not None and hasattr(experiment, "finish"):
+            experiment.finish()
+
+
+def run_study(suite: str, out: Path, wandb: bool = True, only: list[str] | None = None) -> Path:
+    """Run ``suite`` into ``out/suite`` (skipping complete runs); return that directory."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
+    study_dir = out / suite
+    study_dir.mkdir(parents=True, exist_ok=True)
+    runs = [r for r in SUITES[suite]() if only is None or r.name in only]
+    index = []
+    start = time.perf_counter()
+    for i, run in enumerate(runs, 1):
+        run_dir = study_dir / run.name
+        summary = run_dir / "summary.json"
+        if summary.exists():
+            print(f"[{i}/{len(runs)}] {run.name}: already complete, skipped", flush=True)
+        else:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            config = config_for(run, run_dir, suite, wandb)
+            config_path = run_dir / "config.yaml"
+            config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+            spec = {
+                "name": run.name,
+                "suite": suite,
+                "task": run.config.removesuffix(".yaml"),
+                "monitor": run.monitor,
+                "mode": run.mode,
+                "overrides": run.overrides,
+            }
+            (run_dir / "run.json").write_text(json.dumps(spec, indent=1))
+            trainer = config["trainer"]
+            devices = int(trainer.get("devices", 1)) * int(trainer.get("num_nodes", 1))
+            t0 = time.perf_counter()
+            print(f"[{i}/{len(runs)}] {run.name} ...", flush=True)
+            _run_one(config_path, devices)
+            if not summary.exists():
+                raise RuntimeError(
+                    f"run {run.name} ended without writing {summary}; see its logs in {run_dir}"
+                )
+            print(
+                f"[{i}/{len(runs)}] {run.name}: done in {time.perf_counter() - t0:.0f} s",
+                flush=True,
+            )
+        result = json.loads(summary.read_text())
+        index.append(
+            {
+                "name": run.name,
+                "config": run.config,
+                "status": result["status"],
+                "best": result["best"],
+            }
+        )
+    (study_dir / "study.json").write_text(json.dumps({"suite": suite, "runs": index}, indent=1))
+    print(
+        f"suite {suite!r}: {len(runs)} runs in {study_dir} ({time.perf_counter() - start:.0f} s)",
+        flush=True,
+    )
+    return study_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="pipemare study",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("suite", nargs="?", default="default", choices=sorted(SUITES))
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs"), help="where studies go (default: runs)"
+    )
+    parser.add_argument("--no-wandb", action="store_true", help="CSV logs only")
+    parser.add_argument("--only", nargs="+", help="run only these runs of the suite")
+    parser.add_argument("--dashboard", action="store_true", help="write the dashboard afterwards")
+    args = parser.parse_args(argv)
+    study_dir = run_study(args.suite, args.out, wandb=not args.no_wandb, only=args.only)
+    if args.dashboard:
+        from pipemare.experiments import dashboard
+
+        dashboard.main([str(study_dir)])

@@ -1,0 +1,115 @@
+"""RunSummary: what a finished run writes next to its logs, for the study runner and dashboard."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+from pytorch_lightning.callbacks import Callback
+
+__all__ = ["RunSummary", "memory_report"]
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory_report(trainer: pl.Trainer) -> dict[str, Any]:
+    """Per stage, in MB: weights, optimiser state, PipeDream's weight stash (peak), T2's
+    velocity buffers; and the peak number of microbatches whose activations a stage held."""
+    pipe = getattr(trainer.strategy, "pipeline", None)
+    if pipe is None:
+        return {}
+    mb = 1 / 2**20
+    stages = []
+    for stage in pipe.stages:
+        params = list(stage.module.parameters())
+        state = [
+            t
+            for p in params
+            for t in pipe.optimizer.optimizer.state.get(p, {}).values()
+            if isinstance(t, torch.Tensor)
+        ]
+        velocity = [v for p in params if (v := pipe.optimizer.velocity(p)) is not None]
+        stages.append(
+            {
+                "stage": stage.index,
+                "weights_mb": _bytes(params) * mb,
+                "optimizer_state_mb": _bytes(state) * mb,
+                "stash_mb": stage.peak_stashed_versions * _bytes(params) * mb,
+                "velocity_mb": _bytes(velocity) * mb,
+                "peak_in_flight": stage.peak_in_flight,
+            }
+        )
+    return {"stages": stages}
+
+
+class RunSummary(Callback):
+    """Writes ``summary.json`` into ``path`` when fitting ends (rank 0): final and best metrics,
+    steps, wall time, the pipeline's delays and memory, and whether training diverged.
+
+    Args:
+        path: the run's directory.
+        monitor: the metric whose best value is reported, with its mode (``"max"``/``"min"``).
+    """
+
+    def __init__(self, path: str, monitor: str = "val_loss", mode: str = "min") -> None:
+        self.path, self.monitor, self.mode = Path(path), monitor, mode
+        self._start = 0.0
+        self._best: float | None = None
+        self._history: list[tuple[int, float]] = []
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        value = trainer.callback_metrics.get(self.monitor)
+        if trainer.sanity_checking or value is None:
+            return
+        value = float(value)
+        self._history.append((trainer.global_step, value))
+        better = self._best is None or (
+            value > self._best if self.mode == "max" else value < self._best
+        )
+        if better:
+            self._best = value
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        memory = memory_report(trainer)  # every rank reaches this; only rank 0 writes
+        if trainer.global_rank != 0:
+            return
+        from pipemare.callbacks import ConvergenceMonitor
+
+        divergence = next(
+            (c.divergence for c in trainer.callbacks if isinstance(c, ConvergenceMonitor)), None
+        )
+        convergence = next(
+            (c for c in trainer.callbacks if isinstance(c, ConvergenceMonitor)), None
+        )
+        pipe = getattr(trainer.strategy, "pipeline", None)
+        summary = {
+            "status": "diverged" if divergence is not None else "complete",
+            "divergence": None if divergence is None else divergence.message(),
+            "monitor": self.monitor,
+            "mode": self.mode,
+            "final": {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1},
+            "best": self._best,
+            "history": self._history,
+            "global_step": trainer.global_step,
+            "wall_time_s": time.perf_counter() - self._start,
+            "steps_to_target": getattr(convergence, "steps_to_target", None),
+            "time_to_target": getattr(convergence, "time_to_target", None),
+            "strategy": type(trainer.strategy).__name__,
+            "schedule": getattr(trainer.strategy, "schedule", None),
+            "stages": pipe.num_stages if pipe is not None else None,
+            "microbatches": getattr(trainer.strategy, "microbatches", None),
+            "balance": list(pipe.balance) if pipe is not None else None,
+            "tau_fwd": [d.forward for d in pipe.delays] if pipe is not None else None,
+            "memory": memory,
+        }
+        self.path.mkdir(parents=True, exist_ok=True)
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=1))

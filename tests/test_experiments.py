@@ -1,0 +1,179 @@
+"""Configs, the study runner, the dashboard and the experiment models."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipemare import Pipeline, PipeMareStrategy
+from pipemare.experiments import dashboard
+from pipemare.experiments.study import run_study
+
+ROOT = Path(__file__).parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+CPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true"]
+
+
+def test_there_are_configs():
+    names = {c.stem for c in CONFIGS}
+    assert {"mnist", "char_lm", "cifar10_resnet", "iwslt14_transformer"} <= names
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
+def test_every_config_loads_and_its_model_runs_a_batch(config, tmp_path, monkeypatch):
+    from pipemare.experiments.cli import PipeMareCLI
+
+    monkeypatch.chdir(tmp_path)  # configs write their logs under runs/
+    cli = PipeMareCLI(args=["--config", str(config), *CPU], run=False)
+    assert isinstance(cli.trainer.strategy, PipeMareStrategy)
+    assert isinstance(cli.model.net, nn.Sequential)
+    batch = cli.datamodule.example_batch(2)  # the data's shapes, without downloading anything
+    loss = cli.model.training_step(batch, 0)  # the model's own step: data and model agree
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad is not None for p in cli.model.net.parameters() if p.requires_grad)
+    cli.model.eval()
+    with torch.no_grad():
+        cli.model.validation_step(batch, 0)
+    assert not any(tmp_path.rglob("*.tar.gz"))  # nothing was downloaded
+
+
+def test_a_config_field_can_be_overridden(tmp_path, monkeypatch):
+    from pipemare.experiments.cli import PipeMareCLI
+
+    monkeypatch.chdir(tmp_path)
+    cli = PipeMareCLI(
+        args=[
+            "--config",
+            str(ROOT / "configs" / "mnist.yaml"),
+            "--trainer.strategy.init_args.schedule=pipedream",
+            "--trainer.strategy.init_args.config.warmup_steps=7",
+        ],
+        run=False,
+    )
+    assert cli.trainer.strategy.schedule == "pipedream"
+    assert cli.trainer.strategy.config.warmup_steps == 7
+
+
+def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    study = run_study("quick", tmp_path, wandb=True)
+    runs = sorted(p.name for p in study.iterdir() if p.is_dir())
+    assert runs == [
+        "char_lm-async",
+        "char_lm-gpipe",
+        "char_lm-pipemare-T1T2",
+        "mnist-async",
+        "mnist-gpipe",
+        "mnist-pipemare-T1T2",
+    ]
+    for name in runs:
+        run = study / name
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["status"] == "complete" and summary["global_step"] == 12
+        assert summary["stages"] == 8 and len(summary["memory"]["stages"]) == 8
+        assert (run / "metrics.csv").exists() and (run / "config.yaml").exists()
+        (wandb_run,) = (run / "wandb").glob("offline-run-*")
+        assert wandb_run.is_dir()
+    assert json.loads((study / "mnist-async" / "summary.json").read_text())["schedule"] == "async"
+    index = json.loads((study / "study.json").read_text())
+    assert [r["name"] for r in index["runs"]] == [
+        "mnist-gpipe",
+        "mnist-async",
+        "mnist-pipemare-T1T2",
+        "char_lm-gpipe",
+        "char_lm-async",
+        "char_lm-pipemare-T1T2",
+    ]
+
+    capsys.readouterr()
+    run_study("quick", tmp_path, wandb=True)  # everything is complete: all skipped
+    assert capsys.readouterr().out.count("already complete, skipped") == 6
+
+    page = dashboard.write_dashboard([study], tmp_path / "dash")
+    text = page.read_text()
+    assert text.count("<tr") == 7 and "pipemare-T1T2" in text and "data:image/png;base64," in text
+    for task in ("mnist", "char_lm"):
+        for chart in ("convergence", "staleness", "utilization", "memory"):
+            assert (tmp_path / "dash" / f"{task}_{chart}.png").stat().st_size > 5000
+    table = (tmp_path / "dash" / "results.md").read_text()
+    assert table.count("\n") == 8 and "| mnist | gpipe | 8 | 1 |" in table
+
+
+def test_compare_refuses_an_empty_directory(tmp_path):
+    with pytest.raises(ValueError, match="no finished runs"):
+        dashboard.write_dashboard([tmp_path], tmp_path / "dash")
+
+
+def test_the_pipemare_command(tmp_path):
+    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipemare", "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0 and "study" in proc.stdout and "compare" in proc.stdout
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipemare",
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "char_lm.yaml"),
+        "--trainer.max_steps=4",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.logger=false",
+        "--trainer.callbacks=[]",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "schedule 'pipemare'" in proc.stdout + proc.stderr
+
+
+def test_translation_transformer_trains_through_an_async_pipeline():
+    from pipemare.experiments.translation import PAD, TranslationTransformer, encode, pad_batch
+
+    torch.manual_seed(0)
+    model = TranslationTransformer(
+        d_model=32, heads=2, ffn=64, encoder_layers=2, decoder_layers=2, dropout=0.0, max_length=24
+    )
+    words = ["ja", "nein", "gut", "haus", "katze", "hund"]
+    src = pad_batch([encode(w, 24) for w in words])
+    tgt = pad_batch([encode(w[::-1], 24) for w in words])
+
+    def loss_fn(logits, batch):
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), batch[1][:, 1:].reshape(-1), ignore_index=PAD
+        )
+
+    pipe = Pipeline(
+        model.net,
+        torch.optim.Adam(model.parameters(), lr=3e-3),
+        loss_fn,
+        stages=6,
+        microbatches=2,
+        input_fn=lambda b: (b[0], b[1][:, :-1]),
+        target_fn=lambda b: b,
+    )
+    losses = [float(pipe.step((src, tgt))) for _ in range(60)]
+    pipe.drain()
+    assert losses[-1] < 0.5 * losses[0]
+    assert len(model.translate(src[:2], max_length=5)) == 2
+
+
+def test_cifar_download_checks_the_archive(tmp_path):
+    from pipemare.experiments.datamodules import _download
+
+    source = tmp_path / "archive.bin"
+    source.write_bytes(b"not cifar")
+    with pytest.raises(RuntimeError, match=r"downloaded with md5 .*, expected 0000; try again"):
+        _download(source.as_uri(), tmp_path / "copy.bin", "0000")
+    assert not (tmp_path / "copy.bin").exists()
