@@ -10,6 +10,7 @@ import torch.distributed as dist
 from pytorch_lightning.utilities import rank_zero_warn
 
 from pipemare.pipeline import Pipeline
+from pipemare.telemetry import Probe
 
 PREFIX = "pipemare"
 
@@ -28,6 +29,14 @@ def pipemare_strategy(trainer: pl.Trainer, who: str) -> Any | None:
 
 def pipeline(trainer: pl.Trainer) -> Pipeline | None:
     return getattr(trainer.strategy, "pipeline", None)
+
+
+def probed(trainer: pl.Trainer) -> tuple[Pipeline, Probe] | None:
+    """The pipeline and its telemetry probe, once pipemare's strategy built one with a probe."""
+    pipe = pipeline(trainer)
+    if pipe is None or pipe.probe is None:
+        return None
+    return pipe, pipe.probe
 
 
 def gather(trainer: pl.Trainer, local: Any) -> list[Any]:

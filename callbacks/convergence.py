@@ -93,9 +93,9 @@ class ConvergenceMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        pipe = common.pipeline(trainer)
-        if pipe is not None and pipe.probe is not None:
-            for (i, _), norm in sorted(pipe.probe.take_grad_norms().items()):
+        watched = common.probed(trainer)
+        if watched is not None:
+            for (i, _), norm in sorted(watched[1].take_grad_norms().items()):
                 self._grad.setdefault(i, []).append(norm)
         loss = _loss(outputs)
         if loss is not None and self.divergence is None:
@@ -125,9 +125,8 @@ class ConvergenceMonitor(Callback):
 
     def _on_divergence(self, trainer: pl.Trainer, loss: float, reason: str) -> None:
         pipe = common.pipeline(trainer)
-        local_bad = (
-            pipe.probe.first_nonfinite() if pipe is not None and pipe.probe is not None else {}
-        )
+        watched = common.probed(trainer)
+        local_bad = watched[1].first_nonfinite() if watched is not None else {}
         local_growth = {
             i: v[-1] / (sum(v[:-1]) / len(v[:-1]))
             for i, v in self._grad.items()

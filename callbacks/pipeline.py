@@ -78,10 +78,10 @@ class PipelineMonitor(Callback):
         if self._window_start is None:
             self._window_start = now
         self._step_start = now
-        pipe = common.pipeline(trainer)
-        if pipe is not None and pipe.probe is not None:  # record this step's actions or not
+        watched = common.probed(trainer)
+        if watched is not None:  # record this step's actions or not
             step = trainer.global_step
-            pipe.probe.timeline = step % self.timeline_every_n_steps == 0 or self._tracing(step)
+            watched[1].timeline = step % self.timeline_every_n_steps == 0 or self._tracing(step)
 
     def on_train_batch_end(
         self,
@@ -92,15 +92,16 @@ class PipelineMonitor(Callback):
         batch_idx: int,
     ) -> None:
         self._samples += batch_size(batch)
-        pipe = common.pipeline(trainer)
-        if self._strategy is None or pipe is None or pipe.probe is None:
+        watched = common.probed(trainer)
+        if watched is None:
             return
+        pipe, probe = watched
         if not self._config_logged:
             common.log_config(trainer)
             self._config_logged = True
         step = trainer.global_step - 1  # the step that just ran
-        if pipe.probe.timeline:
-            spans = pipe.probe.take_spans()
+        if probe.timeline:
+            spans = probe.take_spans()
             if step % self.timeline_every_n_steps == 0:
                 self._spans += spans
                 self._sampled_wall += time.perf_counter() - self._step_start

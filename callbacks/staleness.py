@@ -50,14 +50,15 @@ class StalenessMonitor(Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        pipe = common.pipeline(trainer)
-        if self._strategy is None or pipe is None or pipe.probe is None:
+        watched = common.probed(trainer)
+        if watched is None:
             return
-        self._discrepancy += pipe.probe.take_discrepancy()
+        pipe, probe = watched
+        self._discrepancy += probe.take_discrepancy()
         if (trainer.global_step % common.interval(trainer, self.log_every_n_steps)) != 0:
             return
         local: dict[int, dict[str, float]] = {}
-        for i, fwd, bkwd in _mean_delays(pipe.probe.take_delays()):
+        for i, fwd, bkwd in _mean_delays(probe.take_delays()):
             local.setdefault(i, {}).update(tau_fwd_measured=fwd, tau_bkwd_measured=bkwd)
         for i, (corrected, uncorrected) in _mean_discrepancy(self._discrepancy).items():
             local.setdefault(i, {}).update(
