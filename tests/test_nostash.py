@@ -7,6 +7,9 @@ its update 1 comes from a forward at version 0 and a backward at version 1.
 
 from __future__ import annotations
 
+import copy
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -121,3 +124,66 @@ def test_pipedream_stashes_one_copy_per_version_in_flight():
     assert [s.peak_stashed_versions for s in pipe.stages] == [3, 2, 1, 0]
     pipe.drain()
     assert [s.stashed_versions for s in pipe.stages] == [0, 0, 0, 0]
+
+
+def descend_on_delayed_weights(model, batches, lr, microbatches, delay):
+    """SGD where the gradient of microbatch ``r`` of minibatch ``k`` is taken at stage ``i``'s
+    weights ``delay(i, r)`` updates old (clamped to version 0): the model of a pipeline."""
+    history = [{n: p.detach().clone() for n, p in model.named_parameters()}]
+    for k, (x, t) in enumerate(batches):
+        grads = {n: torch.zeros_like(w) for n, w in history[0].items()}
+        for r, (xr, tr) in enumerate(
+            zip(x.chunk(microbatches), t.chunk(microbatches), strict=True)
+        ):
+            weights = {
+                n: history[max(0, k - delay(int(n.split(".")[0]), r))][n].clone().requires_grad_()
+                for n in history[0]
+            }
+            out = torch.func.functional_call(model, weights, (xr,))
+            for n, g in zip(
+                weights, torch.autograd.grad(mse(out, tr), list(weights.values())), strict=True
+            ):
+                grads[n] += g / microbatches
+        history.append({n: history[k][n] - lr * grads[n] for n in grads})
+    return history[-1]
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(4, 1), (8, 1), (8, 2), (5, 3)])
+def test_pipedream_equals_gradient_descent_on_delayed_weights(stages, microbatches):
+    """Over many stages and steps, fill included, PipeDream (exact stale gradients) takes the
+    steps a direct computation takes: microbatch ``r`` sees stage ``i``'s weights
+    ``ceil((P-1-i-r)/N)`` updates old (version 0 while the pipeline fills)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(stages)])
+    model = model.double()
+    reference = copy.deepcopy(model)
+    lr, rows = 0.2, 4 * microbatches
+    gen = torch.Generator().manual_seed(1)
+    batches = [
+        tuple(torch.randn(rows, 6, generator=gen, dtype=torch.float64) for _ in range(2))
+        for _ in range(12)
+    ]
+    pipe = Pipeline(
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        mse,
+        stages=stages,
+        microbatches=microbatches,
+        schedule="pipedream",
+    )
+    for batch in batches:
+        pipe.step(batch)
+    pipe.drain()
+
+    def delay(i, r):
+        return max(0, math.ceil((stages - 1 - i - r) / microbatches))
+
+    expected = descend_on_delayed_weights(reference, batches, lr, microbatches, delay)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=1e-10, atol=1e-12)
+    # the delays mattered: synchronous descent ends elsewhere
+    synchronous = descend_on_delayed_weights(reference, batches, lr, microbatches, lambda i, r: 0)
+    init = dict(reference.named_parameters())
+    moved = sum(((synchronous[n] - init[n]) ** 2).sum() for n in init) ** 0.5
+    gap = sum(((p - synchronous[n]) ** 2).sum() for n, p in model.named_parameters()) ** 0.5
+    assert gap > 0.01 * moved
