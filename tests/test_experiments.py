@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from torch import nn
 from pipemare import Pipeline, PipeMareStrategy
 from pipemare.experiments import dashboard
 from pipemare.experiments.study import run_study
+from pipemare.experiments.suites import SUITES
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -177,3 +179,48 @@ def test_cifar_download_checks_the_archive(tmp_path):
     with pytest.raises(RuntimeError, match=r"downloaded with md5 .*, expected 0000; try again"):
         _download(source.as_uri(), tmp_path / "copy.bin", "0000")
     assert not (tmp_path / "copy.bin").exists()
+
+
+def test_sharpness_power_iteration_finds_the_top_hessian_eigenvalue():
+    from pipemare.experiments.sharpness import top_eigenvalue
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))
+    batches = [(torch.randn(16, 3), torch.randint(0, 3, (16,))) for _ in range(2)]
+    names = [n for n, _ in model.named_parameters()]
+    shapes = [p.shape for p in model.parameters()]
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    def loss(w):
+        params, i = {}, 0
+        for name, shape in zip(names, shapes, strict=True):
+            params[name] = w[i : i + shape.numel()].view(shape)
+            i += shape.numel()
+        return sum(
+            nn.functional.cross_entropy(torch.func.functional_call(model, params, (x,)), y)
+            for x, y in batches
+        ) / len(batches)
+
+    eigenvalues = torch.linalg.eigvalsh(torch.func.hessian(loss)(flat))
+    expected = eigenvalues[eigenvalues.abs().argmax()]
+    assert top_eigenvalue(model, batches, iterations=200) == pytest.approx(
+        float(expected), rel=1e-3
+    )
+
+
+def test_readme_commands_match_ci_and_the_package():
+    """The README's two top commands: CI runs the test one verbatim, the main one names a
+    suite and extras that exist."""
+    root = Path(__file__).resolve().parents[1]
+    block = (root / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert len(commands) == 2, commands
+    main, tests = commands
+    assert tests in (root / ".ci" / "run").read_text()
+    pyproject = (root / "pyproject.toml").read_text()
+    for command in commands:
+        for extras in re.findall(r"-e '\.\[([\w,]+)\]'", command):
+            for extra in extras.split(","):
+                assert re.search(rf"^{extra} = \[", pyproject, re.M), f"no extra {extra!r}"
+    suite = re.search(r"pipemare study (\w+)", main)
+    assert suite is not None and suite.group(1) in SUITES
