@@ -19,11 +19,14 @@ from pipemare.telemetry import Span, replay_timeline, summarize_spans
 class PipelineMonitor(Callback):
     """Logs how well the pipeline keeps its stages busy.
 
-    ``pipemare/throughput`` (training samples/s), ``pipemare/utilization`` (mean over stages)
-    and per stage ``pipemare/stage{i}/{compute_s, comm_s, idle_s, utilization}``. With one
-    process per stage these are measured; in one process (simulated stages run one after the
-    other) they come from replaying the recorded actions with their measured durations as if
-    each stage had its own device, and the metrics say so (``pipemare/simulated = 1``).
+    ``pipemare/throughput`` (training samples/s), ``pipemare/utilization`` (mean over stages),
+    ``pipemare/pipeline_time`` (seconds of training so far on P devices) and per stage
+    ``pipemare/stage{i}/{compute_s, comm_s, idle_s, utilization}``. With one process per stage
+    these are measured; in one process (simulated stages run one after the other) they come
+    from replaying the recorded actions with their measured durations as if each stage had its
+    own device, and the metrics say so (``pipemare/simulated = 1``): there the pipeline time is
+    the replayed time per step of the sampled steps times the steps run, while the process's
+    own (serial) wall time is ``pipemare/wall_time`` of the ``ConvergenceMonitor``.
 
     It also puts the pipeline's configuration in every logger's hyperparameters and, with a
     ``WandbLogger``, defines the metrics' step axis and logs a per-stage table.
@@ -57,6 +60,8 @@ class PipelineMonitor(Callback):
         self._samples = 0
         self._window_start: float | None = None
         self._sampled_wall, self._step_start = 0.0, 0.0
+        self._sampled_steps, self._window_steps = 0, 0
+        self._pipeline_time, self._step_time = 0.0, 0.0
         self._config_logged = False
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -92,6 +97,7 @@ class PipelineMonitor(Callback):
         batch_idx: int,
     ) -> None:
         self._samples += batch_size(batch)
+        self._window_steps += 1
         watched = common.probed(trainer)
         if watched is None:
             return
@@ -105,6 +111,7 @@ class PipelineMonitor(Callback):
             if step % self.timeline_every_n_steps == 0:
                 self._spans += spans
                 self._sampled_wall += time.perf_counter() - self._step_start
+                self._sampled_steps += 1
             if self._tracing(step):
                 self._trace += spans
                 if step == self.trace_steps[1] - 1:
@@ -119,7 +126,11 @@ class PipelineMonitor(Callback):
         if simulated:
             replayed, makespan = replay_timeline(self._spans, num_stages)
             stats = summarize_spans(replayed, makespan)
+            if self._sampled_steps:  # else the last sampled steps' time per step holds
+                self._step_time = makespan / self._sampled_steps
+            self._pipeline_time += self._step_time * self._window_steps
         else:
+            self._pipeline_time += wall
             stats = common.merge_stages(
                 common.gather(trainer, summarize_spans(self._spans, self._sampled_wall))
             )
@@ -133,11 +144,12 @@ class PipelineMonitor(Callback):
             metrics[f"{common.PREFIX}/utilization"] = sum(
                 s["utilization"] for s in stats.values()
             ) / len(stats)
+        metrics[f"{common.PREFIX}/pipeline_time"] = self._pipeline_time
         metrics[f"{common.PREFIX}/simulated"] = float(simulated)
         common.remember(trainer, stats)
         common.log(trainer, metrics)
         self._spans, self._samples, self._window_start = [], 0, time.perf_counter()
-        self._sampled_wall = 0.0
+        self._sampled_wall, self._sampled_steps, self._window_steps = 0.0, 0, 0
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking:

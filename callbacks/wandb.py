@@ -80,6 +80,7 @@ def define_metrics(trainer: pl.Trainer) -> None:
     run.define_metric("pipemare/throughput", step_metric="trainer/global_step", summary="mean")
     run.define_metric("pipemare/utilization", step_metric="trainer/global_step", summary="mean")
     run.define_metric("pipemare/wall_time", step_metric="trainer/global_step", summary="max")
+    run.define_metric("pipemare/pipeline_time", step_metric="trainer/global_step", summary="max")
 
 
 def log_stage_table(trainer: pl.Trainer, key: str = "pipemare/stages") -> None:

@@ -1,9 +1,12 @@
 """``pipemare compare RUN_DIR...``: one self-contained HTML page (and PNGs) comparing runs.
 
 It finds every run (a directory with ``summary.json``) under the given directories and shows,
-per task: the monitored metric and the training loss against steps and against wall time,
-a final-quality table, the delays per stage (derived and measured), utilisation per stage,
-and memory (weights, optimiser state, PipeDream's stash, correction buffers, activations held).
+per task: the runs ranked by their best monitored value with each one's gap to gpipe, the
+monitored metric and the training loss against steps and against pipeline time (what P
+devices take; replayed from measured action times for stages simulated in one process, whose
+own serial wall time is shown apart and labelled as such), the delays per stage (derived and
+measured), utilisation per stage, and memory (weights, optimiser state, PipeDream's stash,
+correction buffers, activations held).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import yaml
 
-__all__ = ["Run", "find_runs", "main", "write_dashboard"]
+__all__ = ["Run", "answer", "find_runs", "main", "ranked", "results_table", "write_dashboard"]
 
 _COLORS = {
     "gpipe": "#1f77b4",
@@ -67,6 +70,34 @@ class Run:
         if len(s) == 0:
             return steps * self.summary["wall_time_s"] / max(self.summary["global_step"], 1)
         return np.interp(steps, np.concatenate([[0.0], s]), np.concatenate([[0.0], t]))
+
+    @property
+    def simulated(self) -> bool:
+        """Its stages ran one after another in one process (its wall time is serial)."""
+        _, flags = self.series("pipemare/simulated")
+        if len(flags):
+            return bool(flags[-1])
+        return self.summary.get("strategy") == "PipeMareStrategy" and not self.summary.get(
+            "distributed", False
+        )
+
+    def pipeline_time(self, steps: np.ndarray) -> np.ndarray | None:
+        """Seconds P devices take to reach each of ``steps`` (``PipelineMonitor``'s clock:
+        measured with a process per stage, replayed for simulated stages); None if not logged."""
+        s, t = self.series("pipemare/pipeline_time")
+        if len(s) == 0:
+            return None
+        # the clock is logged every few steps; extrapolate the last rate to the run's end
+        rate = t[-1] / s[-1] if s[-1] > 0 else 0.0
+        xs = np.concatenate([[0.0], s, [max(float(steps.max(initial=0)), s[-1]) + 1]])
+        ts = np.concatenate([[0.0], t, [t[-1] + rate * (xs[-1] - s[-1])]])
+        return np.interp(steps, xs, ts)
+
+    @property
+    def total_pipeline_time(self) -> float | None:
+        steps = np.array([float(self.summary.get("global_step", 0))])
+        t = self.pipeline_time(steps)
+        return None if t is None else float(t[0])
 
     @property
     def lr(self) -> float | None:
@@ -135,44 +166,71 @@ def _smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
     return np.array(out)
 
 
-def _save(fig: Any, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+def _save(fig: Any, path: Path, layout: bool = True) -> Path:
+    if layout:
+        fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # nothing clipped: labels, outside legends
     plt.close(fig)
     return path
 
 
+def _time_axis(runs: list[Run]) -> tuple[Any, str]:
+    """The time each run is plotted against: pipeline time where every run logged it, else
+    wall time, labelled serial where a run simulated its stages in one process."""
+    if all(run.series("pipemare/pipeline_time")[0].size for run in runs):
+        simulated = any(run.simulated for run in runs)
+        label = "pipeline time (s) on P devices" + (
+            ", replayed from measured action times" if simulated else ""
+        )
+        return (lambda run, steps: run.pipeline_time(steps)), label
+    label = "wall time (s)" + (
+        ", serial: simulated stages ran one after another" if any(r.simulated for r in runs) else ""
+    )
+    return (lambda run, steps: run.wall_time(steps)), label
+
+
 def _convergence(task: str, runs: list[Run], out: Path) -> Path:
     monitor = runs[0].monitor
+    clock, time_label = _time_axis(runs)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
     for run in runs:
         kw = {"label": run.variant, "color": _color(run)}
         s, v = run.series(monitor)
         axes[0, 0].plot(s, v, marker="o", ms=3, **kw)
-        axes[0, 1].plot(run.wall_time(s), v, marker="o", ms=3, **kw)
+        axes[0, 1].plot(clock(run, s), v, marker="o", ms=3, **kw)
         s, v = (
             run.series("train_loss_step")
             if len(run.series("train_loss_step")[0])
             else run.series("train_loss")
         )
         axes[1, 0].plot(s, _smooth(v), **kw)
-        axes[1, 1].plot(run.wall_time(s), _smooth(v), **kw)
+        axes[1, 1].plot(clock(run, s), _smooth(v), **kw)
     for ax, (y, x) in zip(
         axes.flat,
         [
             (monitor, "step"),
-            (monitor, "wall time (s)"),
+            (monitor, time_label),
             ("train loss (smoothed)", "step"),
-            ("train loss (smoothed)", "wall time (s)"),
+            ("train loss (smoothed)", time_label),
         ],
         strict=True,
     ):
-        ax.set_xlabel(x)
+        ax.set_xlabel(x, fontsize=9)
         ax.set_ylabel(y)
         ax.grid(alpha=0.3)
-    axes[0, 0].legend(fontsize=8)
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(
+        handles,
+        labels,
+        loc="upper center",
+        ncol=min(len(labels), 7),
+        fontsize=8,
+        bbox_to_anchor=(0.5, 0.955),
+        frameon=False,
+    )
     fig.suptitle(f"{task}: convergence")
-    return _save(fig, out / f"{task}_convergence.png")
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    return _save(fig, out / f"{task}_convergence.png", layout=False)
 
 
 def _staleness(task: str, runs: list[Run], out: Path) -> Path | None:
@@ -189,7 +247,7 @@ def _staleness(task: str, runs: list[Run], out: Path) -> Path | None:
     ax.set_xlabel("stage")
     ax.set_ylabel("forward delay (updates)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"{task}: staleness per stage")
     return _save(fig, out / f"{task}_staleness.png")
 
@@ -212,7 +270,7 @@ def _bars(task: str, runs: list[Run], out: Path, metric: str, label: str, file: 
     ax.set_xlabel("stage")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3, axis="y")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.set_title(f"{task}: {label} per stage")
     return _save(fig, out / file)
 
@@ -245,7 +303,7 @@ def _memory(task: str, runs: list[Run], out: Path) -> Path | None:
         range(len(rows)), [r.variant for r, _ in rows], rotation=30, ha="right", fontsize=8
     )
     ax.set_ylabel("MB over all stages")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=4, frameon=False)
     ax.set_title("weight memory")
     for run, stages in rows:
         ax2.plot(
@@ -254,7 +312,7 @@ def _memory(task: str, runs: list[Run], out: Path) -> Path | None:
     ax2.set_xlabel("stage")
     ax2.set_ylabel("peak microbatches in flight")
     ax2.set_title("activations held (microbatches)")
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax2.grid(alpha=0.3)
     fig.suptitle(f"{task}: memory")
     return _save(fig, out / f"{task}_memory.png")
@@ -268,17 +326,62 @@ def _fmt(value: Any, digits: int = 3) -> str:
     return str(value)
 
 
+def _reference(run: Run, runs: list[Run]) -> Run | None:
+    """The gpipe run ``run`` is measured against: same task, and the same stages and
+    microbatches where such a run exists (else the same stages, else any)."""
+    gpipes = [r for r in runs if r.task == run.task and _color(r) == _COLORS["gpipe"]]
+    gpipes = [r for r in gpipes if r.summary.get("best") is not None]
+
+    def same(r: Run, *keys: str) -> bool:
+        return all(r.summary.get(k) == run.summary.get(k) for k in keys)
+
+    for keys in (("stages", "microbatches"), ("stages",), ()):
+        matches = [r for r in gpipes if same(r, *keys)]
+        if matches:
+            return matches[0]
+    return None
+
+
+def ranked(runs: list[Run]) -> list[Run]:
+    """Runs by task (in order of first appearance), best first within a task; runs without a
+    best value last."""
+    order = {task: i for i, task in reversed(list(enumerate(r.task for r in runs)))}
+
+    def key(run: Run) -> tuple[int, int, float]:
+        best = run.summary.get("best")
+        if best is None:
+            return order[run.task], 1, 0.0
+        return order[run.task], 0, -best if run.mode == "max" else best
+
+    return sorted(runs, key=key)
+
+
+def gap(run: Run, reference: Run | None) -> str:
+    """``best − gpipe's best`` with its relative size, signed so that the reader sees the
+    direction of the metric (for a loss, positive is worse)."""
+    best = run.summary.get("best")
+    if reference is None or best is None:
+        return "-"
+    ref = reference.summary["best"]
+    delta = best - ref
+    relative = f" ({100 * delta / abs(ref):+.1f}%)" if ref else ""
+    return f"{delta:+.3f}{relative}"
+
+
 def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
-    """The final-quality table: one row per run."""
+    """The final-quality table: one row per run, ranked within each task, with its gap to gpipe."""
     header = [
+        "rank",
         "task",
         "run",
         "stages",
         "N",
         "lr",
         "best",
+        "gap to gpipe",
         "final",
         "steps to target",
+        "pipeline s",
         "wall s",
         "utilisation",
         "stash MB",
@@ -286,22 +389,29 @@ def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
         "status",
     ]
     rows = []
-    for run in runs:
+    rank, task = 0, None
+    for run in ranked(runs):
+        rank = rank + 1 if run.task == task else 1
+        task = run.task
         s = run.summary
         mem = s.get("memory", {}).get("stages", [])
         util = run.last_stage_values("utilization")
         final = s["final"].get(run.monitor)
+        wall = _fmt(s.get("wall_time_s"), 0)
         rows.append(
             [
+                str(rank),
                 run.task,
                 run.variant,
                 _fmt(s.get("stages")),
                 _fmt(s.get("microbatches")),
                 _fmt(run.lr, 4),
                 f"{run.monitor} {_fmt(s.get('best'))}",
+                gap(run, _reference(run, runs)),
                 _fmt(final),
                 _fmt(s.get("steps_to_target")),
-                _fmt(s.get("wall_time_s"), 0),
+                _fmt(run.total_pipeline_time, 1),
+                f"{wall} (serial)" if run.simulated and wall != "-" else wall,
                 _fmt(float(np.nanmean(util)) if util and not all(np.isnan(util)) else None, 2),
                 _fmt(sum(m["stash_mb"] for m in mem), 2) if mem else "-",
                 _fmt(sum(_mb(m, "correction_buffers_mb") for m in mem), 2) if mem else "-",
@@ -309,6 +419,27 @@ def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
             ]
         )
     return header, rows
+
+
+def answer(runs: list[Run]) -> list[str]:
+    """One sentence per task: which run did best, and how each PipeMare run compares to gpipe."""
+    lines = []
+    tasks: dict[str, list[Run]] = {}
+    for run in ranked(runs):
+        tasks.setdefault(run.task, []).append(run)
+    for task, task_runs in tasks.items():
+        scored = [r for r in task_runs if r.summary.get("best") is not None]
+        if not scored:
+            continue
+        top = scored[0]
+        text = f"{task}: best {top.monitor} {_fmt(top.summary['best'])} by {top.variant}"
+        reference = _reference(top, runs)
+        if reference is not None:
+            text += f"; gpipe {_fmt(reference.summary['best'])}"
+            mares = [r for r in scored if "pipemare" in r.variant]
+            text += "".join(f"; {r.variant} {gap(r, _reference(r, runs))}" for r in mares)
+        lines.append(text + ".")
+    return lines
 
 
 def _markdown(header: list[str], rows: list[list[str]]) -> str:
@@ -354,7 +485,8 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
     for run in runs:
         tasks.setdefault(run.task, []).append(run)
     header, rows = results_table(runs)
-    (out / "results.md").write_text(_markdown(header, rows))
+    summary = "".join(f"- {line}\n" for line in answer(runs))
+    (out / "results.md").write_text(summary + "\n" + _markdown(header, rows))
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>pipemare: runs compared</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;font-size:13px}"
@@ -362,9 +494,13 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
         "img{max-width:100%}"
         ".diverged{color:#b00}</style></head><body>",
         f"<h1>pipemare: {len(runs)} runs compared</h1>",
-        "<p>Convergence against steps and wall time, the final quality, staleness, utilisation "
-        "and memory. Utilisation of stages simulated in one process is replayed from their "
-        "measured action times.</p>",
+        "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in answer(runs)) + "</ul>",
+        "<p>Runs ranked within each task by their best monitored value; the gap to gpipe is "
+        "best minus gpipe's best at the same stages and microbatches (for a loss, positive is "
+        "worse). Pipeline time is what P devices take: measured with a process per stage, "
+        "replayed from the measured action times for stages simulated in one process, whose "
+        "wall time is serial (its stages ran one after another) and labelled so. Utilisation of "
+        "simulated stages is replayed the same way.</p>",
         "<h2>Results</h2><table><tr>"
         + "".join(f"<th>{html.escape(h)}</th>" for h in header)
         + "</tr>",

@@ -139,6 +139,8 @@ def test_utilization_is_reported_per_stage(tmp_path):
         assert all(0 < u <= 1 for u in per_stage)
         assert column(table, "pipemare/throughput")[-1][1] > 0
         assert column(table, "pipemare/simulated")[-1][1] == 1.0
+        clock = [t for _, t in column(table, "pipemare/pipeline_time")]
+        assert clock[0] > 0 and all(b > a for a, b in itertools.pairwise(clock))
         results[schedule] = column(table, "pipemare/utilization")[-1][1]
     print(
         f"\nreplayed utilisation, 4 stages, N=4: gpipe {results['gpipe']:.2f}, "
@@ -237,6 +239,7 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, monkeypatch):
         "pipemare/stage2/utilization",
         "pipemare/throughput",
         "pipemare/wall_time",
+        "pipemare/pipeline_time",
     ):
         assert key in logged and key in summary, key
     assert config["pipemare"]["schedule"] == "pipemare" and config["pipemare"]["stages"] == 3

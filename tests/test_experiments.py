@@ -108,7 +108,27 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
         for chart in ("convergence", "staleness", "utilization", "memory"):
             assert (tmp_path / "dash" / f"{task}_{chart}.png").stat().st_size > 5000
     table = (tmp_path / "dash" / "results.md").read_text()
-    assert table.count("\n") == 8 and "| mnist | gpipe | 8 | 1 |" in table
+    answers = [line for line in table.splitlines() if line.startswith("- ")]
+    assert len(answers) == 2 and all("gpipe" in a and "pipemare" in a for a in answers)
+    header, _, *body = [line for line in table.splitlines() if line.startswith("|")]
+    columns = [c.strip() for c in header.strip("|").split("|")]
+    cells = [
+        dict(zip(columns, (c.strip() for c in r.strip("|").split("|")), strict=True)) for r in body
+    ]
+    assert len(cells) == 6
+    for task, sign in (("mnist", -1), ("char_lm", 1)):  # ranked: best first in the metric's sense
+        mine = [c for c in cells if c["task"] == task]
+        assert [c["rank"] for c in mine] == ["1", "2", "3"]
+        best = [sign * float(c["best"].split()[-1]) for c in mine]
+        assert best == sorted(best)
+        (gpipe,) = [c for c in mine if c["run"] == "gpipe"]
+        assert gpipe["gap to gpipe"] == "+0.000 (+0.0%)"
+        for c in mine:  # each gap is the run's best minus gpipe's
+            gap = float(c["gap to gpipe"].split()[0])
+            ref = float(gpipe["best"].split()[-1])
+            assert gap == pytest.approx(float(c["best"].split()[-1]) - ref, abs=2e-3)
+            assert float(c["pipeline s"]) > 0 and c["wall s"].endswith("(serial)")
+    assert "pipeline time" in text.lower() and "serial" in text
 
     # a comparison never overwrites a study's own page
     other = tmp_path / "other"
