@@ -47,6 +47,13 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
         "pipemare",
         PipeMareConfig(**{**_ALONE, "spike_compensation": True, "weight_prediction": True}),
     ),
+    # Ajanthan et al.'s Nesterov method without a stash: momentum rising with the delay, the
+    # look-ahead from weight prediction; alone, and on top of the default
+    "pipemare-WP-DM": (
+        "pipemare",
+        PipeMareConfig(**{**_ALONE, "weight_prediction": True, "delay_momentum": 0.99}),
+    ),
+    "pipemare-DM": ("pipemare", PipeMareConfig(delay_momentum=0.99)),
 }
 
 #: what the protocol compares unless told otherwise
@@ -63,6 +70,8 @@ _COLORS = {
     "pipemare-SC": "#8c564b",
     "pipemare-WP": "#e377c2",
     "pipemare-SC-WP": "#7f7f7f",
+    "pipemare-WP-DM": "#bcbd22",
+    "pipemare-DM": "#17becf",
 }
 
 

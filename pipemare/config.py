@@ -7,6 +7,7 @@ from typing import Any
 
 from pipemare.corrections import (
     Correction,
+    DelayMomentum,
     DiscrepancyCorrection,
     LRReschedule,
     SpikeCompensation,
@@ -69,6 +70,11 @@ class PipeMareConfig:
     """Apply a late gradient's missed momentum terms at once: ``True`` (SGD, Adam, AdamW; an
     error for other optimisers), ``False``, or ``"auto"``: on where the optimiser supports it."""
 
+    delay_momentum: float | None = None
+    """Raise each stage's momentum with its delay, from the optimiser's own at the last stage to
+    this value at the most delayed one (Ajanthan et al.'s Nesterov method without a weight
+    stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); None: off."""
+
     def __post_init__(self) -> None:
         if self.reschedule_steps is not None and self.reschedule_steps < 0:
             raise ValueError(f"reschedule_steps must be >= 0, got {self.reschedule_steps}")
@@ -88,6 +94,10 @@ class PipeMareConfig:
             raise ValueError(f"prediction_decay must lie in [0, 1), got {self.prediction_decay}")
         if self.prediction_scale < 0:
             raise ValueError(f"prediction_scale must be >= 0, got {self.prediction_scale}")
+        if self.delay_momentum is not None and not 0.0 <= self.delay_momentum < 1.0:
+            raise ValueError(
+                f"delay_momentum must lie in [0, 1) or be None, got {self.delay_momentum}"
+            )
         if self.spike_compensation not in (True, False, "auto"):
             raise ValueError(
                 f"spike_compensation must be True, False or 'auto', got {self.spike_compensation!r}"
@@ -170,6 +180,8 @@ class PipeMareConfig:
         out: list[Correction] = []
         if self.lr_reschedule:
             out.append(LRReschedule(self.horizon(total_steps, steps_per_epoch), self.warmup_steps))
+        if self.delay_momentum is not None:
+            out.append(DelayMomentum(self.delay_momentum, self.warmup_steps))
         if self.spike_compensation:
             out.append(SpikeCompensation(self.warmup_steps, strict=self.spike_compensation is True))
         if self.discrepancy_correction:

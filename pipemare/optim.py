@@ -11,6 +11,7 @@ from torch import nn
 
 from pipemare.config import PipeMareConfig
 from pipemare.corrections import Correction, DiscrepancyCorrection, StageView
+from pipemare.corrections.base import group_momentum, set_group_momentum
 from pipemare.delay import StageDelay
 
 __all__ = ["PipeMareOptimizer"]
@@ -83,6 +84,7 @@ class PipeMareOptimizer:
             {stage: self.stage_parameters(stage) for stage in stage_params},
             self.delays,
             microbatches,
+            momentum=self.momentum,
         )
         self.corrections: list[Correction] = self.config.build(total_steps, steps_per_epoch)
         for c in self.corrections:
@@ -115,6 +117,15 @@ class PipeMareOptimizer:
             factor *= c.lr_factor(stage, minibatch)
         return factor
 
+    def momentum(self, stage: int, minibatch: int, group: int = 0) -> float:
+        """The momentum ``stage``'s update of ``minibatch`` runs with (β1 of the Adam family,
+        SGD's ``momentum``): the user's, as the corrections set it per stage."""
+        hparams = self._hparams.get(minibatch)
+        m = group_momentum(hparams[group] if hparams else self.optimizer.param_groups[group])
+        for c in self.corrections:
+            m = c.momentum(stage, minibatch, m)
+        return m
+
     def effective_lr(self, stage: int, minibatch: int, group: int = 0) -> float:
         """The learning rate ``stage`` uses (or used) for the update of ``minibatch``."""
         hparams = self._hparams.get(minibatch)
@@ -141,6 +152,11 @@ class PipeMareOptimizer:
             g.update(hp)
             g["params"] = stage_group
             g["lr"] = g["lr"] * factor
+            m = momentum = group_momentum(g)
+            for c in self.corrections:
+                m = c.momentum(stage, minibatch, m)
+            if m != momentum:
+                set_group_momentum(g, m)
             settings = {k: v for k, v in g.items() if k != "params"}
             used += [settings] * len(stage_group)
         try:

@@ -9,7 +9,8 @@ correction                 what it changes                          source
 ``weight_prediction``      forward weights ``w + sδ``, in place     SpecTrain 2018, XPipe 2019,
                                                                     PipeOptim 2023
 ``spike_compensation``     update ``a·v + b·g`` for late gradients  Kosson et al., 2020
-``nesterov``               look-ahead for delayed gradients         Ajanthan et al., ICML 2025
+``delay_momentum``         a stage's momentum, rising with its      Ajanthan et al., ICML 2025
+                           delay (Nesterov method, no stash)        (Nesterov method)
 =========================  =======================================  ==============================
 
 T3 (synchronous warm-up) is a schedule switch: ``PipeMareConfig.warmup_steps``.
@@ -23,12 +24,14 @@ from pipemare.corrections.discrepancy import (
     velocity_update,
 )
 from pipemare.corrections.lr_reschedule import LRReschedule, lr_factor
+from pipemare.corrections.momentum import DelayMomentum, delay_momenta
 from pipemare.corrections.prediction import WeightPrediction, predicted_weight
 from pipemare.corrections.spike import SpikeCompensation, spike_coefficients
 from pipemare.corrections.stability import delayed_gd_bound
 
 __all__ = [
     "Correction",
+    "DelayMomentum",
     "DiscrepancyCorrection",
     "LRReschedule",
     "SpikeCompensation",
@@ -36,6 +39,7 @@ __all__ = [
     "StepAverage",
     "WeightPrediction",
     "backward_weight",
+    "delay_momenta",
     "delayed_gd_bound",
     "lr_factor",
     "predicted_weight",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -12,7 +12,29 @@ from torch import nn
 
 from pipemare.delay import StageDelay
 
-__all__ = ["Correction", "StageView", "StepAverage", "StepAveraged"]
+__all__ = [
+    "Correction",
+    "StageView",
+    "StepAverage",
+    "StepAveraged",
+    "group_momentum",
+    "set_group_momentum",
+]
+
+
+def group_momentum(group: Mapping[str, Any]) -> float:
+    """A param group's momentum: β1 of the Adam family, ``momentum`` of SGD (0 if none)."""
+    if "betas" in group:
+        return float(group["betas"][0])
+    return float(group.get("momentum", 0.0))
+
+
+def set_group_momentum(group: dict[str, Any], momentum: float) -> None:
+    """Set a param group's momentum where :func:`group_momentum` reads it."""
+    if "betas" in group:
+        group["betas"] = (momentum, *tuple(group["betas"])[1:])
+    else:
+        group["momentum"] = momentum
 
 
 @dataclasses.dataclass
@@ -25,12 +47,21 @@ class StageView:
         params: stage -> its parameters.
         delays: every stage's delays, indexed by stage.
         microbatches: N.
+        momentum: ``(stage, step) -> m``, the momentum a stage's update of minibatch ``step``
+            runs with once every correction's :meth:`Correction.momentum` has had its say
+            (default: the first param group's own).
     """
 
     optimizer: torch.optim.Optimizer
     params: Mapping[int, Sequence[nn.Parameter]]
     delays: Sequence[StageDelay]
     microbatches: int
+    momentum: Callable[[int, int], float] | None = None
+
+    def stage_momentum(self, stage: int, step: int) -> float:
+        if self.momentum is None:
+            return group_momentum(self.optimizer.param_groups[0])
+        return self.momentum(stage, step)
 
 
 class Correction:
@@ -39,6 +70,7 @@ class Correction:
     Every hook has a neutral default, so a technique overrides only what it changes:
 
     - :meth:`lr_factor` scales the learning rate of a stage's update (T1);
+    - :meth:`momentum` sets the momentum of a stage's update (delay-aware momentum);
     - :meth:`before_step` / :meth:`after_step` run around the user's optimiser step of one
       stage, with that stage's gradients still in place (T2's velocity, spike compensation);
     - :meth:`forward_weights` is entered around a training forward pass and may move the
@@ -57,6 +89,11 @@ class Correction:
 
     def lr_factor(self, stage: int, step: int) -> float:
         return 1.0
+
+    def momentum(self, stage: int, step: int, momentum: float) -> float:
+        """The momentum ``stage``'s update of minibatch ``step`` runs with, given the one it
+        would run with otherwise (the user's, or an earlier correction's)."""
+        return momentum
 
     def before_step(self, stage: int, params: Sequence[nn.Parameter]) -> None:
         return None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare.corrections.base import Correction, StageView
+from pipemare.corrections.base import Correction, StageView, group_momentum
 
 __all__ = ["SpikeCompensation", "spike_coefficients"]
 
@@ -56,12 +56,6 @@ def _unsupported(opt: torch.optim.Optimizer) -> str | None:
         if g.get("amsgrad") or g.get("maximize"):
             return "spike compensation does not support amsgrad or maximize"
     return None
-
-
-def _momentum(group: Mapping[str, Any]) -> float:
-    if "betas" in group:
-        return float(group["betas"][0])
-    return float(group.get("momentum", 0.0))
 
 
 class SpikeCompensation(Correction):
@@ -99,8 +93,9 @@ class SpikeCompensation(Correction):
         if not self.active or step < self.start:
             return 1.0
         # The optimiser's own step becomes a·(its update); the b term is added after it.
-        # All groups of one optimiser share a momentum in practice; the first one's is used.
-        m = _momentum(self.view.optimizer.param_groups[0])
+        # All groups of one optimiser share a momentum in practice; the first one's is used,
+        # as the stage's update will see it (a delay-aware momentum may have changed it).
+        m = self.view.stage_momentum(stage, step)
         if m == 0.0:  # without momentum the compensated update is the plain one
             return 1.0
         return spike_coefficients(m, self._delay(stage))[0]
@@ -118,7 +113,7 @@ class SpikeCompensation(Correction):
             return
         decoupled = isinstance(self.view.optimizer, torch.optim.AdamW)
         for p, hp in zip(params, hparams, strict=True):
-            m = _momentum(hp)
+            m = group_momentum(hp)
             if p.grad is None or m == 0.0:
                 continue
             a, b = spike_coefficients(m, delay)
