@@ -31,7 +31,12 @@ __all__ = ["GRID", "VARIANTS", "best_case_n", "main", "next_rate", "run_protocol
 #: (N = 1, one stage per layer-group).
 GRID: tuple[tuple[int, int], ...] = ((8, 1), (8, 4), (8, 8), (16, 1), (16, 4))
 
-_ALONE = {"lr_reschedule": False, "weight_prediction": False, "spike_compensation": False}
+_ALONE = {
+    "lr_reschedule": False,
+    "weight_prediction": False,
+    "spike_compensation": False,
+    "delay_momentum": None,
+}
 
 #: variant -> (schedule, config); ``pipemare`` is the schedule's default, the others take
 #: its corrections one at a time (the ablation behind the default).

@@ -14,10 +14,13 @@ from pipemare.corrections import (
     WeightPrediction,
 )
 
-__all__ = ["FALLBACK_HORIZON", "PipeMareConfig"]
+__all__ = ["AUTO_DELAY_MOMENTUM", "FALLBACK_HORIZON", "PipeMareConfig"]
 
 #: T1's horizon in steps when neither it nor the run's length is known.
 FALLBACK_HORIZON = 500
+
+#: ``delay_momentum="auto"``'s momentum at the most delayed stage (Ajanthan et al., ICML 2025).
+AUTO_DELAY_MOMENTUM = 0.99
 
 
 @dataclasses.dataclass
@@ -70,10 +73,11 @@ class PipeMareConfig:
     """Apply a late gradient's missed momentum terms at once: ``True`` (SGD, Adam, AdamW; an
     error for other optimisers), ``False``, or ``"auto"``: on where the optimiser supports it."""
 
-    delay_momentum: float | None = None
+    delay_momentum: float | str | None = None
     """Raise each stage's momentum with its delay, from the optimiser's own at the last stage to
     this value at the most delayed one (Ajanthan et al.'s Nesterov method without a weight
-    stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); None: off."""
+    stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); ``"auto"``:
+    0.99 where the optimiser has momentum (the Adam family, SGD with momentum); None: off."""
 
     def __post_init__(self) -> None:
         if self.reschedule_steps is not None and self.reschedule_steps < 0:
@@ -94,10 +98,9 @@ class PipeMareConfig:
             raise ValueError(f"prediction_decay must lie in [0, 1), got {self.prediction_decay}")
         if self.prediction_scale < 0:
             raise ValueError(f"prediction_scale must be >= 0, got {self.prediction_scale}")
-        if self.delay_momentum is not None and not 0.0 <= self.delay_momentum < 1.0:
-            raise ValueError(
-                f"delay_momentum must lie in [0, 1) or be None, got {self.delay_momentum}"
-            )
+        dm = self.delay_momentum
+        if dm is not None and dm != "auto" and (isinstance(dm, str) or not 0.0 <= dm < 1.0):
+            raise ValueError(f"delay_momentum must lie in [0, 1), or be 'auto' or None, got {dm!r}")
         if self.spike_compensation not in (True, False, "auto"):
             raise ValueError(
                 f"spike_compensation must be True, False or 'auto', got {self.spike_compensation!r}"
@@ -128,6 +131,7 @@ class PipeMareConfig:
             discrepancy_correction=False,
             weight_prediction=False,
             spike_compensation=False,
+            delay_momentum=None,
             warmup_steps=0,
         )
 
@@ -145,6 +149,7 @@ class PipeMareConfig:
         base: dict[str, Any] = {
             "weight_prediction": False,
             "spike_compensation": False,
+            "delay_momentum": None,
             "discrepancy_correction": True,
             "reschedule_steps": FALLBACK_HORIZON,
         }
@@ -180,8 +185,10 @@ class PipeMareConfig:
         out: list[Correction] = []
         if self.lr_reschedule:
             out.append(LRReschedule(self.horizon(total_steps, steps_per_epoch), self.warmup_steps))
-        if self.delay_momentum is not None:
-            out.append(DelayMomentum(self.delay_momentum, self.warmup_steps))
+        if self.delay_momentum == "auto":
+            out.append(DelayMomentum(AUTO_DELAY_MOMENTUM, self.warmup_steps, strict=False))
+        elif self.delay_momentum is not None:
+            out.append(DelayMomentum(float(self.delay_momentum), self.warmup_steps))
         if self.spike_compensation:
             out.append(SpikeCompensation(self.warmup_steps, strict=self.spike_compensation is True))
         if self.discrepancy_correction:

@@ -19,8 +19,9 @@ from pipemare.corrections import (
 from pipemare.corrections.stability import largest_stable_step
 from pipemare.delay import StageDelay
 
-ONLY_WP = {"lr_reschedule": False, "spike_compensation": False, "weight_prediction": True}
-ONLY_SC = {"lr_reschedule": False, "weight_prediction": False, "spike_compensation": True}
+OTHERS_OFF = {"lr_reschedule": False, "delay_momentum": None}
+ONLY_WP = {**OTHERS_OFF, "spike_compensation": False, "weight_prediction": True}
+ONLY_SC = {**OTHERS_OFF, "weight_prediction": False, "spike_compensation": True}
 
 
 def delayed(tau: float) -> tuple[StageDelay, ...]:
@@ -294,6 +295,7 @@ def test_pipeline_hands_the_run_length_to_t1():
 # -- delay-aware momentum (Ajanthan et al.'s Nesterov method without a stash) ---------------------
 
 ONLY_DM = {"lr_reschedule": False, "weight_prediction": False, "spike_compensation": False}
+# (each test sets delay_momentum itself)
 
 
 def three_stages(optimizer, cfg: PipeMareConfig):
@@ -356,6 +358,22 @@ def test_delay_momentum_waits_for_the_warmup_composes_with_sc_and_refuses_no_mom
         )
     with pytest.raises(ValueError, match="delay_momentum must lie in"):
         PipeMareConfig(delay_momentum=1.0)
+    with pytest.raises(ValueError, match="or be 'auto' or None"):
+        PipeMareConfig(delay_momentum="on")
+
+
+def test_auto_delay_momentum_raises_momentum_only_where_there_is_one():
+    auto = PipeMareConfig(**ONLY_DM, delay_momentum="auto")
+    for make, active in [
+        (lambda ps: torch.optim.AdamW(ps, lr=0.01), True),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5), True),
+        (lambda ps: torch.optim.SGD(ps, lr=0.1), False),  # plain SGD: no momentum to raise
+        (lambda ps: torch.optim.Adagrad(ps, lr=0.1), False),  # none at all: no error either
+    ]:
+        _, opt = three_stages(make, auto)
+        top = opt.momentum(0, 0)
+        assert ("delay_momentum" in opt.describe()) is active
+        assert top == (pytest.approx(0.99) if active else opt.momentum(2, 0))
 
 
 # -- the delayed quadratic -------------------------------------------------------------------------
@@ -404,6 +422,6 @@ def test_delay_momentum_needs_a_look_ahead_and_with_prediction_widens_the_range(
     plain = largest_stable_step(tau, None, MOMENTUM)
     dm = largest_stable_step(tau, PipeMareConfig(**ONLY_DM, delay_momentum=0.99), MOMENTUM)
     wp = largest_stable_step(tau, PipeMareConfig(**ONLY_WP), MOMENTUM)
-    both = largest_stable_step(tau, PipeMareConfig(**ONLY_WP, delay_momentum=0.99), MOMENTUM)
+    both = largest_stable_step(tau, PipeMareConfig(**{**ONLY_WP, "delay_momentum": 0.99}), MOMENTUM)
     assert 0.8 * plain < dm < 1.2 * plain
     assert both > 2.5 * wp and both > 4 * plain

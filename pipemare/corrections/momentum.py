@@ -49,21 +49,28 @@ class DelayMomentum(Correction):
     Args:
         top: the momentum of the stage with the longest delay (Ajanthan et al.: 0.99).
         start: the first step it applies to (T3's warm-up steps have no delay).
+        strict: refuse an optimiser without momentum; otherwise (the config's ``"auto"``) stand
+            aside for it and for SGD without momentum, where the momentum would be new rather
+            than raised.
     """
 
     name = "delay_momentum"
 
-    def __init__(self, top: float, start: int = 0) -> None:
+    def __init__(self, top: float, start: int = 0, strict: bool = True) -> None:
         if not 0.0 <= top < 1.0:
             raise ValueError(f"delay_momentum must lie in [0, 1), got {top}")
-        self.top, self.start = top, start
-        self.adam_family = True
+        self.top, self.start, self.strict = top, start, strict
+        self.adam_family, self.active = True, True
 
     def bind(self, view: StageView) -> None:
         super().bind(view)
         groups = view.optimizer.param_groups
         self.adam_family = all("betas" in g for g in groups)
-        if not self.adam_family and not all("momentum" in g for g in groups):
+        has_momentum = self.adam_family or all("momentum" in g for g in groups)
+        if not self.strict:
+            self.active = self.adam_family or (has_momentum and group_momentum(groups[0]) > 0.0)
+            return
+        if not has_momentum:
             raise ValueError(
                 f"delay_momentum needs an optimiser with momentum (SGD, Adam, AdamW, NAdam, ...),"
                 f" not {type(view.optimizer).__name__}; or switch it off (delay_momentum=None)"
@@ -80,15 +87,15 @@ class DelayMomentum(Correction):
         return [d.forward for d in self.view.delays]
 
     def momentum(self, stage: int, step: int, momentum: float) -> float:
-        if step < self.start:
+        if not self.active or step < self.start:
             return momentum
         return delay_momenta(momentum, self.top, self._delays())[stage]
 
     def lr_factor(self, stage: int, step: int) -> float:
-        if self.adam_family or step < self.start:
+        if not self.active or self.adam_family or step < self.start:
             return 1.0
         user = group_momentum(self.view.optimizer.param_groups[0])
         return (1.0 - self.momentum(stage, step, user)) / (1.0 - user)
 
     def describe(self) -> dict[str, Any]:
-        return {"max": self.top}
+        return {"active": self.active, "max": self.top}
