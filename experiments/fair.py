@@ -53,16 +53,17 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
         PipeMareConfig(**{**_ALONE, "spike_compensation": True, "weight_prediction": True}),
     ),
     # Ajanthan et al.'s Nesterov method without a stash: momentum rising with the delay, the
-    # look-ahead from weight prediction; alone, and on top of the default
+    # look-ahead from weight prediction
     "pipemare-WP-DM": (
         "pipemare",
         PipeMareConfig(**{**_ALONE, "weight_prediction": True, "delay_momentum": 0.99}),
     ),
-    "pipemare-DM": ("pipemare", PipeMareConfig(delay_momentum=0.99)),
+    # the default before delay-aware momentum joined it (pipemare 0.2)
+    "pipemare-T1-SC-WP": ("pipemare", PipeMareConfig(delay_momentum=None)),
 }
 
 #: what the protocol compares unless told otherwise
-DEFAULT_VARIANTS = ("gpipe", "async", "pipemare", "pipemare-T1T2")
+DEFAULT_VARIANTS = ("gpipe", "async", "pipemare", "pipemare-T1-SC-WP")
 
 SYNC = ("gpipe",)
 
@@ -76,7 +77,7 @@ _COLORS = {
     "pipemare-WP": "#e377c2",
     "pipemare-SC-WP": "#7f7f7f",
     "pipemare-WP-DM": "#bcbd22",
-    "pipemare-DM": "#17becf",
+    "pipemare-T1-SC-WP": "#17becf",
 }
 
 

@@ -32,13 +32,15 @@ TASKS: dict[str, tuple[str, str, int]] = {
 
 def schedule_variants(warmup: int) -> dict[str, dict[str, Any]]:
     """The schedules compared by a study: the baselines, PipeMare's own T1+T2 (+T3), and the
-    ``pipemare`` default (T1 over 13% of the run, spike compensation, weight prediction)."""
+    ``pipemare`` default (T1 over 13% of the run, delay-aware momentum, spike compensation and
+    weight prediction)."""
     t1t2 = {
         "lr_reschedule": True,
         "reschedule_steps": 500,
         "discrepancy_correction": True,
         "weight_prediction": False,
         "spike_compensation": False,
+        "delay_momentum": None,
     }
     return {
         "gpipe": {f"{STRATEGY}.schedule": "gpipe"},

@@ -29,8 +29,8 @@ class PipeMareConfig:
 
     Example:
         >>> cfg = PipeMareConfig(warmup_steps=20)
-        >>> cfg.lr_reschedule, cfg.weight_prediction, cfg.discrepancy_correction, cfg.warmup_steps
-        (True, 'auto', False, 20)
+        >>> cfg.lr_reschedule, cfg.weight_prediction, cfg.delay_momentum, cfg.warmup_steps
+        (True, 'auto', 'auto', 20)
         >>> [c.name for c in PipeMareConfig.off().build()]
         []
     """
@@ -73,7 +73,7 @@ class PipeMareConfig:
     """Apply a late gradient's missed momentum terms at once: ``True`` (SGD, Adam, AdamW; an
     error for other optimisers), ``False``, or ``"auto"``: on where the optimiser supports it."""
 
-    delay_momentum: float | str | None = None
+    delay_momentum: float | str | None = "auto"
     """Raise each stage's momentum with its delay, from the optimiser's own at the last stage to
     this value at the most delayed one (Ajanthan et al.'s Nesterov method without a weight
     stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); ``"auto"``:

@@ -87,7 +87,7 @@ def test_t2_and_prediction_make_the_discrepancy_smaller(tmp_path):
     results = {}
     for name, cfg in [
         ("t2", PipeMareConfig.t1_t2(lr_reschedule=False)),
-        ("wp", PipeMareConfig(lr_reschedule=False, spike_compensation=False)),
+        ("wp", PipeMareConfig(lr_reschedule=False, spike_compensation=False, delay_momentum=None)),
         ("off", PipeMareConfig.off()),
     ]:
         logger = pl.loggers.CSVLogger(tmp_path / name)

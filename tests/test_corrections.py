@@ -106,6 +106,7 @@ def test_prediction_keeps_one_buffer_per_weight_and_no_stash():
     weights = sum(p.numel() * p.element_size() for p in model[0].parameters())
     assert pipe.optimizer.buffer_bytes(0) == {
         "lr_reschedule": 0,
+        "delay_momentum": 0,
         "spike_compensation": 0,
         "weight_prediction": weights,
     }
@@ -245,10 +246,16 @@ def test_auto_corrections_stand_aside_where_they_do_not_apply():
 
 def test_config_switches_and_their_errors():
     names = lambda cfg: [c.name for c in cfg.build()]  # noqa: E731
-    assert names(PipeMareConfig()) == ["lr_reschedule", "spike_compensation", "weight_prediction"]
+    assert names(PipeMareConfig()) == [
+        "lr_reschedule",
+        "delay_momentum",
+        "spike_compensation",
+        "weight_prediction",
+    ]
     assert names(PipeMareConfig.t1_t2()) == ["lr_reschedule", "discrepancy_correction"]
     assert names(PipeMareConfig(discrepancy_correction=True)) == [
         "lr_reschedule",
+        "delay_momentum",
         "spike_compensation",
         "discrepancy_correction",
     ]  # "auto" prediction yields to T2 when T2 is asked for
@@ -259,8 +266,8 @@ def test_config_switches_and_their_errors():
         PipeMareConfig(spike_compensation="yes")
     with pytest.raises(ValueError, match="one way"):
         PipeMareConfig(reschedule_steps=10, reschedule_epochs=2)
-    assert isinstance(PipeMareConfig().build()[1], SpikeCompensation)
-    assert isinstance(PipeMareConfig().build()[2], WeightPrediction)
+    assert isinstance(PipeMareConfig().build()[2], SpikeCompensation)
+    assert isinstance(PipeMareConfig().build()[3], WeightPrediction)
 
 
 # -- T1's horizon --------------------------------------------------------------------------------
