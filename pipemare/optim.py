@@ -145,17 +145,15 @@ class PipeMareOptimizer:
         hparams = self._hparams.get(minibatch) or [{}] * len(self.optimizer.param_groups)
         factor = self.lr_factor(stage, minibatch)
         saved, used = [], []
-        for g, stage_group, hp in zip(
-            self.optimizer.param_groups, self._groups[stage], hparams, strict=True
+        for i, (g, stage_group, hp) in enumerate(
+            zip(self.optimizer.param_groups, self._groups[stage], hparams, strict=True)
         ):
             saved.append(dict(g))
             g.update(hp)
             g["params"] = stage_group
             g["lr"] = g["lr"] * factor
-            m = momentum = group_momentum(g)
-            for c in self.corrections:
-                m = c.momentum(stage, minibatch, m)
-            if m != momentum:
+            m = self.momentum(stage, minibatch, i)
+            if m != group_momentum(g):
                 set_group_momentum(g, m)
             settings = {k: v for k, v in g.items() if k != "params"}
             used += [settings] * len(stage_group)
