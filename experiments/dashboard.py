@@ -73,13 +73,10 @@ class Run:
 
     @property
     def simulated(self) -> bool:
-        """Its stages ran one after another in one process (its wall time is serial)."""
-        _, flags = self.series("pipemare/simulated")
-        if len(flags):
-            return bool(flags[-1])
-        return self.summary.get("strategy") == "PipeMareStrategy" and not self.summary.get(
-            "distributed", False
-        )
+        """Its stages ran one after another in one process (its wall time is serial); False
+        where no ``PipelineMonitor`` said so."""
+        _, flags = self.series("pipemare/simulated")  # logged by the PipelineMonitor
+        return bool(len(flags)) and bool(flags[-1])
 
     def pipeline_time(self, steps: np.ndarray) -> np.ndarray | None:
         """Seconds P devices take to reach each of ``steps`` (``PipelineMonitor``'s clock:
