@@ -188,8 +188,10 @@ class Executor:
                 grads = stage.backward(m, None, scale=self._scale.pop(m))
             else:
                 grads = stage.backward(m, self._recv(i + 1, i, GRAD, m))
+                self.transport.release(i + 1, i, GRAD, m)
             w.pending.discard(m)
             if i > 0:
+                self.transport.release(i - 1, i, ACT, m)  # the input's last use was above
                 self._send(i, i - 1, GRAD, m, grads)
         else:
             params = self.optimizer.stage_parameters(i)

@@ -291,6 +291,8 @@ class Pipeline:
                 else:
                     x = self.transport.recv(i - 1, i, ACT, tag)
                 y = stage.forward(tag, x, grad=False)
+                if i > 0:
+                    self.transport.release(i - 1, i, ACT, tag)
                 if i == self.num_stages - 1:
                     results.append(head(y, chunk) if head is not None else y)
                 else:

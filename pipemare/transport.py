@@ -44,6 +44,9 @@ class Transport(abc.ABC):
     def recv(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
         """The next payload from ``src`` on ``channel``, which must belong to ``microbatch``."""
 
+    def release(self, src: int, dst: int, channel: str, microbatch: int) -> None:  # noqa: B027
+        """The receiver is done with ``microbatch``'s payload; its buffers may be reused."""
+
     def flush(self) -> None:  # noqa: B027 - transports that deliver at once have nothing to wait for
         """Wait until everything sent has been delivered."""
 
@@ -158,18 +161,133 @@ def init_process_group(backend: str) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
 
 
+def _buffers(signature: tuple[int, ...], device: torch.device) -> list[torch.Tensor | None]:
+    _, _, specs = _decode([0, *signature])
+    return [None if s is None else torch.empty(s[1], dtype=s[0], device=device) for s in specs]
+
+
+def _sole_owner(t: torch.Tensor) -> bool:
+    """Whether nothing but ``t`` refers to its storage (no view, leaf or pending send)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:  # pragma: no cover - a torch without the query never recycles
+        return False
+    return bool(count(t.untyped_storage()._cdata) <= 2)  # t's reference and the query's own
+
+
+class _Slot:
+    """A message posted for ahead of need: its header and, in the expected shapes, its tensors."""
+
+    def __init__(self, expected: tuple[int, ...] | None, header: torch.Tensor) -> None:
+        self.expected = expected
+        self.header = header
+        self.buffers: list[torch.Tensor | None] = []
+        self.works: list[Any] = []
+
+
+class _Inbox:
+    """Everything one stage receives from one neighbour on one channel.
+
+    Receives are posted ``depth`` messages ahead, each in the shapes of the message ``depth``
+    before it (shapes are learned from the headers, so a steady stream allocates nothing and
+    its data can arrive while the receiver computes: gloo moves a message only once its
+    receive is posted). The sender knows which shapes each posted receive expects, and when
+    a message's shapes differ it first fills the posted receive with a throwaway of the
+    expected shapes, then sends the real tensors on a third group that is never posted ahead.
+    """
+
+    def __init__(self, peer: int, groups: tuple[Any, Any, Any], device: torch.device) -> None:
+        self.peer, self.groups, self.device = peer, groups, device
+        self._slots: collections.deque[_Slot] = collections.deque()
+        self._pool: dict[tuple[int, ...], list[list[torch.Tensor | None]]] = {}
+        self._lent: dict[int, tuple[tuple[int, ...], list[torch.Tensor | None]]] = {}
+
+    def post(self, expected: tuple[int, ...] | None) -> None:
+        header_group, payload_group, _ = self.groups
+        slot = _Slot(expected, torch.empty(_HEADER, dtype=torch.int64, device=self.device))
+        slot.works.append(dist.irecv(slot.header, src=self.peer, group=header_group))
+        if expected is not None:
+            free = self._pool.get(expected)
+            slot.buffers = free.pop() if free else _buffers(expected, self.device)
+            for t in slot.buffers:
+                if t is not None:
+                    slot.works.append(dist.irecv(t, src=self.peer, group=payload_group))
+        self._slots.append(slot)
+
+    def take(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
+        slot = self._slots.popleft()
+        for work in slot.works:
+            work.wait()
+        header = slot.header.tolist()
+        got, signature = header[0], tuple(header[1:])
+        if got != microbatch:
+            raise _mismatch(src, dst, channel, microbatch, got)
+        buffers = slot.buffers
+        if signature != slot.expected:  # the posted tensors got a throwaway; fetch the real ones
+            if slot.expected is not None:
+                self._pool.setdefault(slot.expected, []).append(slot.buffers)
+            buffers = _buffers(signature, self.device)
+            works: list[Any] = [
+                dist.irecv(t, src=self.peer, group=self.groups[2]) for t in buffers if t is not None
+            ]
+            for work in works:
+                work.wait()
+        self.post(signature)
+        self._lent[microbatch] = (signature, buffers)
+        return buffers[0] if header[1] < 0 else tuple(buffers)
+
+    def release(self, microbatch: int) -> None:
+        entry = self._lent.pop(microbatch, None)
+        if entry is not None and all(t is None or _sole_owner(t) for t in entry[1]):
+            self._pool.setdefault(entry[0], []).append(entry[1])
+
+
+class _Outbox:
+    """What one stage sends to one neighbour on one channel, mirroring the receiver's posts."""
+
+    def __init__(self, peer: int, groups: tuple[Any, Any, Any], depth: int) -> None:
+        self.peer, self.groups = peer, groups
+        # the shapes the receiver's posted receive for the next message expects
+        self._expected: collections.deque[tuple[int, ...] | None] = collections.deque(
+            [None] * depth
+        )
+
+    def send(self, microbatch: int, payload: Any, device: torch.device) -> list[Any]:
+        """Post the message's sends; returns ``(work, tensor)`` pairs to keep until delivered."""
+        header_group, payload_group, extra_group = self.groups
+        header = _encode(microbatch, payload)
+        signature = tuple(header[1:])
+        expected = self._expected.popleft()
+        self._expected.append(signature)
+        head = torch.tensor(header, dtype=torch.int64, device=device)
+        parts = [t.detach().contiguous() for t in tensors(payload) if t is not None]
+        out = [(dist.isend(head, dst=self.peer, group=header_group), head)]
+        group = payload_group
+        if signature != expected:
+            if expected is not None:
+                for t in _buffers(expected, device):
+                    if t is not None:
+                        out.append((dist.isend(t, dst=self.peer, group=payload_group), t))
+            group = extra_group
+        out += [(dist.isend(t, dst=self.peer, group=group), t) for t in parts]
+        return out
+
+
 class DistributedTransport(Transport):
     """One stage per process over torch.distributed point-to-point messages.
 
     The backend follows the device: NCCL for CUDA, gloo otherwise. Activations and
-    gradients travel in two separate process groups, so each communicator carries traffic
-    in one direction only and every send meets its receive in order, which NCCL needs (its
+    gradients travel in separate process groups, so each communicator carries traffic in one
+    direction only and every send meets its receive in order, which NCCL needs (its
     point-to-point calls between a pair of ranks share one stream) and gloo tolerates.
+    Receives are posted ahead of need (see :class:`_Inbox`), so data moves while both
+    sides compute; a stage hands a received payload back with :meth:`release` once it no
+    longer needs it, and its buffers receive a later message.
 
     Args:
         stages: number of stages; must equal the world size (the default).
         device: this process's device; CUDA selects NCCL.
         stage_of_rank: which stage each rank runs (default: rank ``r`` runs stage ``r``).
+        depth: messages posted ahead per neighbour and channel.
     """
 
     def __init__(
@@ -177,6 +295,7 @@ class DistributedTransport(Transport):
         stages: int | None = None,
         device: torch.device | str = "cpu",
         stage_of_rank: Sequence[int] | None = None,
+        depth: int = 2,
     ) -> None:
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -192,47 +311,45 @@ class DistributedTransport(Transport):
         order = list(stage_of_rank) if stage_of_rank is not None else list(range(world))
         if sorted(order) != list(range(stages)):
             raise ValueError(f"stage_of_rank {order} must be a permutation of 0..{stages - 1}")
+        if depth < 1:
+            raise ValueError(f"depth must be at least 1, got {depth}")
         self.num_stages = stages
         self._rank_of = {stage: r for r, stage in enumerate(order)}
-        self.local_stages = (order[rank],)
-        self._groups = {ACT: dist.new_group(backend=backend), GRAD: dist.new_group(backend=backend)}
+        me = order[rank]
+        self.local_stages = (me,)
+        # per channel: headers, payloads in the expected shapes, payloads in new shapes
+        groups = {
+            ch: tuple(dist.new_group(backend=backend) for _ in range(3)) for ch in (ACT, GRAD)
+        }
         #: a group of its own for collectives the pipeline needs (gradient norms)
         self.collective_group = dist.new_group(backend=backend)
+        self._inbox: dict[tuple[int, str], _Inbox] = {}
+        self._outbox: dict[tuple[int, str], _Outbox] = {}
+        for ch, src, dst in ((ACT, me - 1, me + 1), (GRAD, me + 1, me - 1)):
+            if 0 <= src < stages:
+                inbox = _Inbox(self._rank_of[src], groups[ch], self.device)
+                for _ in range(depth):
+                    inbox.post(None)
+                self._inbox[src, ch] = inbox
+            if 0 <= dst < stages:
+                self._outbox[dst, ch] = _Outbox(self._rank_of[dst], groups[ch], depth)
         self._sent: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until sent)
 
     def rank_of(self, stage: int) -> int:
         return self._rank_of[stage]
 
     def send(self, src: int, dst: int, channel: str, microbatch: int, payload: Any) -> None:
-        group, peer = self._groups[channel], self._rank_of[dst]
-        header = torch.tensor(_encode(microbatch, payload), dtype=torch.int64, device=self.device)
-        parts = [header] + [t.detach().contiguous() for t in tensors(payload) if t is not None]
-        for t in parts:
-            self._sent.append((dist.isend(t, dst=peer, group=group), t))
+        self._sent += self._outbox[dst, channel].send(microbatch, payload, self.device)
         self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
 
     def ready(self, src: int, dst: int, channel: str) -> bool:
         return True
 
     def recv(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
-        group, peer = self._groups[channel], self._rank_of[src]
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(header, src=peer, group=group)
-        got, bare, specs = _decode(header.tolist())
-        if got != microbatch:
-            raise _mismatch(src, dst, channel, microbatch, got)
-        out: list[torch.Tensor | None] = []
-        works: list[Any] = []
-        for s in specs:
-            if s is None:
-                out.append(None)
-                continue
-            t = torch.empty(s[1], dtype=s[0], device=self.device)
-            works.append(dist.irecv(t, src=peer, group=group))
-            out.append(t)
-        for w in works:
-            w.wait()
-        return out[0] if bare else tuple(out)
+        return self._inbox[src, channel].take(src, dst, channel, microbatch)
+
+    def release(self, src: int, dst: int, channel: str, microbatch: int) -> None:
+        self._inbox[src, channel].release(microbatch)
 
     def flush(self) -> None:
         for work, _ in self._sent:
