@@ -147,7 +147,9 @@ class ConvergenceMonitor(Callback):
         else:
             stage = pipe.num_stages - 1 if pipe is not None else 0
             reason += "; the loss is computed on the last stage"
-        self.divergence = Divergence(trainer.global_step, stage, loss, reason)
+        # the step whose minibatch gave the loss: a non-flushing pipeline reports it lagged
+        step = getattr(trainer.strategy, "reported_step", None) or trainer.global_step
+        self.divergence = Divergence(step, stage, loss, reason)
         rank_zero_warn(self.divergence.message())
         common.log(
             trainer,

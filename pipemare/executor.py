@@ -80,6 +80,9 @@ class Executor:
         self._scale: dict[int, float] = {}  # microbatch -> share of its minibatch (last stage)
         #: telemetry, when a monitor attached a probe
         self.probe: Probe | None = None
+        #: called with ``(minibatch, loss)`` where the last stage runs, the moment every
+        #: microbatch of the minibatch has passed the loss (before their backward passes)
+        self.on_minibatch: Callable[[int, torch.Tensor], None] | None = None
 
     # -- data in, losses out ---------------------------------------------------------------
 
@@ -174,6 +177,8 @@ class Executor:
                 entry[0] = entry[0] + out.detach() * weight
                 entry[1] += 1
                 self._scale[m] = weight
+                if entry[1] == self.microbatches and self.on_minibatch is not None:
+                    self.on_minibatch(k, entry[0])
             else:
                 out = stage.forward(m, inputs)
                 self._send(i, i + 1, ACT, m, as_payload(out, i))

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_size", "scatter", "to_device"]
+__all__ = ["batch_size", "combine", "scatter", "to_device"]
 
 
 def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -74,3 +74,36 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in ``batch`` (nested tuples, lists, dicts) to ``device``."""
     return _map(batch, lambda t: t.to(device))
+
+
+def combine(outputs: list[Any], sizes: list[int]) -> Any:
+    """One output for a whole batch from its microbatches' outputs (the inverse of scatter).
+
+    Tensors whose first dimension is their microbatch's size are concatenated; scalars (0-dim
+    tensors, Python numbers) are averaged weighted by microbatch size, as a per-sample mean
+    over the batch would be; mappings, tuples and lists are combined entry by entry; anything
+    else comes back as the list of the microbatches' values.
+
+    Example:
+        >>> combine([torch.tensor(1.0), torch.tensor(4.0)], [3, 1])
+        tensor(1.7500)
+    """
+    first, total = outputs[0], sum(sizes)
+    if len(outputs) == 1 or first is None:
+        return first
+    if isinstance(first, torch.Tensor) and all(isinstance(o, torch.Tensor) for o in outputs):
+        if first.dim() == 0:
+            return sum(o * (n / total) for o, n in zip(outputs, sizes, strict=True))
+        if all(o.dim() > 0 and o.shape[0] == n for o, n in zip(outputs, sizes, strict=True)):
+            return torch.cat(outputs)
+        return list(outputs)
+    if isinstance(first, Mapping) and all(isinstance(o, Mapping) for o in outputs):
+        return {k: combine([o[k] for o in outputs], sizes) for k in first}
+    if isinstance(first, (tuple, list)) and all(
+        type(o) is type(first) and len(o) == len(first) for o in outputs
+    ):
+        parts = [combine([o[i] for o in outputs], sizes) for i in range(len(first))]
+        return type(first)(parts) if not hasattr(first, "_fields") else type(first)(*parts)
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return sum(o * (n / total) for o, n in zip(outputs, sizes, strict=True))
+    return list(outputs)

@@ -3,29 +3,30 @@
 The strategy is glue between Lightning's hooks and :class:`~pipemare.pipeline.Pipeline`:
 
 - ``training_step`` feeds the batch to the pipeline, which runs this process's share of the
-  schedule, weight updates included; the user's ``training_step`` runs per microbatch through
-  :class:`~pipemare.module_adapter.ModuleAdapter` (its first half on the first stage, its loss
-  on the last), and its ``self.log`` calls are replayed once per step on every rank;
+  schedule, weight updates included, and returns without waiting for the batch to reach the
+  last stage; the user's steps run per microbatch (:mod:`pipemare.steps`), and the loss and
+  ``self.log`` values a step reports are those of the minibatch ``L`` steps earlier, ``L`` the
+  pipeline's depth in steps (:mod:`pipemare.lagged`; shown as ``lag`` in the progress bar);
 - ``backward`` does nothing and ``optimizer_step`` only runs Lightning's closure: the engine
   already applied each stage's update when the schedule called for it;
-- validation, test and predict run forward through the pipeline after draining it;
-- checkpoints hold the whole model and optimiser state, gathered from every stage.
+- validation and test run pipelined after draining the pipeline (a batch's microbatches
+  overlap across stages, and in one process per stage consecutive batches overlap too);
+- checkpoints hold the whole model and optimiser state (:mod:`pipemare.checkpointing`).
 
 Two modes: one stage per process (``devices=P``: Lightning's launchers, torchrun or SLURM,
-gloo on CPU and NCCL on CUDA), or every stage in one process (``devices=1``, ``stages=P``).
-Lightning ships two packages with separate strategy registries; ``import pipemare`` registers
-the strategy in ``pytorch_lightning`` and, when installed, in ``lightning.pytorch``.
+gloo on CPU and NCCL on CUDA, see :mod:`pipemare.launching`), or every stage in one process
+(``devices=1``, ``stages=P``). Lightning ships two packages with separate strategy registries;
+``import pipemare`` registers the strategy in ``pytorch_lightning`` and, when installed, in
+``lightning.pytorch``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
-import importlib
 import importlib.util
 import math
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
@@ -33,49 +34,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare import partition
+from pipemare import checkpointing, launching, partition
 from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, derive_delays
-from pipemare.logreplay import LogRecorder, Record
-from pipemare.microbatch import batch_size, scatter
-from pipemare.module_adapter import ModuleAdapter, find_sequential, loss_of
+from pipemare.lagged import DistributedResults, LocalResults, Results, result_lag
+from pipemare.launching import START_METHODS, LightningAPI
+from pipemare.microbatch import batch_size, combine, scatter
+from pipemare.module_adapter import ModuleAdapter, find_sequential
 from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, spec
+from pipemare.steps import UserSteps
 from pipemare.telemetry import Probe
 
 __all__ = ["PipeMareStrategy", "register"]
 
 _BALANCES = ("time", "params", "even")
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-
-
-class _Lightning:
-    """The Lightning symbols the strategy needs, from one of Lightning's two packages."""
-
-    def __init__(self, package: str) -> None:
-        fabric = "lightning_fabric" if package == "pytorch_lightning" else "lightning.fabric"
-        self.package = package
-        self.strategies = importlib.import_module(f"{package}.strategies")
-        launchers = importlib.import_module(f"{package}.strategies.launchers")
-        self.SubprocessScriptLauncher = importlib.import_module(
-            f"{package}.strategies.launchers.subprocess_script"
-        )._SubprocessScriptLauncher
-        self.MultiProcessingLauncher = launchers._MultiProcessingLauncher
-        precision = importlib.import_module(f"{package}.plugins.precision")
-        self.Precision, self.MixedPrecision = precision.Precision, precision.MixedPrecision
-        self.HalfPrecision = precision.HalfPrecision
-        self.rank_zero_only = importlib.import_module(
-            f"{package}.utilities.rank_zero"
-        ).rank_zero_only
-        self.rank_zero_info = importlib.import_module(
-            f"{package}.utilities.rank_zero"
-        ).rank_zero_info
-        distributed = importlib.import_module(f"{fabric}.utilities.distributed")
-        self.init_dist_connection = distributed._init_dist_connection
-        self.sync_ddp_if_available = distributed._sync_ddp_if_available
-        self.backend_for_device = distributed._get_default_process_group_backend_for_device
-        self.reset_seed = importlib.import_module(f"{fabric}.utilities.seed").reset_seed
-        self.TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
 
 
 if TYPE_CHECKING:  # the mixin is combined with a Lightning ParallelStrategy at run time
@@ -88,7 +61,7 @@ class _PipeMareStrategyMixin(_Base):
     """Implementation shared by the ``pytorch_lightning`` and ``lightning.pytorch`` classes."""
 
     strategy_name = "pipemare"
-    _lightning: _Lightning
+    _lightning: LightningAPI
 
     def __init__(
         self,
@@ -127,9 +100,9 @@ class _PipeMareStrategyMixin(_Base):
             raise TypeError(
                 f"config must be a pipemare.PipeMareConfig, got {type(config).__name__}"
             )
-        if start_method not in _START_METHODS:
+        if start_method not in START_METHODS:
             raise ValueError(
-                f"start_method must be one of {', '.join(_START_METHODS)}, got {start_method!r}"
+                f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}"
             )
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self.balance: Sequence[int] | str = balance
@@ -141,10 +114,13 @@ class _PipeMareStrategyMixin(_Base):
         self._num_nodes = 1
         self.pipeline: Pipeline | None = None
         self._adapter: ModuleAdapter | None = None
-        self._recorder: LogRecorder | None = None
+        self._steps: UserSteps | None = None
+        self._train_results: Results | None = None
+        self._eval_results: Results | None = None
+        self._eval_index = 0  # evaluation batches run so far, in every loop alike
+        self._last_loss = math.nan  # the latest minibatch loss reported
         self._pending_state: dict[str, Any] | None = None
         self._grad_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-        self._step: dict[str, Any] = {}
         self._probe_settings: dict[str, Any] = {}
         #: latest per-stage telemetry, filled by pipemare's monitors: stage -> name -> value
         self.stage_stats: dict[int, dict[str, float]] = {}
@@ -228,36 +204,15 @@ class _PipeMareStrategyMixin(_Base):
     def _configure_launcher(self) -> None:
         self._check_layout()
         self._check_precision()
-        if not self.distributed:
-            self._launcher = None
-        elif self._start_method == "popen":
-            self._launcher = self._lightning.SubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = self._lightning.MultiProcessingLauncher(
-                self, start_method=self._start_method
-            )
+        self._launcher = launching.make_launcher(self, self._start_method)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        # Both namespaces' rank_zero_only must know the rank: loggers write from rank 0 only.
-        self._lightning.rank_zero_only.rank = self.global_rank
-        pl.utilities.rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        launching.set_world_ranks(self)
 
     def setup_environment(self) -> None:
         super().setup_environment()
         if self.distributed:
-            self._lightning.reset_seed()
-            self.set_world_ranks()
-            backend = self._lightning.backend_for_device(self.root_device)
-            self._lightning.init_dist_connection(
-                self.cluster_environment, backend, timeout=self._timeout
-            )
+            launching.connect(self, self._timeout)
 
     # -- collectives (identity in one process) ----------------------------------------------
 
@@ -280,17 +235,6 @@ class _PipeMareStrategyMixin(_Base):
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
-
-    @property
-    def _last_rank(self) -> int:
-        assert self.pipeline is not None
-        if not self.distributed:
-            return 0
-        return self.pipeline.transport.rank_of(self.pipeline.num_stages - 1)  # type: ignore[attr-defined]
-
-    def _from_last_stage(self, obj: Any) -> Any:
-        """``obj`` as the process running the last stage has it, on every process."""
-        return self.broadcast(obj, src=self._last_rank) if self.distributed else obj
 
     # -- setup --------------------------------------------------------------------------------
 
@@ -319,7 +263,7 @@ class _PipeMareStrategyMixin(_Base):
             )
         self._adapter = ModuleAdapter(module, path)
         self._adapter.check_no_outside_parameters()
-        self._recorder = LogRecorder(module)
+        self._steps = UserSteps(module, self._adapter, self.precision_plugin.forward_context)
         self.pipeline = None
         super().setup(trainer)
         # The pipeline steps the optimiser per stage; before its first update a non-flushing
@@ -372,7 +316,7 @@ class _PipeMareStrategyMixin(_Base):
         balance = None
         if self.global_rank == 0:  # time on one process, so every process cuts alike
             assert self._adapter is not None
-            with self._user_logging_discarded(), torch.random.fork_rng(devices=[]):
+            with self._steps_of().discarding_logs(), torch.random.fork_rng(devices=[]):
                 x = self._adapter.capture_input(step, scatter(sample, self.microbatches)[0], *args)
                 with self.precision_plugin.forward_context():  # time what will run (autocast)
                     balance = partition.balance_by_time(seq, x, stages)
@@ -406,10 +350,11 @@ class _PipeMareStrategyMixin(_Base):
                 clip = {
                     "clip_grad_norm" if algorithm == "norm" else "clip_grad_value": float(clip_val)
                 }
+            steps = self._steps_of()
             self.pipeline = Pipeline(
                 seq,
                 self._optimizer(seq),
-                self._loss,
+                steps.loss,
                 stages=stages,
                 microbatches=self.microbatches,
                 schedule=self.schedule,
@@ -417,7 +362,7 @@ class _PipeMareStrategyMixin(_Base):
                 config=self.config,
                 transport="distributed" if self.distributed else "inprocess",
                 device=self.root_device,
-                input_fn=self._input,
+                input_fn=steps.input,
                 target_fn=lambda mb: mb,
                 forward_context=self.precision_plugin.forward_context,
                 **clip,
@@ -430,10 +375,36 @@ class _PipeMareStrategyMixin(_Base):
                 f"corrections: {self.pipeline.optimizer.describe() or 'none'}"
             )
             if self._pending_state is not None:
-                self._load_pipemare_state(self._pending_state)
+                checkpointing.load_pipemare_state(self.pipeline, self._pending_state)
                 self._pending_state = None
+            self._train_results = self._results(self.pipeline.minibatches_fed)
+            self.pipeline.executor.on_minibatch = lambda k, loss: steps.publish(k, float(loss))
             self._attach_probe(self.pipeline)
         return self.pipeline
+
+    def _results(self, start: int) -> Results:
+        """Where the last stage publishes results for every process (see pipemare.lagged)."""
+        if not self.distributed:
+            return LocalResults(start)
+        assert self.pipeline is not None
+        return DistributedResults(self.pipeline.transport.rank_of(self.num_stages - 1), start)  # type: ignore[attr-defined,operator]
+
+    @property
+    def lag(self) -> int:
+        """Steps by which a training step's reported loss and logs trail its own minibatch."""
+        p = self.num_stages or (len(self._adapter.sequential) if self._adapter else 1)
+        return result_lag(self.schedule, p, self.microbatches)
+
+    @property
+    def reported_step(self) -> int | None:
+        """The training step (counted from 1) whose minibatch the latest step's loss and logs
+        belong to; None before any was reported."""
+        results = self._train_results
+        return results.next if results is not None and results.next > 0 else None
+
+    def _steps_of(self) -> UserSteps:
+        assert self._steps is not None, "the strategy has not been set up by a Trainer yet"
+        return self._steps
 
     @property
     def _module(self) -> pl.LightningModule:
@@ -446,57 +417,36 @@ class _PipeMareStrategyMixin(_Base):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         return trainer is not None and trainer.state.fn == self._lightning.TrainerFn.FITTING
 
-    # -- running the user's steps per microbatch ---------------------------------------------
-
-    @contextlib.contextmanager
-    def _user_logging(self, log: Callable[..., None]) -> Iterator[None]:
-        module = self._module
-        module.log = log  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del module.log
-
-    def _user_logging_discarded(self) -> contextlib.AbstractContextManager[None]:
-        return self._user_logging(lambda *a, **k: None)
-
-    def _input(self, microbatch: Any) -> Any:
-        assert self._adapter is not None
-        with self._user_logging_discarded(), self.precision_plugin.forward_context():
-            return self._adapter.capture_input(self._step["name"], microbatch, *self._step["args"])
-
-    def _run_head(self, out: Any, microbatch: Any) -> Any:
-        assert self._adapter is not None and self._recorder is not None
-        weight = batch_size(microbatch) / self._step["size"]
-        with self._user_logging(self._recorder.recording(weight)):
-            return self._adapter.run_with_output(
-                self._step["name"], out, microbatch, *self._step["args"]
-            )
-
-    def _loss(self, out: Any, microbatch: Any) -> torch.Tensor:
-        return loss_of(self._run_head(out, microbatch))
-
-    def _replay(self, records: list[Record]) -> None:
-        assert self._recorder is not None
-        self._recorder.replay(records, self._module.log, self.root_device)
-
     # -- Lightning's step hooks ---------------------------------------------------------------
+
+    def _closes_epoch(self) -> bool:
+        """Whether this training step is the last of its epoch or of the run (where known)."""
+        trainer = self._module.trainer
+        loop = trainer.fit_loop.epoch_loop
+        if loop._num_ready_batches_reached():
+            return True
+        return trainer.max_steps != -1 and loop.global_step + 1 >= trainer.max_steps
 
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> torch.Tensor:
         pipe = self._build(batch, "training_step", (batch_idx, *args))
-        self._step = {
-            "name": "training_step",
-            "args": (batch_idx, *args),
-            "size": batch_size(batch),
-        }
-        loss = pipe.step(batch)
-        assert self._recorder is not None
-        loss_value, records = self._from_last_stage(
-            (None if loss is None else float(loss), self._recorder.take())
-        )
-        self._replay(records)
+        steps = self._steps_of()
+        steps.begin("training_step", batch, (batch_idx, *args))
+        assert self._train_results is not None
+        steps.results = self._train_results
+        k = pipe.minibatches_fed
+        pipe.step(batch)
+        # Report what every process already has: minibatch k - L. Wait for more only at a
+        # run's first step (Lightning needs a loss from every rank) and at an epoch's last
+        # (so epoch aggregates cover exactly this epoch's minibatches).
+        first = self._train_results.next == self._train_results.start
+        upto = k if first or self._closes_epoch() else k - self.lag
+        losses = steps.replay_through(upto, self.root_device)
+        if losses:
+            self._last_loss = losses[-1]
+        if self.lag:
+            self._module.log("lag", float(self.lag), prog_bar=True, logger=False)
         self._stash_grads()
-        return torch.tensor(loss_value, device=self.root_device)
+        return torch.tensor(self._last_loss, device=self.root_device)
 
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
@@ -525,25 +475,49 @@ class _PipeMareStrategyMixin(_Base):
             p.grad = g
         self._grad_stash = []
 
-    def _evaluate(self, step: str, batch: Any, args: tuple) -> Any:
-        pipe = self._build(batch, step, args)
-        self._step = {"name": step, "args": args, "size": batch_size(batch)}
-        results = pipe.evaluate(batch, input_fn=self._input, head=self._run_head, microbatches=1)
-        assert self._recorder is not None
-        result, records = self._from_last_stage(
-            (results[0] if results else None, self._recorder.take())
-        )
-        self._replay(records)
-        return result
+    def _closes_loader(self, batch_idx: int, args: tuple) -> bool:
+        """Whether an evaluation batch is the last of its dataloader."""
+        trainer = self._module.trainer
+        loader = int(args[0]) if args else 0
+        if trainer.sanity_checking:
+            counts = trainer.num_sanity_val_batches
+        elif trainer.testing:
+            counts = trainer.num_test_batches
+        else:
+            counts = trainer.num_val_batches
+        count = counts[loader] if loader < len(counts) else math.inf
+        active = trainer._active_loop
+        last = bool(getattr(getattr(active, "batch_progress", None), "is_last_batch", False))
+        return last or batch_idx + 1 >= count
+
+    def _evaluate(self, step: str, batch: Any, batch_idx: int, args: tuple) -> Any:
+        pipe = self._build(batch, step, (batch_idx, *args))
+        steps = self._steps_of()
+        steps.begin(step, batch, (batch_idx, *args))
+        if self._eval_results is None:
+            self._eval_results = self._results(0)
+        steps.results = self._eval_results
+        j, self._eval_index = self._eval_index, self._eval_index + 1
+        n = min(self.microbatches, batch_size(batch))
+        outputs = pipe.evaluate(batch, input_fn=steps.input, head=steps.head, microbatches=n)
+        if outputs is not None:  # the last stage
+            sizes = [batch_size(c) for c in scatter(batch, n)]
+            steps.publish(j, combine(outputs, sizes))
+        # With a process per stage, stage 0 runs up to P - 1 batches ahead of the last stage;
+        # predictions are collected per batch, so predict reports each batch's own.
+        lag = self.num_stages - 1 if self.distributed and step != "predict_step" else 0  # type: ignore[operator]
+        upto = j if self._closes_loader(batch_idx, args) else j - lag
+        values = steps.replay_through(upto, self.root_device)
+        return values[-1] if values else None
 
     def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._evaluate("validation_step", batch, (batch_idx, *args))
+        return self._evaluate("validation_step", batch, batch_idx, args)
 
     def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._evaluate("test_step", batch, (batch_idx, *args))
+        return self._evaluate("test_step", batch, batch_idx, args)
 
     def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._evaluate("predict_step", batch, (batch_idx, *args))
+        return self._evaluate("predict_step", batch, batch_idx, args)
 
     def _drain(self) -> None:
         if self.pipeline is not None:
@@ -601,32 +575,10 @@ class _PipeMareStrategyMixin(_Base):
 
     # -- checkpoints: one ordinary checkpoint with the whole model ---------------------------
 
-    def _gather(self, local: Any, all_ranks: bool) -> list[Any]:
-        """Every process's ``local``, on every process or on rank 0 only (else an empty list)."""
-        parts: list[Any] = [None] * dist.get_world_size()
-        if all_ranks:
-            dist.all_gather_object(parts, local)
-            return parts
-        dist.gather_object(local, parts if self.global_rank == 0 else None, dst=0)
-        return parts if self.global_rank == 0 else []
-
     def _gather_state(self, all_ranks: bool = False) -> dict[str, Any]:
-        module, pipe = self._module, self.pipeline
-        assert self._adapter is not None and pipe is not None
+        assert self._adapter is not None and self.pipeline is not None
         prefix = self._adapter.path + "."
-        local = {}
-        for i in pipe.local_stages:
-            for key, value in pipe.stage_modules[i].state_dict().items():
-                local[prefix + key] = value.detach().cpu()
-        outside = {
-            k: v.detach().cpu() for k, v in module.state_dict().items() if not k.startswith(prefix)
-        }
-        if self.global_rank == 0:
-            local.update(outside)
-        full: dict[str, Any] = {}
-        for part in self._gather(local, all_ranks):
-            full.update(part)
-        return {k: full[k] for k in module.state_dict()} if full else {}
+        return checkpointing.module_state(self._module, self.pipeline, prefix, all_ranks)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self._drain()
@@ -637,48 +589,19 @@ class _PipeMareStrategyMixin(_Base):
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
         self._drain()
-        state = optimizer.state_dict()
-        if self.pipeline is None:
-            return state
-        extra = {
-            "optimizer": self.pipeline.optimizer.state_dict(include_optimizer=False),
-            "pipeline": self.pipeline.state_dict(),
-        }
-        if self.distributed:
-            cpu = {
-                i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                for i, s in state["state"].items()
-            }
-            parts = self._gather({"state": cpu, "extra": extra}, all_ranks=False)
-            if not parts:  # only rank 0 writes checkpoints
-                return state
-            state = {"state": {}, "param_groups": state["param_groups"]}
-            extra = {
-                "optimizer": dict(extra["optimizer"], buffers={}),
-                "pipeline": dict(extra["pipeline"], rng={}),
-            }
-            for part in parts:
-                state["state"].update(part["state"])
-                for name, buffers in part["extra"]["optimizer"]["buffers"].items():
-                    extra["optimizer"]["buffers"].setdefault(name, {}).update(buffers)
-                extra["pipeline"]["rng"].update(part["extra"]["pipeline"]["rng"])
-        return {**state, "pipemare": extra}
+        return checkpointing.optimizer_state(optimizer, self.pipeline, self.distributed)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
         for optimizer, state in zip(self.optimizers, states, strict=False):
-            plain = {k: v for k, v in state.items() if k != "pipemare"}
-            optimizer.load_state_dict(plain)
+            optimizer.load_state_dict({k: v for k, v in state.items() if k != "pipemare"})
             if "pipemare" in state:
                 self._pending_state = state["pipemare"]
         if self.pipeline is not None and self._pending_state is not None:
-            self._load_pipemare_state(self._pending_state)
+            checkpointing.load_pipemare_state(self.pipeline, self._pending_state)
             self._pending_state = None
-
-    def _load_pipemare_state(self, state: dict[str, Any]) -> None:
-        assert self.pipeline is not None
-        self.pipeline.optimizer.load_state_dict(state["optimizer"])
-        self.pipeline.load_state_dict(state["pipeline"])
+            if self._train_results is not None:  # the next minibatch to report moved with it
+                self._train_results.start = self._train_results.next = self.pipeline.minibatches_fed
 
     # -- registration -------------------------------------------------------------------------
 
@@ -701,7 +624,7 @@ class _PipeMareStrategyMixin(_Base):
 
 
 def _make(package: str) -> type[_PipeMareStrategyMixin]:
-    lt = _Lightning(package)
+    lt = LightningAPI(package)
     cls = type(
         "PipeMareStrategy",
         (_PipeMareStrategyMixin, lt.strategies.ParallelStrategy),

@@ -1,0 +1,171 @@
+"""Each minibatch's results (loss, logged values), from the last stage to every process, lagged.
+
+A step of a non-flushing pipeline ends before its own minibatch reaches the last stage; if
+every step waited for it, the pipeline's forward latency would be paid every step. Instead,
+step ``t`` reports the results of minibatch ``t - L``, where the lag ``L`` is the smallest
+number of steps after which *every* stage has already received, from downstream, work that the
+last stage did after finishing that minibatch (:func:`result_lag`, derived from the schedule).
+The last stage publishes a minibatch's results the moment its loss is complete, so when a
+process takes them they were sent before data it already received: taking them waits for
+nothing but the message itself, and no collective runs per step.
+
+Closed form: ``L = 0`` for flushing schedules (every stage finishes its minibatch within the
+step) and ``L = ceil((P - 1) / N)`` for the non-flushing ones (stage 0 ends step ``t`` having
+run the backward of microbatch ``(t + 1) N - P``).
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipemare.schedule import Op, stream
+
+__all__ = ["DistributedResults", "LocalResults", "Results", "result_lag"]
+
+
+def _backwards_by_step_end(
+    schedule: str, stages: int, microbatches: int, stage: int, fed: int
+) -> set[int]:
+    """Microbatches whose backward ``stage`` has run when it stops for unfed data."""
+    done: set[int] = set()
+    for action in stream(schedule, stages, microbatches, stage):
+        if action.op is Op.FORWARD and action.index >= fed:
+            return done
+        if action.op is Op.BACKWARD:
+            done.add(action.index)
+    raise AssertionError("unreachable: a stream always reaches an unfed forward")
+
+
+def result_lag(schedule: str, stages: int, microbatches: int) -> int:
+    """Steps between a minibatch's step and the step at which every process has its results.
+
+    Derived by running each stage's action stream until it stops for want of data: minibatch
+    ``k`` is known everywhere at step ``t`` once every stage has run the backward of ``k``'s last
+    microbatch, which the last stage runs right after publishing ``k``'s results.
+
+    Example:
+        >>> result_lag("gpipe", 4, 2), result_lag("pipemare", 4, 2), result_lag("async", 8, 1)
+        (0, 2, 7)
+    """
+    n = microbatches
+    t = stages + 2  # a step well past the fill, in steady state
+    lag = 0
+    for stage in range(stages):
+        done = _backwards_by_step_end(schedule, stages, n, stage, (t + 1) * n)
+        known = max((k for k in range(t + 1) if (k + 1) * n - 1 in done), default=-1)
+        lag = max(lag, t - known)
+    return lag
+
+
+class Results:
+    """Minibatch results, published where the last stage runs and taken in order everywhere."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.start = start  # the first minibatch published
+        self.next = start  # the next minibatch to take
+
+    def publish(self, minibatch: int, value: Any) -> None:
+        raise NotImplementedError
+
+    def _receive(self, minibatch: int) -> Any:
+        raise NotImplementedError
+
+    def take_through(self, minibatch: int) -> list[Any]:
+        """The results of every minibatch not taken yet, up to and including ``minibatch``."""
+        out = []
+        while self.next <= minibatch:
+            out.append(self._receive(self.next))
+            self.next += 1
+        return out
+
+
+class LocalResults(Results):
+    """Every stage in this process: results wait in a dictionary."""
+
+    def __init__(self, start: int = 0) -> None:
+        super().__init__(start)
+        self._held: dict[int, Any] = {}
+
+    def publish(self, minibatch: int, value: Any) -> None:
+        self._held[minibatch] = value
+
+    def _receive(self, minibatch: int) -> Any:
+        return self._held.pop(minibatch)
+
+
+_CAPACITY = 16384  # bytes of the message that is always posted; longer results send the rest
+_HEAD = 16  # minibatch index and length, two int64 at the start of the message
+
+
+class DistributedResults(Results):
+    """One stage per process: the last stage's process sends, every other process receives.
+
+    Results travel pickled in a gloo group of their own (CPU tensors, also under NCCL). The
+    first ``_CAPACITY`` bytes go in a message whose receive is posted two minibatches ahead,
+    so it arrives while the receiver computes; anything longer follows in a second group.
+
+    Args:
+        source: rank of the process running the last stage.
+        start: the first minibatch this run publishes (after a resume, later than 0).
+    """
+
+    def __init__(self, source: int, start: int = 0, depth: int = 2) -> None:
+        super().__init__(start)
+        self.source, self.rank = source, dist.get_rank()
+        self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
+        self._peers = [r for r in range(dist.get_world_size()) if r != source]
+        self._sent: list[tuple[Any, torch.Tensor]] = []
+        self._posted: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
+        self._own: dict[int, Any] = {}  # the source's own results
+        if self.rank != source:
+            for _ in range(depth):
+                self._post()
+
+    def _post(self) -> None:
+        buf = torch.empty(_CAPACITY, dtype=torch.uint8)
+        self._posted.append((dist.irecv(buf, src=self.source, group=self._groups[0]), buf))
+
+    def publish(self, minibatch: int, value: Any) -> None:
+        data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        message = torch.zeros(_CAPACITY, dtype=torch.uint8)
+        message[:_HEAD].view(torch.int64)[:] = torch.tensor([minibatch, len(data)])
+        first = data[: _CAPACITY - _HEAD]
+        message[_HEAD : _HEAD + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+        rest = data[_CAPACITY - _HEAD :]
+        tail = torch.frombuffer(bytearray(rest), dtype=torch.uint8) if rest else None
+        for peer in self._peers:
+            self._sent.append((dist.isend(message, dst=peer, group=self._groups[0]), message))
+            if tail is not None:
+                self._sent.append((dist.isend(tail, dst=peer, group=self._groups[1]), tail))
+        self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
+        self._own[minibatch] = value
+
+    def _receive(self, minibatch: int) -> Any:
+        if self.rank == self.source:
+            return self._own.pop(minibatch)
+        work, buf = self._posted.popleft()
+        work.wait()
+        self._post()
+        got, length = buf[:_HEAD].view(torch.int64).tolist()
+        if got != minibatch:
+            raise RuntimeError(
+                f"rank {self.rank} expected the results of minibatch {minibatch} from the last "
+                f"stage but got minibatch {got}: the processes ran different step counts"
+            )
+        data = bytes(buf[_HEAD : _HEAD + min(length, _CAPACITY - _HEAD)].numpy())
+        if length > _CAPACITY - _HEAD:
+            tail = torch.empty(length - (_CAPACITY - _HEAD), dtype=torch.uint8)
+            dist.recv(tail, src=self.source, group=self._groups[1])
+            data += bytes(tail.numpy())
+        return pickle.loads(data)
+
+    def flush(self) -> None:
+        """Wait until every published result has been delivered."""
+        for work, _ in self._sent:
+            work.wait()
+        self._sent.clear()

@@ -1,0 +1,80 @@
+"""Starting the strategy's processes: Lightning's launchers, ranks, the process group.
+
+Lightning ships two packages (``pytorch_lightning`` and ``lightning.pytorch``) with the same
+classes under different names; :class:`LightningAPI` fetches the ones pipemare uses from
+either, so one implementation serves both.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import pytorch_lightning as pl
+
+__all__ = ["START_METHODS", "LightningAPI", "connect", "make_launcher", "set_world_ranks"]
+
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+
+
+class LightningAPI:
+    """The Lightning symbols the strategy needs, from one of Lightning's two packages."""
+
+    def __init__(self, package: str) -> None:
+        fabric = "lightning_fabric" if package == "pytorch_lightning" else "lightning.fabric"
+        self.package = package
+        self.strategies = importlib.import_module(f"{package}.strategies")
+        launchers = importlib.import_module(f"{package}.strategies.launchers")
+        self.SubprocessScriptLauncher = importlib.import_module(
+            f"{package}.strategies.launchers.subprocess_script"
+        )._SubprocessScriptLauncher
+        self.MultiProcessingLauncher = launchers._MultiProcessingLauncher
+        precision = importlib.import_module(f"{package}.plugins.precision")
+        self.Precision, self.MixedPrecision = precision.Precision, precision.MixedPrecision
+        self.HalfPrecision = precision.HalfPrecision
+        rank_zero = importlib.import_module(f"{package}.utilities.rank_zero")
+        self.rank_zero_only = rank_zero.rank_zero_only
+        self.rank_zero_info = rank_zero.rank_zero_info
+        distributed = importlib.import_module(f"{fabric}.utilities.distributed")
+        self.init_dist_connection = distributed._init_dist_connection
+        self.sync_ddp_if_available = distributed._sync_ddp_if_available
+        self.backend_for_device = distributed._get_default_process_group_backend_for_device
+        self.reset_seed = importlib.import_module(f"{fabric}.utilities.seed").reset_seed
+        self.TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
+
+
+def make_launcher(strategy: Any, start_method: str) -> Any:
+    """Lightning's launcher for one process per stage, or None when every stage runs here.
+
+    ``popen`` re-runs the user's script once per extra process (Lightning's default for
+    scripts; torchrun and SLURM start the processes themselves and Lightning detects them);
+    the other methods use :mod:`torch.multiprocessing`.
+    """
+    api: LightningAPI = strategy._lightning
+    if not strategy.distributed:
+        return None
+    if start_method == "popen":
+        return api.SubprocessScriptLauncher(
+            strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+        )
+    return api.MultiProcessingLauncher(strategy, start_method=start_method)
+
+
+def set_world_ranks(strategy: Any) -> None:
+    """Tell the cluster environment and both packages' ``rank_zero_only`` this process's rank."""
+    env = strategy.cluster_environment
+    if env is not None:
+        env.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        env.set_world_size(strategy.num_nodes * strategy.num_processes)
+    # Loggers write from rank 0 only, whichever package's decorator guards them.
+    strategy._lightning.rank_zero_only.rank = strategy.global_rank
+    pl.utilities.rank_zero.rank_zero_only.rank = strategy.global_rank  # type: ignore[attr-defined]
+
+
+def connect(strategy: Any, timeout: Any) -> None:
+    """Seed, set the ranks and join the default process group (gloo on CPU, NCCL on CUDA)."""
+    api: LightningAPI = strategy._lightning
+    api.reset_seed()
+    set_world_ranks(strategy)
+    backend = api.backend_for_device(strategy.root_device)
+    api.init_dist_connection(strategy.cluster_environment, backend, timeout=timeout)

@@ -1,0 +1,99 @@
+"""The LightningModule's own step functions, run per microbatch in the pipeline, logs replayed.
+
+The user's ``training_step`` (or ``validation_step``, ...) runs in two halves: on the first
+stage up to the point where it calls its ``nn.Sequential`` (what it passes is the pipeline's
+input), on the last stage from there on (the loss, metrics, ``self.log``). Its ``self.log``
+calls are recorded per microbatch, combined per minibatch, published with the minibatch's
+loss (:mod:`pipemare.lagged`), and replayed through the real ``LightningModule.log`` on every
+process at the same step, lagged by the pipeline's depth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytorch_lightning as pl
+import torch
+
+from pipemare.lagged import Results
+from pipemare.logreplay import LogRecorder, Record
+from pipemare.microbatch import batch_size
+from pipemare.module_adapter import ModuleAdapter, loss_of
+
+__all__ = ["UserSteps"]
+
+
+class UserSteps:
+    """Runs one kind of user step (``training_step``, ...) per microbatch and replays its logs.
+
+    Args:
+        module: the LightningModule.
+        adapter: splits its step around the Sequential.
+        forward_context: the precision plugin's context around forward computation.
+    """
+
+    def __init__(
+        self,
+        module: pl.LightningModule,
+        adapter: ModuleAdapter,
+        forward_context: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> None:
+        self.module, self.adapter = module, adapter
+        self.recorder = LogRecorder(module)
+        self._forward_context = forward_context
+        self.name, self.args, self.size = "training_step", (), 1
+        #: where the last stage publishes each minibatch's ``(loss, records)``
+        self.results: Results | None = None
+
+    def begin(self, name: str, batch: Any, args: tuple) -> None:
+        """The step the next microbatches belong to."""
+        self.name, self.args, self.size = name, args, batch_size(batch)
+
+    @contextlib.contextmanager
+    def logging_to(self, log: Callable[..., None]) -> Iterator[None]:
+        """Route the module's ``self.log`` calls to ``log`` for the duration."""
+        self.module.log = log  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del self.module.log
+
+    def discarding_logs(self) -> contextlib.AbstractContextManager[None]:
+        return self.logging_to(lambda *a, **k: None)
+
+    def input(self, microbatch: Any) -> Any:
+        """First stage: what the step passes to its Sequential (its own logs are dropped)."""
+        with self.discarding_logs(), self._forward_context():
+            return self.adapter.capture_input(self.name, microbatch, *self.args)
+
+    def head(self, out: Any, microbatch: Any) -> Any:
+        """Last stage: the rest of the step on the pipeline's output, its logs recorded."""
+        weight = batch_size(microbatch) / self.size
+        with self.logging_to(self.recorder.recording(weight)):
+            return self.adapter.run_with_output(self.name, out, microbatch, *self.args)
+
+    def loss(self, out: Any, microbatch: Any) -> torch.Tensor:
+        return loss_of(self.head(out, microbatch))
+
+    def publish(self, minibatch: int, value: Any) -> None:
+        """Last stage: ``value`` and the logs recorded since the last call, for every process."""
+        assert self.results is not None
+        self.results.publish(minibatch, (value, self.recorder.take()))
+
+    def replay_through(self, minibatch: int, device: torch.device) -> list[Any]:
+        """Replay the logs of every minibatch not replayed yet up to ``minibatch``.
+
+        Returns:
+            Their published values (losses or step outputs), oldest first.
+        """
+        assert self.results is not None
+        values = []
+        for value, records in self.results.take_through(minibatch):
+            self.replay(records, device)
+            values.append(value)
+        return values
+
+    def replay(self, records: list[Record], device: torch.device) -> None:
+        self.recorder.replay(records, self.module.log, device)
