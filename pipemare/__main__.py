@@ -12,6 +12,7 @@ _COMMANDS = {
     "study": "run a named suite of configs: pipemare study default --out runs",
     "compare": "write the dashboard comparing runs: pipemare compare runs/default",
     "protocol": "the fair comparison: best LR per schedule, seeds, pipeline time (engine runs)",
+    "bench": "throughput and memory against one process and torch's pipelines: pipemare bench",
     "demo": "train a small model on real data through 8 simulated stages (the engine alone)",
 }
 
@@ -38,6 +39,10 @@ def main(argv: list[str] | None = None) -> None:
         from pipemare.experiments import fair
 
         fair.main(rest)
+    elif command == "bench":
+        from pipemare.experiments import bench
+
+        bench.main(rest)
     elif command == "compare":
         from pipemare.experiments import dashboard
 

@@ -1,0 +1,54 @@
+"""``pipemare bench`` at a tiny size: its output's shape and bookkeeping, never its speed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+MEMORY = ("weights", "optimizer", "stash", "buffers", "activations")
+
+
+def test_bench_writes_one_json_line_per_configuration_a_table_and_a_chart(tmp_path):
+    cmd = [
+        sys.executable, "-m", "pipemare.experiments.bench", "--out", str(tmp_path),
+        "--processes", "2", "--width", "16", "--depth", "3", "--batch", "8",
+        "--microbatches", "2", "--steps", "2", "--warmup", "2",
+        "--schedules", "1f1b", "pipedream", "pipemare", "--memory-stages", "2", "3",
+    ]  # fmt: skip
+    env = dict(os.environ, WANDB_MODE="offline")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    kinds = [(r["kind"], r["schedule"]) for r in rows]
+    assert kinds[0] == ("single", "-")
+    assert {("torch", s) for s in ("GPipe", "1F1B")} <= set(kinds)
+    for kind in ("engine", "lightning"):
+        assert {(kind, s) for s in ("1f1b", "pipedream", "pipemare")} <= set(kinds)
+    for r in rows:
+        if "error" in r:
+            assert r["kind"] == "torch" and r["error"].startswith("unsupported")
+            continue
+        stages = 1 if r["kind"] == "single" else 2
+        assert r["samples_per_s"] > 0 and len(r["utilisation"]) == stages
+        assert all(0 <= u <= 1.0 + 1e-6 for u in r["utilisation"])
+        assert 0 <= r["bubble"] <= 1 and len(r["comm_s"]) == stages
+        assert len(r["memory"]) == stages and all(set(m) == set(MEMORY) for m in r["memory"])
+        assert all(m["weights"] > 0 for m in r["memory"])
+        assert r["vs_single"] == pytest.approx(r["samples_per_s"] / rows[0]["samples_per_s"])
+    one_f_one_b = next(r for r in rows if r["schedule"] == "1F1B")
+    assert one_f_one_b["vs_torch_1f1b"] == pytest.approx(1.0)
+    # only pipedream stashes weights; only a corrected schedule keeps correction buffers
+    stash = {(r["kind"], r["schedule"]): r["memory"][0]["stash"] for r in rows if "memory" in r}
+    assert stash[("engine", "pipedream")] > 0 and stash[("engine", "pipemare")] == 0
+    memory = json.loads((tmp_path / "memory.json").read_text())
+    assert [m["stages"] for m in memory] == [2, 3]
+    for m in memory:
+        assert m["stash_measured"] == m["stash_analytic"]
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert "| P | kind |" in (tmp_path / "bench.md").read_text()
