@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import json
 import math
 import os
@@ -209,12 +210,12 @@ def _lightning(
     args: argparse.Namespace, schedule: str, balance: list[int], x: torch.Tensor, y: torch.Tensor
 ) -> dict[str, Any]:
     import pytorch_lightning as pl
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader
 
     from pipemare import PipeMareStrategy
 
     total = args.warmup + args.steps
-    data = TensorDataset(x.repeat(total, 1), y.repeat(total))
+    batches = [(x, y)] * total  # whole batches: no per-sample collation in the timed steps
     seen: dict[str, Any] = {}
 
     class Clock(pl.Callback):
@@ -245,9 +246,38 @@ def _lightning(
         use_distributed_sampler=False,
         callbacks=[Clock()],
     )
-    trainer.fit(_Module.make(args), DataLoader(data, batch_size=len(x)))
+    trainer.fit(_Module.make(args), DataLoader(batches, batch_size=None))
     memory = _stage_memory(seen["pipe"], seen["opt"], args, x)
     return {"wall_s": seen["wall"], "spans": seen["spans"], "memory": memory}
+
+
+def _stage_bound(
+    args: argparse.Namespace, balance: list[int], x: torch.Tensor, y: torch.Tensor
+) -> float:
+    """Seconds this rank's stage computes per step with no pipeline at all: N microbatches'
+    forward and backward and one SGD update, timed on every rank at once (as the pipeline
+    runs them, sharing the machine). The slowest stage bounds any pipeline's step time."""
+    model = mlp(args.width, args.depth)
+    rank, cut = dist.get_rank(), [0, *itertools.accumulate(balance)]
+    stage = model[cut[rank] : cut[rank + 1]]
+    opt = torch.optim.SGD(stage.parameters(), lr=args.lr, momentum=0.9)
+    with torch.no_grad():
+        inputs = model[: cut[rank]](x)
+    last = rank == len(balance) - 1
+
+    def step() -> None:
+        for xs, ys in zip(
+            inputs.tensor_split(args.microbatches), y.tensor_split(args.microbatches), strict=True
+        ):
+            out = stage(xs.detach().requires_grad_(rank > 0))
+            if last:
+                nn.functional.cross_entropy(out, ys).backward()
+            else:
+                out.backward(torch.ones_like(out))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _timed(step, args.warmup, args.steps) / args.steps
 
 
 def _gather(local: Any) -> list[Any]:
@@ -302,9 +332,11 @@ def _worker(args: argparse.Namespace) -> None:
 
     single = _single(args, x, y)
     parts = _gather(single)
+    bound = max(_gather(_stage_bound(args, balance, x, y)))
     if rank == 0:
         rows.append(_row("single", "-", args, [parts[0]]))
         rows[-1]["processes"] = 1
+        rows[-1]["stage_bound_step_s"] = {str(world): bound}
 
     for name in TORCH_SCHEDULES:
         pieces = world * (2 if name.startswith("Interleaved") else 1)
@@ -357,18 +389,25 @@ def _worker(args: argparse.Namespace) -> None:
 
 
 def _add_ratios(rows: list[dict], processes: int) -> None:
-    single = next(r["samples_per_s"] for r in rows if r["kind"] == "single")
+    first = rows[0]
+    single = first["samples_per_s"]
+    bound = first["batch"] / first["stage_bound_step_s"][str(processes)]
     torch_1f1b = next(
         (r["samples_per_s"] for r in rows if r["schedule"] == "1F1B" and "error" not in r), None
     )
     cores = os.cpu_count() or 1
     for r in rows:
+        r["launch"] = processes  # the torchrun job (P processes) this row was measured in
         if "samples_per_s" not in r:
             continue
         r["vs_single"] = r["samples_per_s"] / single
         r["vs_torch_1f1b"] = r["samples_per_s"] / torch_1f1b if torch_1f1b else None
         # what P one-thread processes could reach at most on this machine's cores
         r["cpu_bound_vs_single"] = min(r["processes"], cores)
+        if r["kind"] != "single":
+            # the slowest stage's own compute, measured alone: no schedule can beat it
+            r["stage_bound_vs_single"] = bound / single
+            r["of_stage_bound"] = r["samples_per_s"] / bound
 
 
 # -- the command ---------------------------------------------------------------------------
@@ -462,19 +501,22 @@ def memory_study(stages: list[int], width: int, depth: int, batch: int, n: int) 
 def table(rows: list[dict]) -> str:
     """A markdown table of the JSON rows."""
     lines = [
-        "| P | kind | schedule | samples/s | × single | × torch 1F1B | utilisation per stage "
-        "| bubble |",
-        "|---|---|---|---|---|---|---|---|",
+        "| P | kind | schedule | samples/s | × single | × torch 1F1B | of stage bound "
+        "| utilisation per stage | bubble |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['error']} |||||")
+            lines.append(
+                f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['error']} ||||||"
+            )
             continue
         util = " / ".join(f"{u:.2f}" for u in r["utilisation"])
         vs_torch = f"{r['vs_torch_1f1b']:.2f}" if r.get("vs_torch_1f1b") else "-"
         lines.append(
             f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['samples_per_s']:.0f} | "
-            f"{r['vs_single']:.2f} | {vs_torch} | {util} | {r['bubble']:.2f} |"
+            f"{r['vs_single']:.2f} | {vs_torch} | {r.get('of_stage_bound', 1.0):.2f} | {util} | "
+            f"{r['bubble']:.2f} |"
         )
     return "\n".join(lines)
 
@@ -494,15 +536,21 @@ def chart(rows: list[dict], path: Path) -> None:
         "engine": "tab:blue",
         "lightning": "tab:green",
     }
-    single = next(r for r in rows if r["kind"] == "single")
     for ax, p in zip(axes[0], groups, strict=True):
+        single = next(r for r in rows if r["kind"] == "single" and r.get("launch") == p)
         shown = [single] + [r for r in rows if r["processes"] == p and "samples_per_s" in r]
         labels = [f"{r['kind']}\n{r['schedule']}" for r in shown]
         ax.bar(range(len(shown)), [r["samples_per_s"] for r in shown],
                color=[colours[r["kind"]] for r in shown])  # fmt: skip
         ax.set_xticks(range(len(shown)), labels, rotation=70, fontsize=7)
         ax.axhline(single["samples_per_s"] * min(p, os.cpu_count() or 1), ls="--", c="k", lw=0.8)
-        ax.set_title(f"P = {p} processes (dashed: {min(p, os.cpu_count() or 1)}× single)")
+        bound = next(r for r in shown if r["kind"] != "single")
+        if "stage_bound_vs_single" in bound:
+            ax.axhline(single["samples_per_s"] * bound["stage_bound_vs_single"], c="tab:red", lw=1)
+        ax.set_title(
+            f"P = {p} (dashed: {min(p, os.cpu_count() or 1)}× single; red: slowest stage alone)",
+            fontsize=9,
+        )
         ax.set_ylabel("samples/s")
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
