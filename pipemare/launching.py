@@ -7,12 +7,22 @@ either, so one implementation serves both.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
 import pytorch_lightning as pl
+import torch
+import torch.distributed as dist
 
-__all__ = ["START_METHODS", "LightningAPI", "connect", "make_launcher", "set_world_ranks"]
+__all__ = [
+    "START_METHODS",
+    "LightningAPI",
+    "SigtermRelay",
+    "connect",
+    "make_launcher",
+    "set_world_ranks",
+]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -41,6 +51,8 @@ class LightningAPI:
         self.backend_for_device = distributed._get_default_process_group_backend_for_device
         self.reset_seed = importlib.import_module(f"{fabric}.utilities.seed").reset_seed
         self.TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
+        exceptions = importlib.import_module(f"{package}.utilities.exceptions")
+        self.SIGTERMException = exceptions.SIGTERMException
 
 
 def make_launcher(strategy: Any, start_method: str) -> Any:
@@ -78,3 +90,34 @@ def connect(strategy: Any, timeout: Any) -> None:
     set_world_ranks(strategy)
     backend = api.backend_for_device(strategy.root_device)
     api.init_dist_connection(strategy.cluster_environment, backend, timeout=timeout)
+
+
+class SigtermRelay:
+    """Lightning's per-step SIGTERM check, one step late and without a blocking collective.
+
+    In distributed training Lightning broadcasts rank 0's "received SIGTERM" flag at the start
+    of every training step, which makes every process wait for every other each step: a
+    barrier that would cost a pipeline its overlap between steps. The relay posts the same
+    broadcast without waiting (in a group of its own) and reads it at the next step, so every
+    process still stops at the same step, one step after rank 0 got the signal.
+    """
+
+    def __init__(self, trainer: Any, api: LightningAPI) -> None:
+        self.trainer, self.api = trainer, api
+        self.group = dist.new_group(backend="gloo")
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def __call__(self) -> None:
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            if int(flag.item()) == 1:
+                with contextlib.suppress(Exception):
+                    dist.barrier(group=self.group)  # leave together, as Lightning does
+                raise self.api.SIGTERMException()
+        flag = torch.tensor([1 if getattr(self.trainer, "received_sigterm", False) else 0])
+        self._pending = (dist.broadcast(flag, src=0, group=self.group, async_op=True), flag)
+
+    def install(self) -> None:
+        """Replace the training loop's own check for this trainer."""
+        self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self

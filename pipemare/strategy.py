@@ -266,6 +266,8 @@ class _PipeMareStrategyMixin(_Base):
         self._steps = UserSteps(module, self._adapter, self.precision_plugin.forward_context)
         self.pipeline = None
         super().setup(trainer)
+        if self.distributed and dist.is_initialized():
+            launching.SigtermRelay(trainer, self._lightning).install()
         # The pipeline steps the optimiser per stage; before its first update a non-flushing
         # pipeline is still filling, which torch would otherwise report as a wrong call order.
         warnings.filterwarnings(
