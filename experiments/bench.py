@@ -539,7 +539,7 @@ def chart(rows: list[dict], path: Path) -> None:
     for ax, p in zip(axes[0], groups, strict=True):
         single = next(r for r in rows if r["kind"] == "single" and r.get("launch") == p)
         shown = [single] + [r for r in rows if r["processes"] == p and "samples_per_s" in r]
-        labels = [f"{r['kind']}\n{r['schedule']}" for r in shown]
+        labels = [f"{r['kind']}\n{r['schedule'].replace('Interleaved', 'Intl.')}" for r in shown]
         ax.bar(range(len(shown)), [r["samples_per_s"] for r in shown],
                color=[colours[r["kind"]] for r in shown])  # fmt: skip
         ax.set_xticks(range(len(shown)), labels, rotation=70, fontsize=7)
@@ -557,9 +557,65 @@ def chart(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def decompose(args: argparse.Namespace, shared: bool = False) -> dict[str, float]:
+    """Where a 2-stage pipeline's gap to 2x one process goes, in milliseconds per step: the
+    whole model on the whole batch, its first half on the whole batch, the same half as N
+    microbatches, and (``shared``) that again while a twin process does the same."""
+    torch.set_num_threads(1)
+    model = mlp(args.width, args.depth)
+    half = model[: partition.balance_by_params(model, 2)[0]]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randint(0, 10, (args.batch,), generator=gen)
+
+    def whole() -> None:
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    def stage(chunks: int) -> Any:
+        def run() -> None:
+            for xs in x.tensor_split(chunks):
+                out = half(xs)
+                out.backward(torch.ones_like(out))
+
+        return run
+
+    def ms(fn: Any, n: int = 15) -> float:
+        for _ in range(3):
+            fn()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return 1e3 * (time.perf_counter() - start) / n
+
+    if shared:
+        return {"half_microbatched_shared": ms(stage(args.microbatches), 30)}
+    out = {
+        "whole": ms(whole),
+        "half_whole_batch": ms(stage(1)),
+        "half_microbatched": ms(stage(args.microbatches)),
+    }
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            stage(args.microbatches)()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+    cmd = [sys.executable, "-m", _ENGINE, "twin", *_forward(args)]
+    twins = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [json.loads(t.communicate(timeout=600)[0].splitlines()[-1]) for t in twins]
+    out["half_microbatched_shared"] = statistics.mean(o["half_microbatched_shared"] for o in outs)
+    return out
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pipemare bench", description=__doc__.split("\n")[0])
-    parser.add_argument("what", nargs="?", default="run", choices=["run", "worker"])
+    parser.add_argument(
+        "what",
+        nargs="?",
+        default="run",
+        choices=["run", "decompose", "worker", "twin"],
+        help="run: the benchmark; decompose: where the gap to 2x one process goes",
+    )
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--width", type=int, default=1024)
@@ -581,6 +637,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         spec(name)
     if args.what == "worker":
         _worker(args)
+        return []
+    if args.what in ("decompose", "twin"):
+        print(json.dumps(decompose(args, shared=args.what == "twin")))
         return []
     rows = run(args)
     memory = memory_study(args.memory_stages, args.width, args.depth, args.batch, args.microbatches)
