@@ -20,14 +20,7 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
-
-
-def mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.GELU()]
-    return nn.Sequential(*layers, nn.Linear(width, classes))
+from pipemare.experiments.bench import mlp
 
 
 def _median_step_time(step: Callable[[], object], warmup: int, steps: int, repeats: int) -> float:

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipemare import PipeMareStrategy
 from pipemare.callbacks import monitors
-from pipemare.experiments.bench_engine import mlp
+from pipemare.experiments.bench import mlp
 
 
 class _Module(pl.LightningModule):
