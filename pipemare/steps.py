@@ -11,6 +11,7 @@ process at the same step, lagged by the pipeline's depth.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,7 +23,7 @@ from pipemare.logreplay import LogRecorder, Record
 from pipemare.microbatch import batch_size
 from pipemare.module_adapter import ModuleAdapter, loss_of
 
-__all__ = ["UserSteps"]
+__all__ = ["UserSteps", "closes_epoch", "closes_loader"]
 
 
 class UserSteps:
@@ -97,3 +98,25 @@ class UserSteps:
 
     def replay(self, records: list[Record], device: torch.device) -> None:
         self.recorder.replay(records, self.module.log, device)
+
+
+def closes_epoch(trainer: pl.Trainer) -> bool:
+    """Whether the running training step is the last of its epoch or of the run (where known)."""
+    loop = trainer.fit_loop.epoch_loop
+    if loop._num_ready_batches_reached():
+        return True
+    return trainer.max_steps != -1 and loop.global_step + 1 >= trainer.max_steps
+
+
+def closes_loader(trainer: pl.Trainer, batch_idx: int, args: tuple) -> bool:
+    """Whether the running evaluation batch is the last of its dataloader."""
+    loader = int(args[0]) if args else 0
+    if trainer.sanity_checking:
+        counts = trainer.num_sanity_val_batches
+    elif trainer.testing:
+        counts = trainer.num_test_batches
+    else:
+        counts = trainer.num_val_batches
+    count = counts[loader] if loader < len(counts) else math.inf
+    progress = getattr(trainer._active_loop, "batch_progress", None)
+    return bool(getattr(progress, "is_last_batch", False)) or batch_idx + 1 >= count

@@ -43,7 +43,7 @@ from pipemare.microbatch import batch_size, combine, scatter
 from pipemare.module_adapter import ModuleAdapter, find_sequential
 from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, spec
-from pipemare.steps import UserSteps
+from pipemare.steps import UserSteps, closes_epoch, closes_loader
 from pipemare.telemetry import Probe
 
 __all__ = ["PipeMareStrategy", "register"]
@@ -421,14 +421,6 @@ class _PipeMareStrategyMixin(_Base):
 
     # -- Lightning's step hooks ---------------------------------------------------------------
 
-    def _closes_epoch(self) -> bool:
-        """Whether this training step is the last of its epoch or of the run (where known)."""
-        trainer = self._module.trainer
-        loop = trainer.fit_loop.epoch_loop
-        if loop._num_ready_batches_reached():
-            return True
-        return trainer.max_steps != -1 and loop.global_step + 1 >= trainer.max_steps
-
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> torch.Tensor:
         pipe = self._build(batch, "training_step", (batch_idx, *args))
         steps = self._steps_of()
@@ -441,7 +433,7 @@ class _PipeMareStrategyMixin(_Base):
         # run's first step (Lightning needs a loss from every rank) and at an epoch's last
         # (so epoch aggregates cover exactly this epoch's minibatches).
         first = self._train_results.next == self._train_results.start
-        upto = k if first or self._closes_epoch() else k - self.lag
+        upto = k if first or closes_epoch(self._module.trainer) else k - self.lag
         losses = steps.replay_through(upto, self.root_device)
         if losses:
             self._last_loss = losses[-1]
@@ -477,21 +469,6 @@ class _PipeMareStrategyMixin(_Base):
             p.grad = g
         self._grad_stash = []
 
-    def _closes_loader(self, batch_idx: int, args: tuple) -> bool:
-        """Whether an evaluation batch is the last of its dataloader."""
-        trainer = self._module.trainer
-        loader = int(args[0]) if args else 0
-        if trainer.sanity_checking:
-            counts = trainer.num_sanity_val_batches
-        elif trainer.testing:
-            counts = trainer.num_test_batches
-        else:
-            counts = trainer.num_val_batches
-        count = counts[loader] if loader < len(counts) else math.inf
-        active = trainer._active_loop
-        last = bool(getattr(getattr(active, "batch_progress", None), "is_last_batch", False))
-        return last or batch_idx + 1 >= count
-
     def _evaluate(self, step: str, batch: Any, batch_idx: int, args: tuple) -> Any:
         pipe = self._build(batch, step, (batch_idx, *args))
         steps = self._steps_of()
@@ -508,7 +485,7 @@ class _PipeMareStrategyMixin(_Base):
         # With a process per stage, stage 0 runs up to P - 1 batches ahead of the last stage;
         # predictions are collected per batch, so predict reports each batch's own.
         lag = self.num_stages - 1 if self.distributed and step != "predict_step" else 0  # type: ignore[operator]
-        upto = j if self._closes_loader(batch_idx, args) else j - lag
+        upto = j if closes_loader(self._module.trainer, batch_idx, args) else j - lag
         values = steps.replay_through(upto, self.root_device)
         return values[-1] if values else None
 
