@@ -90,7 +90,7 @@ class Probe:
         """A span from ``start`` (:meth:`now`) until now, if the timeline is on."""
         if self.timeline and len(self._span_times) < 2 * self.max_spans:
             self._span_ints.extend((stage, _KINDS[name], index))
-            self._span_times.extend((start, time.perf_counter() + self._offset))
+            self._span_times.extend((start, self.now()))
 
     # -- events from the executor ------------------------------------------------------------
 

@@ -281,6 +281,16 @@ def test_state_dict_resume_equals_uninterrupted(schedule):
 def test_replayed_timeline_overlaps_stages_and_respects_dependencies():
     from pipemare.telemetry import Probe, replay_timeline, summarize_spans
 
+    class TickingProbe(Probe):
+        """A clock that advances one unit per reading: durations by construction, so the
+        replay does not depend on how loaded the machine is."""
+
+        ticks = 0.0
+
+        def now(self) -> float:
+            self.ticks += 1.0
+            return self.ticks
+
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
     results = {}
@@ -293,7 +303,7 @@ def test_replayed_timeline_overlaps_stages_and_respects_dependencies():
             microbatches=4,
             schedule=schedule,
         )
-        pipe.probe = Probe(timeline=True)
+        pipe.probe = TickingProbe(timeline=True)
         for _ in range(6):
             pipe.step((torch.randn(64, 32), torch.randn(64, 32)))
         spans, makespan = replay_timeline(pipe.probe.take_spans(), 4)
