@@ -15,6 +15,8 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
+from pipemare.checkpoint_io import checkpoint_io_class
+
 __all__ = [
     "START_METHODS",
     "LightningAPI",
@@ -51,6 +53,8 @@ class LightningAPI:
         self.backend_for_device = distributed._get_default_process_group_backend_for_device
         self.reset_seed = importlib.import_module(f"{fabric}.utilities.seed").reset_seed
         self.TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
+        torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io")
+        self.AtomicCheckpointIO = checkpoint_io_class(torch_io.TorchCheckpointIO)
         exceptions = importlib.import_module(f"{package}.utilities.exceptions")
         self.SIGTERMException = exceptions.SIGTERMException
 

@@ -79,6 +79,8 @@ class _PipeMareStrategyMixin(_Base):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
+        if checkpoint_io is None:  # atomic on any local filesystem (pipemare.checkpoint_io)
+            checkpoint_io = self._lightning.AtomicCheckpointIO()
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
