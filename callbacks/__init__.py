@@ -4,7 +4,7 @@ They log through Lightning's logger interface (any logger works) and add Weights
 extras when a ``WandbLogger`` is present.
 """
 
-from pipemare.callbacks.convergence import ConvergenceMonitor, Divergence
+from pipemare.callbacks.convergence import ConvergenceMonitor, Divergence, DivergenceError
 from pipemare.callbacks.pipeline import PipelineMonitor, chrome_trace
 from pipemare.callbacks.staleness import StalenessMonitor
 from pipemare.callbacks.wandb import OfflineSafeWandbLogger, wandb_logger
@@ -12,6 +12,7 @@ from pipemare.callbacks.wandb import OfflineSafeWandbLogger, wandb_logger
 __all__ = [
     "ConvergenceMonitor",
     "Divergence",
+    "DivergenceError",
     "OfflineSafeWandbLogger",
     "PipelineMonitor",
     "StalenessMonitor",

@@ -13,6 +13,8 @@ from pytorch_lightning.utilities import rank_zero_warn
 
 from pipemare.callbacks import _common as common
 
+_ON_DIVERGENCE = ("raise", "stop", "warn")
+
 
 @dataclasses.dataclass(frozen=True)
 class Divergence:
@@ -30,6 +32,14 @@ class Divergence:
         )
 
 
+class DivergenceError(RuntimeError):
+    """Training diverged; raised by :class:`ConvergenceMonitor` on every rank at the same step."""
+
+    def __init__(self, divergence: Divergence) -> None:
+        self.divergence = divergence
+        super().__init__(divergence.message())
+
+
 class ConvergenceMonitor(Callback):
     """Watches convergence and stops a run that diverged.
 
@@ -40,16 +50,19 @@ class ConvergenceMonitor(Callback):
     ``self.log`` calls.
 
     Divergence is a non-finite training loss or one above ``blowup`` times the best smoothed
-    loss so far (after ``warmup_steps``). Training then stops on every rank, with a message that
-    names the step and the stage: the first stage whose forward output held NaN/Inf, or else
-    the stage whose gradient norm grew the most.
+    loss so far (after ``warmup_steps``). Training then ends on every rank (see
+    ``on_divergence``), with a message that names the step and the stage: the first stage
+    whose forward output held NaN/Inf, or else the stage whose gradient norm grew the most.
 
     Args:
         target: ``(metric, value, mode)``, e.g. ``("val_acc", 0.95, "max")``.
         blowup: factor over the best smoothed loss that counts as divergence.
         warmup_steps: steps before the blow-up test starts (non-finite losses count at once).
         log_every_n_steps: logging interval (default: the Trainer's).
-        stop: stop training on divergence (else only warn and record it).
+        on_divergence: ``"raise"`` (default): raise :class:`DivergenceError` on every rank at
+            the same step, so every process exits non-zero; ``"stop"``: stop as Lightning's
+            ``EarlyStopping`` does (exit 0, e.g. for a study that records diverged runs);
+            ``"warn"``: warn, record, train on.
     """
 
     def __init__(
@@ -58,14 +71,18 @@ class ConvergenceMonitor(Callback):
         blowup: float = 10.0,
         warmup_steps: int = 20,
         log_every_n_steps: int | None = None,
-        stop: bool = True,
+        on_divergence: str = "raise",
     ) -> None:
         if target is not None and target[2] not in ("min", "max"):
             raise ValueError(f"target mode must be 'min' or 'max', got {target[2]!r}")
         if blowup <= 1:
             raise ValueError(f"blowup must be > 1, got {blowup}")
         self.target, self.blowup, self.warmup_steps = target, blowup, warmup_steps
-        self.log_every_n_steps, self.stop = log_every_n_steps, stop
+        if on_divergence not in _ON_DIVERGENCE:
+            raise ValueError(
+                f"on_divergence must be one of {', '.join(_ON_DIVERGENCE)}, got {on_divergence!r}"
+            )
+        self.log_every_n_steps, self.on_divergence = log_every_n_steps, on_divergence
         self.divergence: Divergence | None = None
         self.steps_to_target: int | None = None
         self.time_to_target: float | None = None
@@ -78,6 +95,7 @@ class ConvergenceMonitor(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._strategy = common.pipemare_strategy(trainer, type(self).__name__)
         if self._strategy is not None:
+            self._strategy.divergence_monitored = True  # its diagnosis replaces the bare check
             self._strategy.request_probe(
                 grad_norm_every=common.interval(trainer, self.log_every_n_steps)
             )
@@ -155,8 +173,10 @@ class ConvergenceMonitor(Callback):
             trainer,
             {f"{common.PREFIX}/diverged": 1.0, f"{common.PREFIX}/diverged_stage": float(stage)},
         )
-        if self.stop:
+        if self.on_divergence == "stop":
             trainer.should_stop = True
+        elif self.on_divergence == "raise":
+            raise DivergenceError(self.divergence)  # every rank: the loss is the same everywhere
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.target is None or trainer.sanity_checking or self.steps_to_target is not None:

@@ -5,6 +5,7 @@ Importing it registers ``strategy="pipemare"`` (and ``pipemare_<schedule>``) wit
 
 from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, closed_form_delays, derive_delays
+from pipemare.errors import NonFiniteLossError
 from pipemare.optim import PipeMareOptimizer
 from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, generate
@@ -18,6 +19,7 @@ __all__ = [
     "DistributedTransport",
     "InProcessTransport",
     "LightningPipeMareStrategy",
+    "NonFiniteLossError",
     "PipeMareConfig",
     "PipeMareOptimizer",
     "PipeMareStrategy",

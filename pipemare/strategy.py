@@ -37,6 +37,7 @@ from torch import nn
 from pipemare import checkpointing, launching, partition
 from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, derive_delays
+from pipemare.errors import NonFiniteLossError
 from pipemare.lagged import DistributedResults, LocalResults, Results, result_lag
 from pipemare.launching import START_METHODS, LightningAPI
 from pipemare.microbatch import batch_size, combine, scatter
@@ -45,6 +46,7 @@ from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, spec
 from pipemare.steps import UserSteps, closes_epoch, closes_loader
 from pipemare.telemetry import Probe
+from pipemare.transport import DistributedTransport
 
 __all__ = ["PipeMareStrategy", "register"]
 
@@ -121,6 +123,8 @@ class _PipeMareStrategyMixin(_Base):
         self._eval_results: Results | None = None
         self._eval_index = 0  # evaluation batches run so far, in every loop alike
         self._last_loss = math.nan  # the latest minibatch loss reported
+        #: set by a ConvergenceMonitor: it diagnoses a non-finite loss instead of the strategy
+        self.divergence_monitored = False
         self._pending_state: dict[str, Any] | None = None
         self._grad_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._probe_settings: dict[str, Any] = {}
@@ -439,10 +443,26 @@ class _PipeMareStrategyMixin(_Base):
         losses = steps.replay_through(upto, self.root_device)
         if losses:
             self._last_loss = losses[-1]
+            self._check_finite(losses)
         if self.lag:
             self._module.log("lag", float(self.lag), prog_bar=True, logger=False)
         self._stash_grads()
         return torch.tensor(self._last_loss, device=self.root_device)
+
+    def _check_finite(self, losses: list[float]) -> None:
+        """Stop at a non-finite loss, on every process at the same step (the losses are the
+        same everywhere); a ConvergenceMonitor, when attached, diagnoses it instead."""
+        assert self._train_results is not None
+        first = self._train_results.next - len(losses)  # the minibatch of losses[0]
+        for k, loss in enumerate(losses, start=first):
+            if not math.isfinite(loss) and not self.divergence_monitored:
+                pipe = self.pipeline
+                assert pipe is not None
+                last = pipe.num_stages - 1
+                where = ""
+                if isinstance(pipe.transport, DistributedTransport):
+                    where = f", rank {pipe.transport.rank_of(last)}"
+                raise NonFiniteLossError(k + 1, last, loss, where)
 
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any

@@ -30,12 +30,15 @@ def indexed(n: int, offset: int) -> TensorDataset:
 
 
 class Indexed(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, nan_at: int | None = None) -> None:
         super().__init__()
+        self.nan_at = nan_at  # a sample index whose minibatch gets NaN inputs
         self.net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 2))
 
     def training_step(self, batch, batch_idx):
         x, y, idx = batch
+        if self.nan_at is not None and bool((idx == self.nan_at).any()):
+            x = x * float("nan")
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("first_index", idx.min().float(), reduce_fx="min")
         self.log("loss_copy", loss)
@@ -88,6 +91,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=None)
     parser.add_argument("--schedule", default="pipemare")
     parser.add_argument("--microbatches", type=int, default=1)
+    parser.add_argument("--nan-at", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0)
@@ -108,7 +112,7 @@ def main() -> None:
         use_distributed_sampler=False,  # the same order in processes and in the simulator
         callbacks=[record],
     )
-    model = Indexed()
+    model = Indexed(args.nan_at)
     train = DataLoader(indexed(TRAIN, 0), batch_size=BATCH)
     val = DataLoader(indexed(VAL, 1000), batch_size=BATCH)
     trainer.fit(model, train, val)

@@ -23,7 +23,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0)
-    convergence = ConvergenceMonitor(log_every_n_steps=5)
+    convergence = ConvergenceMonitor(log_every_n_steps=5, on_divergence="stop")
     trainer = pl.Trainer(
         strategy=PipeMareStrategy(microbatches=2, balance=[5, 5]),
         accelerator="cpu",

@@ -16,9 +16,10 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from pipemare import PipeMareConfig, PipeMareStrategy
+from pipemare import NonFiniteLossError, PipeMareConfig, PipeMareStrategy
 from pipemare.callbacks import (
     ConvergenceMonitor,
+    DivergenceError,
     PipelineMonitor,
     StalenessMonitor,
     monitors,
@@ -151,7 +152,7 @@ def test_utilization_is_reported_per_stage(tmp_path):
 
 @pytest.mark.parametrize("schedule", ["pipemare", "1f1b"])
 def test_divergence_stops_training_naming_stage_and_step(tmp_path, schedule):
-    monitor = ConvergenceMonitor(log_every_n_steps=5)
+    monitor = ConvergenceMonitor(log_every_n_steps=5, on_divergence="stop")
     strategy = PipeMareStrategy(stages=4, microbatches=2, schedule=schedule, balance=[2, 2, 2, 4])
     with pytest.warns(UserWarning, match=r"training diverged at step \d+ in stage 2"):
         t = fit(
@@ -164,8 +165,23 @@ def test_divergence_stops_training_naming_stage_and_step(tmp_path, schedule):
     assert t.global_step == d.step + strategy.lag < 3 * 46
 
 
+def test_divergence_raises_by_default_naming_the_stage(tmp_path):
+    monitor = ConvergenceMonitor(log_every_n_steps=5)
+    strategy = PipeMareStrategy(stages=4, microbatches=2, balance=[2, 2, 2, 4])
+    with pytest.raises(DivergenceError, match=r"diverged at step \d+ in stage 2"):
+        fit(strategy, [monitor], False, epochs=3, model=Exploding(after=2 * 15))
+    assert monitor.divergence is not None and 15 <= monitor.divergence.step <= 17
+
+
+def test_a_non_finite_loss_stops_training_without_any_monitor(tmp_path):
+    strategy = PipeMareStrategy(stages=4, microbatches=2, balance=[2, 2, 2, 4])
+    with pytest.raises(NonFiniteLossError, match=r"the loss of step (\d+) is (nan|inf)") as err:
+        fit(strategy, [], False, epochs=3, model=Exploding(after=2 * 15))
+    assert 15 <= err.value.step <= 17 and err.value.stage == 3
+
+
 def test_loss_blowup_is_divergence_too(tmp_path):
-    monitor = ConvergenceMonitor(blowup=3.0, warmup_steps=5)
+    monitor = ConvergenceMonitor(blowup=3.0, warmup_steps=5, on_divergence="stop")
     fit(
         PipeMareStrategy(stages=3, schedule="async"),
         [monitor],

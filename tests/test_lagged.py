@@ -8,6 +8,7 @@ minibatch's values; epoch aggregates cover exactly their epoch; predictions stay
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -99,3 +100,17 @@ def test_lagged_reports_match_on_every_rank_and_in_the_simulator(tmp_path):
         assert a["first_index"] == b["first_index"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
     assert ranks[0]["epochs"] == simulated["epochs"]
+
+
+@pytest.mark.distributed
+def test_a_nan_in_the_data_stops_every_process_with_an_error_naming_step_and_stage(tmp_path):
+    """No monitor attached: the loss check, on the lagged results every rank shares."""
+    cmd = [sys.executable, WORKER, "--out", str(tmp_path), "--devices", "2", "--nan-at", "20"]
+    proc = subprocess.run(
+        cmd, env=environment(), capture_output=True, text=True, timeout=300, check=False
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    # sample 20 is in the third minibatch (batch 8): step 3, computed on stage 1, rank 1
+    assert "the loss of step 3 is nan (computed on stage 1, the last, rank 1)" in out, out[-3000:]
+    assert not list(tmp_path.glob("report-*.json"))  # nobody finished as if nothing happened
