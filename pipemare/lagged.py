@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from pipemare.schedule import Op, stream
+from pipemare.watchdog import Watchdog
 
 __all__ = ["DistributedResults", "LocalResults", "Results", "result_lag"]
 
@@ -114,8 +115,11 @@ class DistributedResults(Results):
         start: the first minibatch this run publishes (after a resume, later than 0).
     """
 
-    def __init__(self, source: int, start: int = 0, depth: int = 2) -> None:
+    def __init__(
+        self, source: int, start: int = 0, depth: int = 2, watchdog: Watchdog | None = None
+    ) -> None:
         super().__init__(start)
+        self.watchdog = watchdog
         self.source, self.rank = source, dist.get_rank()
         self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
         self._peers = [r for r in range(dist.get_world_size()) if r != source]
@@ -149,7 +153,7 @@ class DistributedResults(Results):
         if self.rank == self.source:
             return self._own.pop(minibatch)
         work, buf = self._posted.popleft()
-        work.wait()
+        self._wait(work, minibatch)
         self._post()
         got, length = buf[:_HEAD].view(torch.int64).tolist()
         if got != minibatch:
@@ -160,9 +164,15 @@ class DistributedResults(Results):
         data = bytes(buf[_HEAD : _HEAD + min(length, _CAPACITY - _HEAD)].numpy())
         if length > _CAPACITY - _HEAD:
             tail = torch.empty(length - (_CAPACITY - _HEAD), dtype=torch.uint8)
-            dist.recv(tail, src=self.source, group=self._groups[1])
+            self._wait(dist.irecv(tail, src=self.source, group=self._groups[1]), minibatch)
             data += bytes(tail.numpy())
         return pickle.loads(data)
+
+    def _wait(self, work: Any, minibatch: int) -> None:
+        if self.watchdog is None:
+            work.wait()
+        else:
+            self.watchdog.wait(work, self.source, f"results of minibatch {minibatch}")
 
     def flush(self) -> None:
         """Wait until every published result has been delivered."""

@@ -111,6 +111,8 @@ class Pipeline:
                 f"stages={stages} but the transport connects {transport.num_stages} stages"
             )
         self.transport = transport
+        if isinstance(transport, DistributedTransport):  # its errors name steps
+            transport.watchdog.microbatches = microbatches
         self.num_stages = transport.num_stages
         self.balance = self._balance(model, balance, self.num_stages)
         self.stage_modules = partition.split(model, self.balance)

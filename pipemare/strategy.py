@@ -75,6 +75,7 @@ class _PipeMareStrategyMixin(_Base):
         sequential: str | None = None,
         start_method: str = "popen",
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+        stall_timeout: float = 300.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -114,7 +115,16 @@ class _PipeMareStrategyMixin(_Base):
             config if config is not None else PipeMareConfig.for_schedule(spec(schedule).corrected)
         )
         self.sequential = sequential
+        if (
+            isinstance(stall_timeout, bool)
+            or not isinstance(stall_timeout, (int, float))
+            or stall_timeout <= 0
+        ):
+            raise ValueError(
+                f"stall_timeout must be a positive number of seconds, got {stall_timeout!r}"
+            )
         self._start_method, self._timeout = start_method, timeout
+        self.stall_timeout = float(stall_timeout)
         self._num_nodes = 1
         self.pipeline: Pipeline | None = None
         self._adapter: ModuleAdapter | None = None
@@ -368,7 +378,7 @@ class _PipeMareStrategyMixin(_Base):
                 schedule=self.schedule,
                 balance=balance,
                 config=self.config,
-                transport="distributed" if self.distributed else "inprocess",
+                transport=self._transport(),
                 device=self.root_device,
                 input_fn=steps.input,
                 target_fn=lambda mb: mb,
@@ -390,12 +400,22 @@ class _PipeMareStrategyMixin(_Base):
             self._attach_probe(self.pipeline)
         return self.pipeline
 
+    def _transport(self) -> Any:
+        if not self.distributed:
+            return "inprocess"
+        return DistributedTransport(
+            self.num_stages, self.root_device, stall_timeout=self.stall_timeout
+        )
+
     def _results(self, start: int) -> Results:
         """Where the last stage publishes results for every process (see pipemare.lagged)."""
         if not self.distributed:
             return LocalResults(start)
         assert self.pipeline is not None
-        return DistributedResults(self.pipeline.transport.rank_of(self.num_stages - 1), start)  # type: ignore[attr-defined,operator]
+        transport = self.pipeline.transport
+        assert isinstance(transport, DistributedTransport)
+        last = transport.rank_of(transport.num_stages - 1)
+        return DistributedResults(last, start, watchdog=transport.watchdog)
 
     @property
     def lag(self) -> int:
@@ -648,6 +668,9 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
         sequential: attribute path of the ``nn.Sequential`` to pipeline; found automatically
             when the module has exactly one.
         start_method: how Lightning starts processes: ``popen`` (default), ``spawn``, ``fork``.
+        stall_timeout: seconds a process waits for another stage before it fails, naming that
+            stage, its rank, host and PID (default 300; raise it if one rank can be busy that
+            long alone, e.g. writing a very large checkpoint).
 
     Example::
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pipemare.stage import tensors
+from pipemare.watchdog import Watchdog, this_process
 
 __all__ = ["ACT", "GRAD", "DistributedTransport", "InProcessTransport", "Transport"]
 
@@ -195,8 +196,10 @@ class _Inbox:
     expected shapes, then sends the real tensors on a third group that is never posted ahead.
     """
 
-    def __init__(self, peer: int, groups: tuple[Any, Any, Any], device: torch.device) -> None:
-        self.peer, self.groups, self.device = peer, groups, device
+    def __init__(
+        self, peer: int, groups: tuple[Any, Any, Any], device: torch.device, watchdog: Watchdog
+    ) -> None:
+        self.peer, self.groups, self.device, self.watchdog = peer, groups, device, watchdog
         self._slots: collections.deque[_Slot] = collections.deque()
         self._pool: dict[tuple[int, ...], list[list[torch.Tensor | None]]] = {}
         self._lent: dict[int, tuple[tuple[int, ...], list[torch.Tensor | None]]] = {}
@@ -215,10 +218,12 @@ class _Inbox:
 
     def take(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
         slot = self._slots.popleft()
+        what = f"{channel} of microbatch {microbatch}"
         for work in slot.works:
-            work.wait()
+            self.watchdog.wait(work, self.peer, what)
         header = slot.header.tolist()
         got, signature = header[0], tuple(header[1:])
+        self.watchdog.heard(self.peer, got)
         if got != microbatch:
             raise _mismatch(src, dst, channel, microbatch, got)
         buffers = slot.buffers
@@ -230,7 +235,7 @@ class _Inbox:
                 dist.irecv(t, src=self.peer, group=self.groups[2]) for t in buffers if t is not None
             ]
             for work in works:
-                work.wait()
+                self.watchdog.wait(work, self.peer, what)
         self.post(signature)
         self._lent[microbatch] = (signature, buffers)
         return buffers[0] if header[1] < 0 else tuple(buffers)
@@ -288,6 +293,8 @@ class DistributedTransport(Transport):
         device: this process's device; CUDA selects NCCL.
         stage_of_rank: which stage each rank runs (default: rank ``r`` runs stage ``r``).
         depth: messages posted ahead per neighbour and channel.
+        stall_timeout: seconds any wait for another stage may take before this process
+            fails, naming that stage (see :mod:`pipemare.watchdog`).
     """
 
     def __init__(
@@ -296,6 +303,7 @@ class DistributedTransport(Transport):
         device: torch.device | str = "cpu",
         stage_of_rank: Sequence[int] | None = None,
         depth: int = 2,
+        stall_timeout: float = 300.0,
     ) -> None:
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -313,10 +321,18 @@ class DistributedTransport(Transport):
             raise ValueError(f"stage_of_rank {order} must be a permutation of 0..{stages - 1}")
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
+        if stall_timeout <= 0:
+            raise ValueError(
+                f"stall_timeout must be a positive number of seconds, got {stall_timeout}"
+            )
         self.num_stages = stages
         self._rank_of = {stage: r for r, stage in enumerate(order)}
         me = order[rank]
         self.local_stages = (me,)
+        peers: list[Any] = [None] * world
+        dist.all_gather_object(peers, this_process(rank, me))  # once: who runs where
+        #: deadlines on every wait, and errors naming the stage that failed
+        self.watchdog = Watchdog(peers, peers[rank], datetime.timedelta(seconds=stall_timeout))
         # per channel: headers, payloads in the expected shapes, payloads in new shapes
         groups = {
             ch: tuple(dist.new_group(backend=backend) for _ in range(3)) for ch in (ACT, GRAD)
@@ -327,20 +343,23 @@ class DistributedTransport(Transport):
         self._outbox: dict[tuple[int, str], _Outbox] = {}
         for ch, src, dst in ((ACT, me - 1, me + 1), (GRAD, me + 1, me - 1)):
             if 0 <= src < stages:
-                inbox = _Inbox(self._rank_of[src], groups[ch], self.device)
+                inbox = _Inbox(self._rank_of[src], groups[ch], self.device, self.watchdog)
                 for _ in range(depth):
                     inbox.post(None)
                 self._inbox[src, ch] = inbox
             if 0 <= dst < stages:
                 self._outbox[dst, ch] = _Outbox(self._rank_of[dst], groups[ch], depth)
-        self._sent: list[tuple[Any, torch.Tensor]] = []  # (work, tensor kept alive until sent)
+        # (work, tensor kept alive until sent, receiving rank)
+        self._sent: list[tuple[Any, torch.Tensor, int]] = []
 
     def rank_of(self, stage: int) -> int:
         return self._rank_of[stage]
 
     def send(self, src: int, dst: int, channel: str, microbatch: int, payload: Any) -> None:
-        self._sent += self._outbox[dst, channel].send(microbatch, payload, self.device)
-        self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
+        peer = self._rank_of[dst]
+        sent = self._outbox[dst, channel].send(microbatch, payload, self.device)
+        self._sent += [(w, t, peer) for w, t in sent]
+        self._sent = [entry for entry in self._sent if not entry[0].is_completed()]
 
     def ready(self, src: int, dst: int, channel: str) -> bool:
         return True
@@ -352,6 +371,6 @@ class DistributedTransport(Transport):
         self._inbox[src, channel].release(microbatch)
 
     def flush(self) -> None:
-        for work, _ in self._sent:
-            work.wait()
+        for work, _, peer in self._sent:
+            self.watchdog.wait(work, peer, "receipt of what this stage sent")
         self._sent.clear()
