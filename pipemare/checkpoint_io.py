@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import tempfile
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "checkpoint_io_class"]
+__all__ = ["AtomicCheckpointIO", "LightningAtomicCheckpointIO", "atomic_save"]
 
 _TAG = ".pipemare-"
 
@@ -115,8 +116,9 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     _fsync_dir(directory)
 
 
-def checkpoint_io_class(base: type) -> type:
-    """A subclass of Lightning's ``TorchCheckpointIO`` (from either package) saving atomically."""
+def _checkpoint_io_class(base: type, name: str) -> type:
+    """A subclass of Lightning's ``TorchCheckpointIO`` that saves atomically; it lives in this
+    module under ``name``, so strategies holding one pickle (``start_method="spawn"``)."""
 
     def save_checkpoint(
         self: Any, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
@@ -126,8 +128,21 @@ def checkpoint_io_class(base: type) -> type:
         atomic_save(checkpoint, path)
         return None
 
-    return type(
-        "AtomicCheckpointIO",
-        (base,),
-        {"save_checkpoint": save_checkpoint, "__doc__": __doc__.split("\n")[0]},
-    )
+    namespace = {"save_checkpoint": save_checkpoint, "__module__": __name__, "__qualname__": name}
+    return type(name, (base,), {**namespace, "__doc__": __doc__.split("\n")[0]})
+
+
+def _lightning_base(fabric: str) -> type | None:
+    try:
+        return importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
+    except ImportError:
+        return None
+
+
+#: for ``pytorch_lightning``
+AtomicCheckpointIO = _checkpoint_io_class(_lightning_base("lightning_fabric"), "AtomicCheckpointIO")  # type: ignore[arg-type]
+_base = _lightning_base("lightning.fabric")
+#: for ``lightning.pytorch``, when installed
+LightningAtomicCheckpointIO = (
+    None if _base is None else _checkpoint_io_class(_base, "LightningAtomicCheckpointIO")
+)

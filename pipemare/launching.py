@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from pipemare.checkpoint_io import checkpoint_io_class
+from pipemare.checkpoint_io import AtomicCheckpointIO, LightningAtomicCheckpointIO
 
 __all__ = [
     "START_METHODS",
@@ -53,8 +53,9 @@ class LightningAPI:
         self.backend_for_device = distributed._get_default_process_group_backend_for_device
         self.reset_seed = importlib.import_module(f"{fabric}.utilities.seed").reset_seed
         self.TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
-        torch_io = importlib.import_module(f"{fabric}.plugins.io.torch_io")
-        self.AtomicCheckpointIO = checkpoint_io_class(torch_io.TorchCheckpointIO)
+        self.AtomicCheckpointIO = (
+            AtomicCheckpointIO if package == "pytorch_lightning" else LightningAtomicCheckpointIO
+        )
         exceptions = importlib.import_module(f"{package}.utilities.exceptions")
         self.SIGTERMException = exceptions.SIGTERMException
 

@@ -83,7 +83,7 @@ class _PipeMareStrategyMixin(_Base):
         precision_plugin: Any = None,
     ) -> None:
         if checkpoint_io is None:  # atomic on any local filesystem (pipemare.checkpoint_io)
-            checkpoint_io = self._lightning.AtomicCheckpointIO()
+            checkpoint_io = self._lightning.AtomicCheckpointIO()  # type: ignore[misc]
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
