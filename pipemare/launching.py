@@ -8,7 +8,9 @@ either, so one implementation serves both.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import importlib
+import signal
 from typing import Any
 
 import pytorch_lightning as pl
@@ -22,6 +24,7 @@ __all__ = [
     "LightningAPI",
     "SigtermRelay",
     "connect",
+    "end_launched_processes",
     "make_launcher",
     "set_world_ranks",
 ]
@@ -107,15 +110,19 @@ class SigtermRelay:
     process still stops at the same step, one step after rank 0 got the signal.
     """
 
-    def __init__(self, trainer: Any, api: LightningAPI) -> None:
-        self.trainer, self.api = trainer, api
-        self.group = dist.new_group(backend="gloo")
+    def __init__(self, trainer: Any, api: LightningAPI, strategy: Any = None) -> None:
+        self.trainer, self.api, self.strategy = trainer, api, strategy
+        # the async broadcast runs on the group's own thread: bound it by the stall deadline
+        # (not the 30-minute default), or a stopped peer would hold this process at exit
+        stall = getattr(strategy, "stall_timeout", None)
+        timeout = datetime.timedelta(seconds=stall) if stall else None
+        self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._pending: tuple[Any, torch.Tensor] | None = None
 
     def __call__(self) -> None:
         if self._pending is not None:
             work, flag = self._pending
-            work.wait()
+            self._wait(work)
             if int(flag.item()) == 1:
                 with contextlib.suppress(Exception):
                     dist.barrier(group=self.group)  # leave together, as Lightning does
@@ -123,6 +130,34 @@ class SigtermRelay:
         flag = torch.tensor([1 if getattr(self.trainer, "received_sigterm", False) else 0])
         self._pending = (dist.broadcast(flag, src=0, group=self.group, async_op=True), flag)
 
+    def _wait(self, work: Any) -> None:
+        """Wait with the pipeline's stall deadline; a process that never arrives is named."""
+        transport = getattr(getattr(self.strategy, "pipeline", None), "transport", None)
+        watchdog = getattr(transport, "watchdog", None)
+        if watchdog is None:
+            work.wait()
+            return
+        try:
+            work.wait(timeout=watchdog.timeout)
+        except RuntimeError as err:
+            culprit = watchdog.culprit()
+            if culprit is None:
+                raise RuntimeError(
+                    "pipemare: a process did not reach the previous step's SIGTERM check within "
+                    f"stall_timeout ({watchdog.timeout}); see the other processes' errors"
+                ) from err
+            raise watchdog.failure(culprit, "step's SIGTERM check", err) from err
+
     def install(self) -> None:
         """Replace the training loop's own check for this trainer."""
         self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self
+
+
+def end_launched_processes(strategy: Any) -> None:
+    """After an error in the process that launched the others (``start_method="popen"``), end
+    them as Lightning does after Ctrl-C: a stage left waiting, or stopped, would hold its
+    device until its own deadline, or forever. torchrun's agent and ``srun
+    --kill-on-bad-exit`` do the same for the jobs they start."""
+    launcher = getattr(strategy, "_launcher", None)
+    if isinstance(launcher, strategy._lightning.SubprocessScriptLauncher) and launcher.procs:
+        launcher.kill(signal.SIGKILL)

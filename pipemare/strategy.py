@@ -283,7 +283,7 @@ class _PipeMareStrategyMixin(_Base):
         self.pipeline = None
         super().setup(trainer)
         if self.distributed and dist.is_initialized():
-            launching.SigtermRelay(trainer, self._lightning).install()
+            launching.SigtermRelay(trainer, self._lightning, self).install()
         # The pipeline steps the optimiser per stage; before its first update a non-flushing
         # pipeline is still filling, which torch would otherwise report as a wrong call order.
         warnings.filterwarnings(
@@ -576,6 +576,9 @@ class _PipeMareStrategyMixin(_Base):
 
     def on_predict_end(self) -> None:
         self._consolidate()
+
+    def on_exception(self, exception: BaseException) -> None:
+        launching.end_launched_processes(self)
 
     def teardown(self) -> None:
         self._restore_grads()

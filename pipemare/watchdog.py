@@ -106,6 +106,15 @@ class Watchdog:
         except RuntimeError as err:
             raise self.failure(rank, what, err) from err
 
+    def culprit(self) -> int | None:
+        """A rank whose process this host can see is gone or stopped, if any."""
+        for peer in self.peers:
+            if peer.rank != self.me.rank and describe_process(peer).startswith(
+                ("is gone", "is stopped")
+            ):
+                return peer.rank
+        return None
+
     def failure(self, rank: int, what: str, err: BaseException) -> StageFailedError:
         return StageFailedError(
             self.peers[rank], self.me, what, self._heard.get(rank), self.microbatches, str(err)
