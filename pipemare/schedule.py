@@ -25,6 +25,7 @@ runs the outstanding backwards (and their updates) without new forwards.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import itertools
 from collections.abc import Iterator, Sequence
@@ -102,9 +103,11 @@ def spec(name: str) -> ScheduleSpec:
     """Return the :class:`ScheduleSpec` of a schedule name, or raise a helpful error."""
     try:
         return _SPECS[name]
-    except KeyError:
+    except (KeyError, TypeError):
+        close = difflib.get_close_matches(str(name).lower(), SCHEDULES, n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]!r}? " if close else ""
         raise ValueError(
-            f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}"
+            f"unknown schedule {name!r}; {hint}choose one of {', '.join(SCHEDULES)}"
         ) from None
 
 

@@ -8,7 +8,7 @@ from collections import deque
 import pytest
 
 from pipemare import schedule as sch
-from pipemare.schedule import Op, drain_tail, generate, stream
+from pipemare.schedule import Op, drain_tail, generate, spec, stream
 
 
 def names(plan):
@@ -161,3 +161,12 @@ def test_unknown_schedule_and_bad_sizes():
         next(stream("async", 2, 0, 0))
     with pytest.raises(ValueError, match=r"stage 2 is outside 0\.\.1"):
         next(stream("async", 2, 1, 2))
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [("pipemre", "pipemare"), ("GPipe", "gpipe"), ("1F1B", "1f1b"), ("asynch", "async")],
+)
+def test_a_misspelled_schedule_gets_a_did_you_mean(typo, meant):
+    with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+        spec(typo)
