@@ -23,7 +23,7 @@ from pipemare.logreplay import LogRecorder, Record
 from pipemare.microbatch import batch_size
 from pipemare.module_adapter import ModuleAdapter, loss_of
 
-__all__ = ["UserSteps", "closes_epoch", "closes_loader"]
+__all__ = ["UserSteps", "check_last_batch", "closes_epoch", "closes_loader"]
 
 
 class UserSteps:
@@ -120,3 +120,31 @@ def closes_loader(trainer: pl.Trainer, batch_idx: int, args: tuple) -> bool:
     count = counts[loader] if loader < len(counts) else math.inf
     progress = getattr(trainer._active_loop, "batch_progress", None)
     return bool(getattr(progress, "is_last_batch", False)) or batch_idx + 1 >= count
+
+
+def check_last_batch(trainer: pl.Trainer, microbatches: int) -> None:
+    """Refuse, before the first update, a training epoch whose last batch is too small to split.
+
+    Every minibatch is cut into N microbatches; a last batch of fewer than N samples cannot be,
+    and would fail only at the end of the first epoch.
+    """
+    from torch.utils.data import DataLoader
+
+    loaders = trainer.train_dataloader
+    flat = getattr(loaders, "flattened", None)
+    for loader in flat if flat is not None else [loaders]:
+        if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
+            continue
+        try:
+            n = len(loader.dataset)  # type: ignore[arg-type]
+        except TypeError:  # an iterable dataset: its length is not known
+            continue
+        last = n % loader.batch_size
+        if 0 < last < microbatches:
+            raise ValueError(
+                f"the training data's last batch holds {last} sample(s) ({n} samples in batches "
+                f"of {loader.batch_size}), fewer than microbatches={microbatches}, so it cannot "
+                "be split into microbatches; pass drop_last=True to the DataLoader, choose a "
+                f"batch size that leaves at least {microbatches} samples for the last batch, or "
+                f"use at most {last} microbatches"
+            )

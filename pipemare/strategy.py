@@ -44,7 +44,7 @@ from pipemare.microbatch import batch_size, combine, scatter
 from pipemare.module_adapter import ModuleAdapter, find_sequential
 from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, spec
-from pipemare.steps import UserSteps, closes_epoch, closes_loader
+from pipemare.steps import UserSteps, check_last_batch, closes_epoch, closes_loader
 from pipemare.telemetry import Probe
 from pipemare.transport import DistributedTransport
 
@@ -358,6 +358,8 @@ class _PipeMareStrategyMixin(_Base):
         seq = self._adapter.sequential
         stages = self.num_stages or len(seq)
         if self.pipeline is None:
+            if self._fitting:
+                check_last_batch(self._module.trainer, self.microbatches)
             balance = self._choose_balance(seq, stages, batch, step, args)
             self.balance = balance  # later rebuilds (after fit, for test) cut the same way
             trainer = self._module.trainer

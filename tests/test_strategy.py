@@ -332,6 +332,25 @@ def test_gradient_accumulation_and_manual_optimization_are_refused():
         trainer(PipeMareStrategy(stages=2), max_steps=1).fit(Manual(), tiny_data())
 
 
+def test_a_last_batch_too_small_to_split_is_refused_before_any_update():
+    model = Tiny()
+    before = weights(model)
+    with pytest.raises(
+        ValueError,
+        match=r"last batch holds 2 sample\(s\) \(98 samples in batches of 12\), fewer than "
+        r"microbatches=4.*drop_last=True",
+    ):
+        trainer(PipeMareStrategy(stages=2, microbatches=4), max_epochs=1).fit(
+            model, tiny_data(n=98)
+        )
+    assert all(torch.equal(a, b) for a, b in zip(before, weights(model), strict=True))
+    # handled: drop_last, or a last batch that still splits
+    gen_loader = tiny_data(n=98)
+    dropped = DataLoader(gen_loader.dataset, batch_size=12, drop_last=True)
+    trainer(PipeMareStrategy(stages=2, microbatches=4), max_epochs=1).fit(Tiny(), dropped)
+    trainer(PipeMareStrategy(stages=2, microbatches=2), max_epochs=1).fit(Tiny(), tiny_data(n=98))
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="unknown schedule 'zero_bubble'"):
         PipeMareStrategy(schedule="zero_bubble")
