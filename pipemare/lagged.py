@@ -17,6 +17,7 @@ run the backward of microbatch ``(t + 1) N - P``).
 from __future__ import annotations
 
 import collections
+import functools
 import pickle
 from typing import Any
 
@@ -42,6 +43,7 @@ def _backwards_by_step_end(
     raise AssertionError("unreachable: a stream always reaches an unfed forward")
 
 
+@functools.cache  # pure, and asked for at every training step
 def result_lag(schedule: str, stages: int, microbatches: int) -> int:
     """Steps between a minibatch's step and the step at which every process has its results.
 
