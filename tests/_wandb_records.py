@@ -28,6 +28,8 @@ def records(path: Path) -> list[Any]:
             pos += left
             continue
         _, length, kind = struct.unpack("<IHB", data[pos : pos + _HEADER])
+        if pos + _HEADER + length > len(data):
+            break  # a record still being written (wandb's service may append after finish)
         body = data[pos + _HEADER : pos + _HEADER + length]
         pos += _HEADER + length
         if kind == 0 and length == 0:
