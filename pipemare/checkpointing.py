@@ -15,8 +15,10 @@ import torch.distributed as dist
 from torch import nn
 
 from pipemare.pipeline import Pipeline
+from pipemare.snapshot import Snapshot
+from pipemare.transport import DistributedTransport
 
-__all__ = ["gather", "load_pipemare_state", "module_state", "optimizer_state"]
+__all__ = ["gather", "layout", "load_pipemare_state", "module_state", "optimizer_state"]
 
 
 def gather(local: Any, all_ranks: bool) -> list[Any]:
@@ -31,7 +33,11 @@ def gather(local: Any, all_ranks: bool) -> list[Any]:
 
 
 def module_state(
-    module: nn.Module, pipe: Pipeline, prefix: str, all_ranks: bool = False
+    module: nn.Module,
+    pipe: Pipeline,
+    prefix: str,
+    all_ranks: bool = False,
+    snapshot: Snapshot | None = None,
 ) -> dict[str, Any]:
     """The whole module's state dict, gathered from the stages' processes (CPU tensors).
 
@@ -40,58 +46,109 @@ def module_state(
         pipe: this process's pipeline.
         prefix: the Sequential's key prefix in the module's state dict, ending in ``.``.
         all_ranks: gather on every rank (else rank 0 only; other ranks get ``{}``).
+        snapshot: take the stages' state from it (default: the stages as they are now).
     """
-    local = {}
-    for i in pipe.local_stages:
-        for key, value in pipe.stage_modules[i].state_dict().items():
-            local[prefix + key] = value.detach().cpu()
-    if dist.get_rank() == 0:  # what lies outside the Sequential is the same everywhere
+    if snapshot is not None:
+        stage_states = snapshot.module_state()
+    else:
+        stage_states = {i: pipe.stage_modules[i].state_dict() for i in pipe.local_stages}
+    local = {prefix + k: v.detach().cpu() for sd in stage_states.values() for k, v in sd.items()}
+    distributed = isinstance(pipe.transport, DistributedTransport)
+    if not distributed or dist.get_rank() == 0:
+        # what lies outside the Sequential is the same everywhere
         outside = module.state_dict().items()
         local.update({k: v.detach().cpu() for k, v in outside if not k.startswith(prefix)})
     full: dict[str, Any] = {}
-    for part in gather(local, all_ranks):
+    for part in gather(local, all_ranks) if distributed else [local]:
         full.update(part)
     return {k: full[k] for k in module.state_dict()} if full else {}
 
 
-def optimizer_state(
-    optimizer: torch.optim.Optimizer, pipe: Pipeline | None, distributed: bool
-) -> dict[str, Any]:
+def _cpu(value: Any) -> Any:
+    return value.cpu() if isinstance(value, torch.Tensor) else value
+
+
+def optimizer_state(param_groups: list[dict[str, Any]], snapshot: Snapshot) -> dict[str, Any]:
     """The user's optimiser state for the whole model, with pipemare's own under "pipemare".
 
-    Each process's optimiser only ever stepped its own stages' parameters, so the per-parameter
-    states of all processes are disjoint and merge into the whole model's.
+    Args:
+        param_groups: the optimiser's ``state_dict()["param_groups"]`` (its settings).
+        snapshot: the stages' state (:class:`~pipemare.snapshot.Snapshot`).
+
+    Each process's optimiser only ever stepped its own stages' parameters, so the
+    per-parameter states of all processes are disjoint and merge into the whole model's.
+    Other ranks get an empty dict (only rank 0 writes checkpoints).
     """
-    state = optimizer.state_dict()
-    if pipe is None:
-        return state
-    extra = {
-        "optimizer": pipe.optimizer.state_dict(include_optimizer=False),
-        "pipeline": pipe.state_dict(),
+    per_param = snapshot.optimizer_state()
+    local: dict[str, Any] = {
+        "state": {k: {n: _cpu(v) for n, v in s.items()} for k, s in per_param.items()},
+        "extra": snapshot.pipemare_state(),
     }
-    if not distributed:
-        return {**state, "pipemare": extra}
-    cpu = {
-        i: {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-        for i, s in state["state"].items()
-    }
-    parts = gather({"state": cpu, "extra": extra}, all_ranks=False)
-    if not parts:  # only rank 0 writes checkpoints
-        return state
-    merged: dict[str, Any] = {"state": {}, "param_groups": state["param_groups"]}
-    extra = {
-        "optimizer": dict(extra["optimizer"], buffers={}),
-        "pipeline": dict(extra["pipeline"], rng={}),
+    distributed = isinstance(snapshot.pipe.transport, DistributedTransport)
+    parts = gather(local, all_ranks=False) if distributed else [local]
+    if not parts:
+        return {}
+    first: dict[str, Any] = parts[0]["extra"]
+    merged: dict[str, Any] = {"state": {}, "param_groups": param_groups}
+    extra: dict[str, Any] = {
+        "optimizer": dict(first["optimizer"], buffers={}),
+        "pipeline": dict(first["pipeline"], rng={}),
+        "layout": layout(snapshot.pipe),
     }
     for part in parts:
         merged["state"].update(part["state"])
         for name, buffers in part["extra"]["optimizer"]["buffers"].items():
-            extra["optimizer"]["buffers"].setdefault(name, {}).update(buffers)
+            extra["optimizer"]["buffers"].setdefault(name, {}).update(
+                {k: _cpu(v) for k, v in buffers.items()}
+            )
         extra["pipeline"]["rng"].update(part["extra"]["pipeline"]["rng"])
+    merged["state"] = dict(sorted(merged["state"].items()))
     return {**merged, "pipemare": extra}
 
 
-def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> None:
-    """Restore what :func:`optimizer_state` saved under "pipemare" (this process's part)."""
-    pipe.optimizer.load_state_dict(state["optimizer"])
-    pipe.load_state_dict(state["pipeline"])
+def layout(pipe: Pipeline) -> dict[str, Any]:
+    """How ``pipe`` cuts and runs the model: what a resume compares against."""
+    return {
+        "stages": pipe.num_stages,
+        "balance": list(pipe.balance),
+        "schedule": pipe.schedule,
+        "microbatches": pipe.microbatches,
+        "corrections": [c.name for c in pipe.optimizer.corrections],
+    }
+
+
+def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> list[str]:
+    """Restore what :func:`optimizer_state` saved under "pipemare" (this process's part).
+
+    A checkpoint from another partition, stage count or schedule still loads: the weights and
+    the user's optimiser state are the whole model's either way. Returns what does not carry
+    over (for the caller to announce): each stage's random stream when the stages hold other
+    layers, the buffers of corrections the new configuration does not run.
+    """
+    saved = state.get("layout")
+    now = layout(pipe)
+    notes: list[str] = []
+    pipeline_state = dict(state["pipeline"])
+    if saved is not None and (saved["stages"], saved["balance"]) != (now["stages"], now["balance"]):
+        pipeline_state["rng"] = {}
+        notes.append(
+            "the stages' random streams are reset: the checkpoint cut the model into "
+            f"{saved['stages']} stages {saved['balance']}, this run into {now['stages']} "
+            f"{now['balance']}"
+        )
+    optimizer_state = state["optimizer"]
+    if saved is not None:
+        dropped = sorted(set(optimizer_state.get("buffers", {})) - set(now["corrections"]))
+        dropped = [n for n in dropped if optimizer_state["buffers"][n]]
+        if dropped:
+            names = ", ".join(dropped)
+            notes.append(f"the buffers of {names} are dropped: this run does not use it")
+        started = sorted(set(now["corrections"]) - set(saved["corrections"]))
+        if started:
+            notes.append(f"{', '.join(started)} starts afresh: the checkpoint's run did not use it")
+        for key in ("schedule", "microbatches"):
+            if saved[key] != now[key]:
+                notes.append(f"{key} changes from {saved[key]!r} to {now[key]!r}")
+    pipe.optimizer.load_state_dict(optimizer_state)
+    pipe.load_state_dict(pipeline_state)
+    return notes

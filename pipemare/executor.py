@@ -74,6 +74,7 @@ class Executor:
         self._streams = streams
         self.workers = [_Worker(s, streams(s.index, 0)) for s in stages]
         self.fed = 0  # microbatches available
+        self.drained_at = 0  # ``fed`` when the pipeline was last emptied
         self._consumers = {0, num_stages - 1} & {s.index for s in stages}
         self._data: dict[int, list[Any]] = {}  # microbatch -> [data, weight, uses left]
         self._losses: dict[int, list[Any]] = {}  # minibatch -> [sum, count]
@@ -83,6 +84,10 @@ class Executor:
         #: called with ``(minibatch, loss)`` where the last stage runs, the moment every
         #: microbatch of the minibatch has passed the loss (before their backward passes)
         self.on_minibatch: Callable[[int, torch.Tensor], None] | None = None
+        #: per local stage, the index of the latest action of each kind it ran
+        self.done: dict[int, dict[Op, int]] = {s.index: {} for s in stages}
+        #: called with ``(stage, action)`` after each action (see :mod:`pipemare.snapshot`)
+        self.watchers: list[Callable[[int, Action], None]] = []
 
     # -- data in, losses out ---------------------------------------------------------------
 
@@ -151,13 +156,17 @@ class Executor:
         self.probe.record(src, "send", m, start)
 
     def _run(self, w: _Worker, a: Action) -> None:
+        i = w.stage.index
         if not self._timing():
             self._act(w, a)
-            return
-        assert self.probe is not None
-        start = self.probe.now()
-        self._act(w, a)
-        self.probe.record(w.stage.index, a.op.value, a.index, start)
+        else:
+            assert self.probe is not None
+            start = self.probe.now()
+            self._act(w, a)
+            self.probe.record(i, a.op.value, a.index, start)
+        self.done[i][a.op] = a.index
+        for watch in list(self.watchers):
+            watch(i, a)
 
     def _act(self, w: _Worker, a: Action) -> None:
         stage, i, last = w.stage, w.stage.index, w.stage.index == self.num_stages - 1
@@ -230,7 +239,7 @@ class Executor:
     def restart(self, minibatches: int) -> None:
         """Start the streams afresh at ``minibatches`` (the pipeline must be empty)."""
         assert all(not w.pending for w in self.workers), "restart needs a drained pipeline"
-        self.fed = minibatches * self.microbatches
+        self.fed = self.drained_at = minibatches * self.microbatches
         for w in self.workers:
             w.restart(self._streams(w.stage.index, minibatches))
 
@@ -242,3 +251,4 @@ class Executor:
             w.restart(itertools.chain(tail, self._streams(w.stage.index, start)))
         self.run()
         self.transport.flush()
+        self.drained_at = self.fed

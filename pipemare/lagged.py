@@ -27,20 +27,27 @@ import torch.distributed as dist
 from pipemare.schedule import Op, stream
 from pipemare.watchdog import Watchdog
 
-__all__ = ["DistributedResults", "LocalResults", "Results", "result_lag"]
+__all__ = ["DistributedResults", "LocalResults", "Results", "result_lag", "snapshot_lag"]
+
+
+def _done_by_step_end(
+    schedule: str, stages: int, microbatches: int, stage: int, fed: int, op: Op, warmup: int = 0
+) -> set[int]:
+    """Indices of the ``op`` actions ``stage`` has run when it stops for unfed data."""
+    done: set[int] = set()
+    for action in stream(schedule, stages, microbatches, stage, warmup=warmup):
+        if action.op is Op.FORWARD and action.index >= fed:
+            return done
+        if action.op is op:
+            done.add(action.index)
+    raise AssertionError("unreachable: a stream always reaches an unfed forward")
 
 
 def _backwards_by_step_end(
     schedule: str, stages: int, microbatches: int, stage: int, fed: int
 ) -> set[int]:
     """Microbatches whose backward ``stage`` has run when it stops for unfed data."""
-    done: set[int] = set()
-    for action in stream(schedule, stages, microbatches, stage):
-        if action.op is Op.FORWARD and action.index >= fed:
-            return done
-        if action.op is Op.BACKWARD:
-            done.add(action.index)
-    raise AssertionError("unreachable: a stream always reaches an unfed forward")
+    return _done_by_step_end(schedule, stages, microbatches, stage, fed, Op.BACKWARD)
 
 
 @functools.cache  # pure, and asked for at every training step
@@ -62,6 +69,29 @@ def result_lag(schedule: str, stages: int, microbatches: int) -> int:
         done = _backwards_by_step_end(schedule, stages, n, stage, (t + 1) * n)
         known = max((k for k in range(t + 1) if (k + 1) * n - 1 in done), default=-1)
         lag = max(lag, t - known)
+    return lag
+
+
+@functools.cache
+def snapshot_lag(schedule: str, stages: int, microbatches: int) -> int:
+    """Steps after step ``t`` at whose end every stage has applied minibatch ``t``'s update.
+
+    A :class:`~pipemare.snapshot.Snapshot` of minibatch ``t`` is complete in every process by
+    the end of step ``t + snapshot_lag``: derived, like :func:`result_lag`, by running each
+    stage's action stream in steady state (a filling pipeline, after a start, a drain or T3's
+    warm-up, is never later).
+
+    Example:
+        >>> snapshot_lag("1f1b", 4, 2), snapshot_lag("pipemare", 4, 2), snapshot_lag("async", 8, 1)
+        (0, 2, 7)
+    """
+    n = microbatches
+    t = stages + 2  # a step well past the fill, in steady state
+    lag = 0
+    for stage in range(stages):
+        done = _done_by_step_end(schedule, stages, n, stage, (t + 1) * n, Op.UPDATE)
+        applied = max((k for k in range(t + 1) if k in done), default=-1)
+        lag = max(lag, t - applied)
     return lag
 
 

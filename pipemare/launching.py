@@ -50,6 +50,7 @@ class LightningAPI:
         rank_zero = importlib.import_module(f"{package}.utilities.rank_zero")
         self.rank_zero_only = rank_zero.rank_zero_only
         self.rank_zero_info = rank_zero.rank_zero_info
+        self.rank_zero_warn = rank_zero.rank_zero_warn
         distributed = importlib.import_module(f"{fabric}.utilities.distributed")
         self.init_dist_connection = distributed._init_dist_connection
         self.sync_ddp_if_available = distributed._sync_ddp_if_available

@@ -18,6 +18,7 @@ from pipemare.executor import Executor
 from pipemare.microbatch import batch_size, scatter, to_device
 from pipemare.optim import PipeMareOptimizer
 from pipemare.schedule import Action, spec, stream
+from pipemare.snapshot import Snapshot
 from pipemare.stage import Stage, as_payload
 from pipemare.telemetry import Probe
 from pipemare.transport import ACT, DistributedTransport, InProcessTransport, Transport
@@ -258,6 +259,16 @@ class Pipeline:
         self.executor.feed(chunks, [batch_size(c) / total for c in chunks])
         self.executor.run()
         return self.executor.pop_loss(k)
+
+    def snapshot(self, minibatch: int | None = None) -> Snapshot:
+        """Start copying each stage's state as a drain after ``minibatch`` (default: the last
+        fed) would leave it, without draining (see :class:`~pipemare.snapshot.Snapshot`)."""
+        return Snapshot(self, minibatch)
+
+    @property
+    def drained(self) -> bool:
+        """Whether nothing is in flight: no minibatch was fed since the last drain."""
+        return self.executor.drained_at == self.executor.fed
 
     def drain(self) -> None:
         """Finish all microbatches in flight and apply their updates (e.g. before evaluating)."""

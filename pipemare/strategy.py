@@ -43,6 +43,7 @@ from pipemare.launching import START_METHODS, LightningAPI
 from pipemare.microbatch import batch_size, combine, scatter
 from pipemare.module_adapter import ModuleAdapter, find_sequential
 from pipemare.pipeline import Pipeline
+from pipemare.saving import SaveQueue
 from pipemare.schedule import SCHEDULES, spec
 from pipemare.steps import UserSteps, check_last_batch, closes_epoch, closes_loader
 from pipemare.telemetry import Probe
@@ -136,6 +137,12 @@ class _PipeMareStrategyMixin(_Base):
         #: set by a ConvergenceMonitor: it diagnoses a non-finite loss instead of the strategy
         self.divergence_monitored = False
         self._pending_state: dict[str, Any] | None = None
+        self._saves = SaveQueue(
+            lambda checkpoint, path, options: super(_PipeMareStrategyMixin, self).save_checkpoint(
+                checkpoint, path, storage_options=options
+            ),
+            lambda path: super(_PipeMareStrategyMixin, self).remove_checkpoint(path),
+        )
         self._grad_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._probe_settings: dict[str, Any] = {}
         #: latest per-stage telemetry, filled by pipemare's monitors: stage -> name -> value
@@ -394,9 +401,7 @@ class _PipeMareStrategyMixin(_Base):
                 f"layers per stage {balance}, schedule {self.schedule!r}, N={self.microbatches}, "
                 f"corrections: {self.pipeline.optimizer.describe() or 'none'}"
             )
-            if self._pending_state is not None:
-                checkpointing.load_pipemare_state(self.pipeline, self._pending_state)
-                self._pending_state = None
+            self._load_pending_state()
             self._train_results = self._results(self.pipeline.minibatches_fed)
             self.pipeline.executor.on_minibatch = lambda k, loss: steps.publish(k, float(loss))
             self._attach_probe(self.pipeline)
@@ -466,6 +471,7 @@ class _PipeMareStrategyMixin(_Base):
         if losses:
             self._last_loss = losses[-1]
             self._check_finite(losses)
+        self._write_due()  # checkpoints whose step reached every stage by now
         if self.lag:
             self._module.log("lag", float(self.lag), prog_bar=True, logger=False)
         self._stash_grads()
@@ -545,6 +551,7 @@ class _PipeMareStrategyMixin(_Base):
     def _drain(self) -> None:
         if self.pipeline is not None:
             self.pipeline.drain()
+            self._write_due()
 
     def on_validation_start(self) -> None:
         self._drain()
@@ -580,6 +587,13 @@ class _PipeMareStrategyMixin(_Base):
         self._consolidate()
 
     def on_exception(self, exception: BaseException) -> None:
+        lost = self._saves.abandon()
+        if lost:
+            self._lightning.rank_zero_warn(
+                f"pipemare: {len(lost)} checkpoint(s) not written, their step's updates had not "
+                f"reached every stage when the run stopped: {', '.join(lost)}; the files written "
+                "before are intact"
+            )
         launching.end_launched_processes(self)
 
     def teardown(self) -> None:
@@ -607,15 +621,31 @@ class _PipeMareStrategyMixin(_Base):
         return checkpointing.module_state(self._module, self.pipeline, prefix, all_ranks)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        self._drain()
-        if not self.distributed or self.pipeline is None:
+        """The whole model; during training the state each stage has once the step's
+        minibatch has reached it, collected without draining (see :mod:`pipemare.saving`)."""
+        if self.pipeline is None:
             return self._module.state_dict()
-        return self._gather_state()
+        assert self._adapter is not None
+        return self._saves.module_state(self._module, self.pipeline, self._adapter.path + ".")
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
-        self._drain()
-        return checkpointing.optimizer_state(optimizer, self.pipeline, self.distributed)
+        if self.pipeline is None:
+            return optimizer.state_dict()
+        return self._saves.optimizer_state(optimizer, self.pipeline)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        self._saves.save(checkpoint, filepath, storage_options, self.pipeline)
+        self._write_due()
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._saves.remove(filepath)
+
+    def _write_due(self) -> None:
+        if self._adapter is not None:
+            self._saves.poll(self._module, self.pipeline, self._adapter.path + ".")
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
@@ -624,10 +654,21 @@ class _PipeMareStrategyMixin(_Base):
             if "pipemare" in state:
                 self._pending_state = state["pipemare"]
         if self.pipeline is not None and self._pending_state is not None:
-            checkpointing.load_pipemare_state(self.pipeline, self._pending_state)
-            self._pending_state = None
+            self._load_pending_state()
             if self._train_results is not None:  # the next minibatch to report moved with it
                 self._train_results.start = self._train_results.next = self.pipeline.minibatches_fed
+
+    def _load_pending_state(self) -> None:
+        if self._pending_state is None:
+            return
+        assert self.pipeline is not None
+        notes = checkpointing.load_pipemare_state(self.pipeline, self._pending_state)
+        self._pending_state = None
+        if notes:
+            self._lightning.rank_zero_warn(
+                "pipemare: resuming a checkpoint saved with another layout; the weights, the "
+                "optimiser's state and the step count carry over; " + "; ".join(notes)
+            )
 
     # -- registration -------------------------------------------------------------------------
 
