@@ -9,6 +9,7 @@ options, and every field can be overridden, e.g.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 # Lightning's CLI calls jsonargparse APIs that jsonargparse 4.49 deprecates: warnings a user can
@@ -33,6 +34,26 @@ class PipeMareCLI(LightningCLI):
         kwargs.setdefault("auto_configure_optimizers", False)  # models take optimizer callables
         kwargs.setdefault("parser_kwargs", {"default_env": False})
         super().__init__(*args, **kwargs)
+
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as err:  # a class refused its arguments; jsonargparse buries why
+            if not str(err).startswith(_UNION_ERROR):
+                raise
+            print(f"error: the config could not be built: {_reasons(str(err))}", file=sys.stderr)
+            raise SystemExit(2) from err
+
+
+_UNION_ERROR = "Does not validate against any of the Union subtypes"
+_NOISE = (_UNION_ERROR, "Subtypes:", "Errors:", "Expected a <class", "Given value", "Problem with")
+
+
+def _reasons(report: str) -> str:
+    """The classes' own error messages in jsonargparse's report of a failed instantiation."""
+    lines = (line.strip().removeprefix("- ") for line in report.splitlines())
+    reasons = [line for line in lines if line and not line.startswith(_NOISE)]
+    return "; ".join(reasons) or report
 
 
 def main(argv: list[str] | None = None) -> PipeMareCLI:

@@ -17,6 +17,7 @@ from torch import nn
 from pipemare import Pipeline
 from pipemare.experiments.data import digits
 from pipemare.experiments.models import residual_mlp
+from pipemare.schedule import SCHEDULES
 
 
 def train(schedule: str, args: argparse.Namespace) -> dict:
@@ -54,6 +55,13 @@ def train(schedule: str, args: argparse.Namespace) -> dict:
     }
 
 
+def _positive(text: str) -> int:
+    value = int(text) if text.strip().lstrip("-").isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(
         prog="pipemare demo",
@@ -61,15 +69,28 @@ def main(argv: list[str] | None = None) -> list[dict]:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--schedules", nargs="+", default=["gpipe", "pipedream", "async", "pipemare"]
+        "--schedules",
+        nargs="+",
+        default=["gpipe", "pipedream", "async", "pipemare"],
+        choices=SCHEDULES,
     )
-    parser.add_argument("--stages", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=1)
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--stages", type=_positive, default=8)
+    parser.add_argument("--microbatches", type=_positive, default=1)
+    parser.add_argument("--epochs", type=_positive, default=20)
+    parser.add_argument("--batch-size", type=_positive, default=32)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    layers = len(residual_mlp(64, 10))  # digits: 64 features, 10 classes
+    if args.stages > layers:
+        parser.error(
+            f"--stages {args.stages}: the demo's model has {layers} layers, at most one stage each"
+        )
+    if args.microbatches > args.batch_size:
+        parser.error(
+            f"--microbatches {args.microbatches} exceeds --batch-size {args.batch_size}; "
+            "every microbatch needs at least one sample"
+        )
     torch.set_num_threads(1)
     print(
         f"digits (sklearn, 1497 train / 300 test), residual MLP, {args.stages} stages in one "

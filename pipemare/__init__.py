@@ -5,7 +5,7 @@ Importing it registers ``strategy="pipemare"`` (and ``pipemare_<schedule>``) wit
 
 from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, closed_form_delays, derive_delays
-from pipemare.errors import NonFiniteLossError
+from pipemare.errors import NonFiniteGradientError, NonFiniteLossError
 from pipemare.optim import PipeMareOptimizer
 from pipemare.pipeline import Pipeline
 from pipemare.schedule import SCHEDULES, generate
@@ -19,6 +19,7 @@ __all__ = [
     "DistributedTransport",
     "InProcessTransport",
     "LightningPipeMareStrategy",
+    "NonFiniteGradientError",
     "NonFiniteLossError",
     "PipeMareConfig",
     "PipeMareOptimizer",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import sys
 
 _COMMANDS = {
@@ -24,7 +25,9 @@ def main(argv: list[str] | None = None) -> None:
         for name, text in _COMMANDS.items():
             print(f"  {name:<9} {text}")
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nunknown command {argv[0]!r}")
+            close = difflib.get_close_matches(argv[0], _COMMANDS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            print(f"\nunknown command {argv[0]!r}{hint}", file=sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     command, rest = argv[0], argv[1:]
     if command in ("fit", "validate", "test", "predict"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from pipemare.corrections import (
@@ -21,6 +22,12 @@ FALLBACK_HORIZON = 500
 
 #: ``delay_momentum="auto"``'s momentum at the most delayed stage (Ajanthan et al., ICML 2025).
 AUTO_DELAY_MOMENTUM = 0.99
+
+# The fields' kinds, for the type checks (the others are numbers).
+_FLAGS = ("lr_reschedule", "discrepancy_correction")
+_SWITCHES = ("weight_prediction", "spike_compensation")
+_STEPS = ("reschedule_steps", "warmup_steps")
+_OPTIONAL = ("reschedule_steps", "reschedule_epochs")
 
 
 @dataclasses.dataclass
@@ -80,6 +87,7 @@ class PipeMareConfig:
     0.99 where the optimiser has momentum (the Adam family, SGD with momentum); None: off."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.reschedule_steps is not None and self.reschedule_steps < 0:
             raise ValueError(f"reschedule_steps must be >= 0, got {self.reschedule_steps}")
         if not 0.0 <= self.reschedule_fraction <= 1.0:
@@ -99,22 +107,33 @@ class PipeMareConfig:
         if self.prediction_scale < 0:
             raise ValueError(f"prediction_scale must be >= 0, got {self.prediction_scale}")
         dm = self.delay_momentum
-        if dm is not None and dm != "auto" and (isinstance(dm, str) or not 0.0 <= dm < 1.0):
+        in_range = isinstance(dm, (int, float)) and not isinstance(dm, bool) and 0.0 <= dm < 1.0
+        if dm is not None and dm != "auto" and not in_range:
             raise ValueError(f"delay_momentum must lie in [0, 1), or be 'auto' or None, got {dm!r}")
-        if self.spike_compensation not in (True, False, "auto"):
-            raise ValueError(
-                f"spike_compensation must be True, False or 'auto', got {self.spike_compensation!r}"
-            )
-        if self.weight_prediction not in (True, False, "auto"):
-            raise ValueError(
-                f"weight_prediction must be True, False or 'auto', got {self.weight_prediction!r}"
-            )
         if self.weight_prediction is True and self.discrepancy_correction:
             raise ValueError(
                 "weight_prediction and discrepancy_correction do not combine: with the forward "
                 "run at the predicted weights, the backward's live weights already match it and "
                 "T2 would move them away; switch one off (discrepancy_correction=False)"
             )
+
+    def _check_types(self) -> None:
+        """Refuse a value of the wrong type (a string from YAML, a fractional step count, NaN)."""
+        for name, value in dataclasses.asdict(self).items():
+            if name == "delay_momentum" or (value is None and name in _OPTIONAL):
+                continue  # delay_momentum: checked with its range
+            if name in _FLAGS:
+                ok, need = isinstance(value, bool), "True or False"
+            elif name in _SWITCHES:
+                ok, need = isinstance(value, bool) or value == "auto", "True, False or 'auto'"
+            elif name in _STEPS:
+                ok = isinstance(value, int) and not isinstance(value, bool)
+                need = "a whole number of steps"
+            else:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+                ok, need = ok and math.isfinite(value), "a finite number"
+            if not ok:
+                raise ValueError(f"{name} must be {need}, got {value!r}")
 
     @property
     def predicts(self) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteLossError"]
+__all__ = ["NonFiniteGradientError", "NonFiniteLossError"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -21,4 +21,25 @@ class NonFiniteLossError(RuntimeError):
             "good checkpoint stays as it is. Attach pipemare.callbacks.ConvergenceMonitor to "
             "find the first stage whose output was not finite; lower the learning rate, clip "
             "gradients (gradient_clip_val) or check the data for NaN."
+        )
+
+
+class NonFiniteGradientError(RuntimeError):
+    """A stage's accumulated gradients held NaN or Inf at its update; the update was skipped.
+
+    Attributes:
+        step: the training step (counted from 1) whose minibatch gave the gradients.
+        stage: the stage whose update it was.
+        names: the parameters (within the stage's layers) with non-finite gradients.
+    """
+
+    def __init__(self, step: int, stage: int, names: list[str], where: str = "") -> None:
+        self.step, self.stage, self.names = step, stage, names
+        shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(
+            f"pipemare: the gradients of step {step} on stage {stage}{where} are not finite "
+            f"({shown}) while the loss was; the update was not applied and training stopped, so "
+            "the weights and the last checkpoint stay finite. Look for an operation whose "
+            "backward overflows (e.g. a sqrt or log at 0, a division by a small number), lower "
+            "the learning rate or clip gradients (gradient_clip_val)."
         )

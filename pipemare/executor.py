@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pipemare.clip import GradClip
+from pipemare.errors import NonFiniteGradientError
 from pipemare.optim import PipeMareOptimizer
 from pipemare.schedule import Action, Op, drain_tail
 from pipemare.stage import Stage, as_payload
@@ -53,6 +54,8 @@ class Executor:
         input_fn: microbatch -> stage 0's input.
         loss_fn: (last stage output, microbatch) -> scalar loss.
         clip: gradient clipping applied right before each update.
+        check_finite: check each stage's gradients right before its update; non-finite ones
+            are not applied (see :attr:`on_nonfinite`).
     """
 
     def __init__(
@@ -66,8 +69,10 @@ class Executor:
         input_fn: Callable[[Any], Any],
         loss_fn: Callable[[Any, Any], torch.Tensor],
         clip: GradClip | None = None,
+        check_finite: bool = True,
     ) -> None:
         self.num_stages, self.microbatches = num_stages, microbatches
+        self.check_finite = check_finite
         self.transport, self.optimizer = transport, optimizer
         self.input_fn, self.loss_fn = input_fn, loss_fn
         self.clip = clip
@@ -84,6 +89,9 @@ class Executor:
         #: called with ``(minibatch, loss)`` where the last stage runs, the moment every
         #: microbatch of the minibatch has passed the loss (before their backward passes)
         self.on_minibatch: Callable[[int, torch.Tensor], None] | None = None
+        #: called with ``(stage, minibatch, names)`` when a stage's gradients are not finite
+        #: at its update, which is then skipped; None: raise NonFiniteGradientError at once
+        self.on_nonfinite: Callable[[int, int, list[str]], None] | None = None
         #: per local stage, the index of the latest action of each kind it ran
         self.done: dict[int, dict[Op, int]] = {s.index: {} for s in stages}
         #: called with ``(stage, action)`` after each action (see :mod:`pipemare.snapshot`)
@@ -214,8 +222,26 @@ class Executor:
             if self.clip is not None:
                 self.clip.apply(i, a.index, params)
             stage.before_update()
-            self.optimizer.step(i, a.index)
+            bad = self._nonfinite(stage) if self.check_finite else []
+            if bad:
+                self.optimizer.skip(i, a.index)
+                if self.on_nonfinite is None:
+                    raise NonFiniteGradientError(a.index + 1, i, bad)
+                self.on_nonfinite(i, a.index, bad)
+            else:
+                self.optimizer.step(i, a.index)
             stage.after_update()
+
+    @staticmethod
+    def _nonfinite(stage: Stage) -> list[str]:
+        """Names of ``stage``'s parameters whose gradient holds NaN or Inf (one sync)."""
+        named = [(n, p.grad) for n, p in stage.module.named_parameters() if p.grad is not None]
+        if not named:
+            return []
+        total = torch.nn.utils.get_total_norm([g for _, g in named])
+        if torch.isfinite(total):
+            return []
+        return [n for n, g in named if not bool(torch.isfinite(g).all())]
 
     def run(self) -> None:
         """Run every local stage as far as the fed data allows; all must end waiting for data."""

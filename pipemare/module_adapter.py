@@ -27,14 +27,36 @@ class _Captured(BaseException):  # BaseException: a user's `except Exception` mu
         self.value = value
 
 
-class _Capture(nn.Module):
+class _StandIn(nn.Module):
+    """Takes the Sequential's place during a step; the step may only call it."""
+
+    def __init__(self, owner: str = "the module", path: str = "net") -> None:
+        super().__init__()
+        self.owner, self.path = owner, path
+
+    def _refuse(self, *args: Any) -> Any:
+        p = f"self.{self.path}"
+        raise RuntimeError(
+            f"{self.owner}.{self.path} was indexed, iterated or measured in the step (e.g. "
+            f"{p}[0](x), a loop over its layers, len({p})); pipemare runs it as a pipeline, so "
+            f"the step must pass its input through it in one call, y = {p}(x). Use single "
+            "layers outside the step, or pipeline a different module"
+        )
+
+    __getitem__ = __iter__ = __len__ = _refuse
+
+    def __bool__(self) -> bool:  # truth tests must not fall back to __len__
+        return True
+
+
+class _Capture(_StandIn):
     def forward(self, x: Any) -> Any:
         raise _Captured(x)
 
 
-class _Inject(nn.Module):
-    def __init__(self, output: Any) -> None:
-        super().__init__()
+class _Inject(_StandIn):
+    def __init__(self, output: Any, owner: str = "the module", path: str = "net") -> None:
+        super().__init__(owner, path)
         self.output, self.calls = output, 0
 
     def forward(self, x: Any) -> Any:
@@ -70,6 +92,13 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn
         return name, found
     candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
     if not candidates:
+        nested = _outermost_sequentials(module)
+        if nested:
+            raise ValueError(
+                f"{type(module).__name__} has no nn.Sequential attribute to pipeline, but holds "
+                f"{', '.join(nested)} deeper down; name the one to pipeline with "
+                f"PipeMareStrategy(sequential='{nested[0]}')"
+            )
         raise ValueError(
             f"{type(module).__name__} has no nn.Sequential attribute to pipeline; hold the layers "
             "in one (self.net = nn.Sequential(...)) and call it in training_step, or name a "
@@ -82,6 +111,16 @@ def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn
             f"one to pipeline with PipeMareStrategy(sequential='{candidates[0][0]}')"
         )
     return candidates[0]
+
+
+def _outermost_sequentials(module: nn.Module) -> list[str]:
+    """Dotted paths of the Sequentials in ``module`` that no other Sequential holds."""
+    found: list[str] = []
+    for name, m in module.named_modules():
+        inside = any(name.startswith(f + ".") for f in found)
+        if name and isinstance(m, nn.Sequential) and not inside:
+            found.append(name)
+    return found
 
 
 class ModuleAdapter:
@@ -124,7 +163,7 @@ class ModuleAdapter:
 
     def capture_input(self, step: str, *args: Any) -> Any:
         """Run ``module.<step>(*args)`` up to its Sequential call; return the Sequential's input."""
-        with self._swapped(_Capture()):
+        with self._swapped(_Capture(type(self.module).__name__, self.path)):
             try:
                 getattr(self.module, step)(*args)
             except _Captured as captured:
@@ -136,7 +175,7 @@ class ModuleAdapter:
 
     def run_with_output(self, step: str, output: Any, *args: Any) -> Any:
         """Run ``module.<step>(*args)``, the Sequential returning ``output``; return the result."""
-        inject = _Inject(output)
+        inject = _Inject(output, type(self.module).__name__, self.path)
         with self._swapped(inject):
             result = getattr(self.module, step)(*args)
         if inject.calls == 0:

@@ -72,6 +72,13 @@ class PipeMareOptimizer:
         self.config = config if config is not None else PipeMareConfig()
         self.delays = tuple(delays)
         owner = {id(p): stage for stage, ps in stage_params.items() for p in ps}
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        if owner and not held & set(owner):
+            raise ValueError(
+                "the optimiser holds none of the pipelined model's parameters, so nothing would "
+                "train; build it over the model you pipeline, e.g. "
+                "torch.optim.SGD(model.parameters(), lr=0.1)"
+            )
         self._groups: dict[int, list[list[nn.Parameter]]] = {
             stage: [
                 [p for p in g["params"] if owner.get(id(p)) == stage]
@@ -167,6 +174,15 @@ class PipeMareOptimizer:
             c.after_step(stage, minibatch, params, used)
         for p in params:
             p.grad = None
+        self._used(stage, minibatch)
+
+    def skip(self, stage: int, minibatch: int) -> None:
+        """Drop ``stage``'s gradients of ``minibatch`` without updating (they were not finite)."""
+        for p in self.stage_parameters(stage):
+            p.grad = None
+        self._used(stage, minibatch)
+
+    def _used(self, stage: int, minibatch: int) -> None:
         waiting = self._waiting.get(minibatch)
         if waiting is not None:
             waiting.discard(stage)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
@@ -15,21 +15,144 @@ __all__ = [
     "balance_by_cost",
     "balance_by_params",
     "balance_by_time",
+    "check_balance",
     "check_sequential",
+    "check_ties",
     "even_balance",
     "layer_times",
+    "shared_parameters",
     "split",
 ]
 
 
 def check_sequential(model: object, what: str = "the model") -> nn.Sequential:
-    """Return ``model`` if it is an ``nn.Sequential``, else raise an error that says what to do."""
+    """Return ``model`` if it is a non-empty ``nn.Sequential``, else raise an error that says
+    what to do."""
     if not isinstance(model, nn.Sequential):
         raise TypeError(
             f"{what} must be a torch.nn.Sequential so it can be cut into stages, got "
             f"{type(model).__name__}; express the pipelined part as nn.Sequential(layer, ...)"
         )
+    if len(model) == 0:
+        raise ValueError(
+            f"{what} is an empty nn.Sequential: there are no layers to cut into stages; put the "
+            "layers in it (nn.Sequential(layer, ...)) before training"
+        )
     return model
+
+
+def _layers(model: nn.Sequential) -> list[tuple[str, nn.Module]]:
+    # Not named_children(): it skips a layer object seen before, so a layer used twice
+    # (nn.Sequential(lin, act, lin)) would silently vanish from the second place.
+    return [(name, layer) for name, layer in model._modules.items() if layer is not None]
+
+
+def check_balance(balance: Sequence[int], num_layers: int, what: str = "the model") -> None:
+    """Refuse a list of layer counts that does not cut ``num_layers`` layers into stages."""
+    counts = list(balance)
+    if not counts or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in counts):
+        raise ValueError(
+            f"balance {counts} must list a whole number of layers (at least 1) for each stage, "
+            f"e.g. {even_balance(num_layers, min(2, num_layers))}"
+        )
+    if sum(counts) != num_layers:
+        hint = (
+            f"e.g. {even_balance(num_layers, len(counts))}"
+            if len(counts) <= num_layers
+            else f"so at most {num_layers} stages"
+        )
+        raise ValueError(
+            f"balance {counts} covers {sum(counts)} layers but {what} has {num_layers}; list how "
+            f"many consecutive layers each stage takes, summing to {num_layers} ({hint})"
+        )
+
+
+# -- tied weights: a parameter on two stages would take two updates per step ----------------
+
+
+def shared_parameters(model: nn.Sequential) -> list[tuple[str, list[int]]]:
+    """Parameters held by more than one layer (tied weights).
+
+    Returns:
+        For each one, its name in the first layer that holds it and the indices of the layers
+        that hold it, e.g. ``[("0.weight", [0, 2])]``.
+    """
+    holders: dict[int, tuple[str, list[int]]] = {}
+    for i, (name, layer) in enumerate(_layers(model)):
+        for pname, p in layer.named_parameters():
+            entry = holders.setdefault(id(p), (f"{name}.{pname}", []))
+            if i not in entry[1]:
+                entry[1].append(i)
+    return [entry for entry in holders.values() if len(entry[1]) > 1]
+
+
+def _joined(model: nn.Sequential) -> set[int]:
+    """Where no stage may start: between the first and the last layer of every tie."""
+    return {c for _, idx in shared_parameters(model) for c in range(min(idx) + 1, max(idx) + 1)}
+
+
+def _and(items: Sequence[object]) -> str:
+    words = [str(i) for i in items]
+    return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else "".join(words)
+
+
+def _describe_layers(model: nn.Sequential, indices: Sequence[int]) -> str:
+    layers = _layers(model)
+    return _and([f"{i} ({type(layers[i][1]).__name__})" for i in indices])
+
+
+def check_ties(
+    model: nn.Sequential,
+    stages: int,
+    balance: Sequence[int] | None = None,
+    what: str = "the model",
+) -> None:
+    """Refuse tied weights (a parameter held by several layers) that would land on two stages.
+
+    Every stage updates its own parameters, so a parameter on two stages would take two
+    different updates per step, and with one process per stage exist twice and drift apart.
+
+    Args:
+        model: the layers.
+        stages: P.
+        balance: the layers per stage; None: some cut into ``stages`` stages that keeps tied
+            layers together must exist (``"params"`` and ``"time"`` choose such a cut).
+    """
+    ties = shared_parameters(model)
+    if not ties:
+        return
+    most = len(model) - len(_joined(model))  # the most stages that keep every tie together
+    why = (
+        "every stage updates its own weights, so tied weights on two stages would drift apart "
+        "(pipemare does not combine their gradients)"
+    )
+
+    def tie(name: str, idx: list[int]) -> str:
+        layers = _describe_layers(model, idx)
+        return f"{what}: layers {layers} share the parameter {name!r} (tied weights)"
+
+    if balance is None:
+        if stages > most:
+            raise ValueError(
+                f"{tie(*ties[0])}, and no cut into {stages} stages keeps them in one stage; "
+                f"{why}. Use at most {most} stage{'s' if most > 1 else ''}, or give each layer "
+                "its own parameter"
+            )
+        return
+    stage_of = [s for s, size in enumerate(balance) for _ in range(size)]
+    for name, idx in ties:
+        on = sorted({stage_of[i] for i in idx})
+        if len(on) > 1:
+            keep = (
+                "balance='params' cuts around them"
+                if stages <= most
+                else f"at most {most} stage{'s' if most > 1 else ''} can"
+            )
+            raise ValueError(
+                f"{tie(name, idx)}, but the balance {list(balance)} puts them on stages "
+                f"{_and(on)}; {why}. Keep the layers that share weights in one "
+                f"stage ({keep}), or give each layer its own parameter"
+            )
 
 
 def _check_stages(num_layers: int, stages: int) -> None:
@@ -49,11 +172,11 @@ def even_balance(num_layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def balance_by_cost(costs: Sequence[float], stages: int) -> list[int]:
+def balance_by_cost(costs: Sequence[float], stages: int, joined: Collection[int] = ()) -> list[int]:
     """Contiguous split of per-layer costs into ``stages`` parts minimising the largest part.
 
     Ties are broken towards the even split, so layers that cost nothing (activations) do not
-    pile up on one stage.
+    pile up on one stage. No part starts at a layer index in ``joined`` (tied weights).
     """
     n = len(costs)
     _check_stages(n, stages)
@@ -73,12 +196,16 @@ def balance_by_cost(costs: Sequence[float], stages: int) -> list[int]:
         for end in range(j, n - (stages - j) + 1):
             for begin in range(j - 1, end):
                 prev = best[j - 1][begin]
-                if prev == inf:
+                if prev == inf or (begin > 0 and begin in joined):
                     continue
                 part = prefix[end] - prefix[begin]
                 cand = (max(prev[0], part), prev[1] + abs((end - begin) - ideal))
                 if cand < best[j][end]:
                     best[j][end], cut[j][end] = cand, begin
+    if best[stages][n] == inf:
+        raise ValueError(
+            f"no cut of {n} layers into {stages} stages starts every stage outside {sorted(joined)}"
+        )
     balance, end = [], n
     for j in range(stages, 0, -1):
         begin = cut[j][end]
@@ -90,8 +217,9 @@ def balance_by_cost(costs: Sequence[float], stages: int) -> list[int]:
 def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
     """Split so that every stage holds about the same number of parameters."""
     check_sequential(model)
-    costs = [sum(p.numel() for p in layer.parameters()) for layer in model]
-    return balance_by_cost(costs, stages)
+    check_ties(model, stages)
+    costs = [sum(p.numel() for p in layer.parameters()) for _, layer in _layers(model)]
+    return balance_by_cost(costs, stages, _joined(model))
 
 
 def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[float]:
@@ -109,7 +237,7 @@ def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[flo
 def _layer_times(model: nn.Sequential, sample: Any, repeats: int) -> list[float]:
     sync = torch.cuda.synchronize if _on_cuda(sample) else (lambda: None)
     times, x = [], sample
-    for layer in model:
+    for _, layer in _layers(model):
         samples = []
         for _ in range(repeats + 1):
             leaf = _leaf(x)
@@ -129,8 +257,10 @@ def _layer_times(model: nn.Sequential, sample: Any, repeats: int) -> list[float]
 
 
 def balance_by_time(model: nn.Sequential, sample: Any, stages: int) -> list[int]:
-    """Split so that every stage's measured forward+backward time is about the same."""
-    return balance_by_cost(layer_times(model, sample), stages)
+    """Split so that every stage's measured forward+backward time is about the same (never
+    between layers that share a parameter)."""
+    check_ties(model, stages)
+    return balance_by_cost(layer_times(model, sample), stages, _joined(model))
 
 
 def _flat(value: Any) -> list[torch.Tensor]:
@@ -164,17 +294,15 @@ def _on_cuda(value: Any) -> bool:
 def split(model: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     """Cut ``model`` into consecutive ``nn.Sequential`` stages of ``balance[i]`` layers each.
 
-    The stages share the layer objects with ``model``: no parameter is copied.
+    The stages share the layer objects with ``model``: no parameter is copied. Layers that
+    share a parameter (tied weights) must fall into one stage.
     """
     check_sequential(model)
     balance = list(balance)
     _check_stages(len(model), len(balance))
-    if any(b < 1 for b in balance) or sum(balance) != len(model):
-        raise ValueError(
-            f"balance {balance} must list a positive layer count per stage summing to the "
-            f"model's {len(model)} layers"
-        )
-    layers = list(model.named_children())
+    check_balance(balance, len(model))
+    check_ties(model, len(balance), balance)
+    layers = _layers(model)
     stages, start = [], 0
     for size in balance:
         stages.append(nn.Sequential(OrderedDict(layers[start : start + size])))

@@ -62,6 +62,9 @@ class Pipeline:
         clip_grad_value: clip every gradient element to ``[-value, value]``.
         total_steps: the run's optimiser steps, for T1's horizon as a fraction of the run.
         steps_per_epoch: optimiser steps per epoch, for T1's horizon in epochs.
+        check_finite: before each stage's update, check its gradients; NaN or Inf ones are not
+            applied and raise :class:`~pipemare.errors.NonFiniteGradientError` (one device sync
+            per update; the Lightning strategy reports them with the step's results instead).
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -96,9 +99,12 @@ class Pipeline:
         clip_grad_value: float | None = None,
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
+        check_finite: bool = True,
     ) -> None:
         partition.check_sequential(model)
         sp = spec(schedule)
+        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)):
+            raise ValueError(f"stages must be a whole number >= 1, got {stages!r}")
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
         if device is None:
@@ -167,6 +173,7 @@ class Pipeline:
             input_fn=lambda b: to_device(input_fn(b), self.device),
             loss_fn=lambda out, b: loss_fn(out, to_device(target_fn(b), self.device)),
             clip=self.clip,
+            check_finite=check_finite,
         )
 
     # -- construction helpers ----------------------------------------------------------------

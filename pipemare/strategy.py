@@ -37,7 +37,7 @@ from torch import nn
 from pipemare import checkpointing, launching, partition
 from pipemare.config import PipeMareConfig
 from pipemare.delay import StageDelay, derive_delays
-from pipemare.errors import NonFiniteLossError
+from pipemare.errors import NonFiniteGradientError, NonFiniteLossError
 from pipemare.lagged import DistributedResults, LocalResults, Results, result_lag
 from pipemare.launching import START_METHODS, LightningAPI
 from pipemare.microbatch import batch_size, combine, scatter
@@ -93,22 +93,44 @@ class _PipeMareStrategyMixin(_Base):
             precision_plugin=precision_plugin,
         )
         spec(schedule)  # a clear error for an unknown name, before anything runs
-        if stages is not None and (not isinstance(stages, int) or stages < 1):
+        if stages is not None and (
+            isinstance(stages, bool) or not isinstance(stages, int) or stages < 1
+        ):
             raise ValueError(f"stages must be a positive integer, got {stages!r}")
         if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-        if isinstance(balance, str) and balance not in _BALANCES:
+        counts = isinstance(balance, (list, tuple)) and all(
+            isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in balance
+        )
+        if balance not in _BALANCES and not (counts and len(balance) > 0):
             raise ValueError(
-                f"balance must be one of {', '.join(_BALANCES)} or a list of layer counts, "
-                f"got {balance!r}"
+                f"balance must be one of {', '.join(_BALANCES)} or a list of layer counts (a "
+                f"whole number >= 1 per stage, e.g. [3, 2]), got {balance!r}"
             )
         if config is not None and not isinstance(config, PipeMareConfig):
             raise TypeError(
-                f"config must be a pipemare.PipeMareConfig, got {type(config).__name__}"
+                f"config must be a pipemare.PipeMareConfig, got {type(config).__name__}; "
+                "e.g. PipeMareConfig(warmup_steps=20)"
+            )
+        if config is not None and spec(schedule).stashes and config.weight_prediction is True:
+            raise ValueError(
+                f"weight_prediction cannot run with {schedule!r}: its backward uses the stashed "
+                "forward weights, not the predicted ones; use schedule='async' or 'pipemare', or "
+                "weight_prediction='auto'"
             )
         if start_method not in START_METHODS:
             raise ValueError(
                 f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}"
+            )
+        if sequential is not None and not isinstance(sequential, str):
+            raise ValueError(
+                "sequential must name the nn.Sequential attribute as a string, e.g. 'net' or "
+                f"'model.layers', got {sequential!r}"
+            )
+        if not isinstance(timeout, datetime.timedelta):
+            raise ValueError(
+                "timeout (for connecting the processes) must be a datetime.timedelta, e.g. "
+                f"datetime.timedelta(minutes=30), got {timeout!r}"
             )
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self.balance: Sequence[int] | str = balance
@@ -119,10 +141,10 @@ class _PipeMareStrategyMixin(_Base):
         if (
             isinstance(stall_timeout, bool)
             or not isinstance(stall_timeout, (int, float))
-            or stall_timeout <= 0
+            or not 0 < stall_timeout < math.inf
         ):
             raise ValueError(
-                f"stall_timeout must be a positive number of seconds, got {stall_timeout!r}"
+                f"stall_timeout must be a positive, finite number of seconds, got {stall_timeout!r}"
             )
         self._start_method, self._timeout = start_method, timeout
         self.stall_timeout = float(stall_timeout)
@@ -137,12 +159,11 @@ class _PipeMareStrategyMixin(_Base):
         #: set by a ConvergenceMonitor: it diagnoses a non-finite loss instead of the strategy
         self.divergence_monitored = False
         self._pending_state: dict[str, Any] | None = None
-        self._saves = SaveQueue(
-            lambda checkpoint, path, options: super(_PipeMareStrategyMixin, self).save_checkpoint(
-                checkpoint, path, storage_options=options
-            ),
-            lambda path: super(_PipeMareStrategyMixin, self).remove_checkpoint(path),
-        )
+        # minibatch -> (stage, parameter names): updates skipped for non-finite gradients
+        self._bad_grads: dict[int, tuple[int, list[str]]] = {}
+        self._returned = 0  # the step whose loss the latest training step returned
+        self._diverged = False  # a monitored run met a non-finite loss
+        self._saves = SaveQueue(self._write_file, self._remove_file)  # bound: spawn pickles
         self._grad_stash: list[tuple[nn.Parameter, torch.Tensor | None]] = []
         self._probe_settings: dict[str, Any] = {}
         #: latest per-stage telemetry, filled by pipemare's monitors: stage -> name -> value
@@ -275,20 +296,31 @@ class _PipeMareStrategyMixin(_Base):
                 f"accumulate_grad_batches={trainer.accumulate_grad_batches}: a pipeline already "
                 "accumulates over its microbatches; use PipeMareStrategy(microbatches=N) instead"
             )
-        path, seq = find_sequential(module, self.sequential)
-        partition.check_sequential(seq)
-        stages = self.num_stages or len(seq)
-        if stages > len(seq):
+        clip = trainer.gradient_clip_val
+        if clip is not None and not (isinstance(clip, (int, float)) and 0 <= clip < math.inf):
             raise ValueError(
-                f"cannot cut {module.__class__.__name__}.{path} ({len(seq)} layers) into {stages} "
-                f"stages: every stage needs at least one layer; use at most {len(seq)} stages or "
-                "split the model into more layers"
+                f"gradient_clip_val={clip!r}: a clipping threshold must be a positive number; "
+                "pass one, or 0 or None for no clipping"
             )
+        path, seq = find_sequential(module, self.sequential)
+        stages = self._check_cut(f"{type(module).__name__}.{path}", seq)
         self._adapter = ModuleAdapter(module, path)
         self._adapter.check_no_outside_parameters()
         self._steps = UserSteps(module, self._adapter, self.precision_plugin.forward_context)
         self.pipeline = None
-        super().setup(trainer)
+        try:
+            super().setup(trainer)
+        except RuntimeError as err:  # Lightning's words would send the user to manual optimization
+            if "multiple optimizers" not in str(err) or "optimizer_idx" in str(err):
+                raise
+            raise ValueError(
+                "pipemare steps one optimiser, stage by stage; configure_optimizers returned "
+                "several (Lightning runs several only with manual optimization, which pipemare "
+                "does not support). Return one optimiser, with a parameter group for each part "
+                "that needs other settings, e.g. torch.optim.Adam([{'params': body.parameters()}"
+                ", {'params': head.parameters(), 'lr': 1e-4}])"
+            ) from err
+        self._check_optimizer(stages)
         if self.distributed and dist.is_initialized():
             launching.SigtermRelay(trainer, self._lightning, self).install()
         # The pipeline steps the optimiser per stage; before its first update a non-flushing
@@ -296,6 +328,54 @@ class _PipeMareStrategyMixin(_Base):
         warnings.filterwarnings(
             "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before"
         )
+
+    def _check_cut(self, what: str, seq: nn.Sequential) -> int:
+        """Refuse, before anything runs, a Sequential that cannot be cut as asked; return P."""
+        partition.check_sequential(seq, what)
+        stages = self.num_stages or len(seq)
+        if stages > len(seq):
+            raise ValueError(
+                f"cannot cut {what} ({len(seq)} layers) into {stages} stages: every stage needs "
+                f"at least one layer; use at most {len(seq)} stages or split the model into more "
+                "layers"
+            )
+        if self.balance in ("time", "params") and stages < len(seq):
+            partition.check_ties(seq, stages, what=what)  # their cut keeps tied layers together
+            return stages
+        if isinstance(self.balance, str):
+            balance = partition.even_balance(len(seq), stages)
+        else:
+            balance = list(self.balance)
+            if len(balance) != stages:
+                run = (
+                    "one per process"
+                    if self.distributed
+                    else f"stages={self.stages}"
+                    if self.stages is not None
+                    else f"one per layer of {what}, the default with devices=1"
+                )
+                also = "" if self.distributed else f", or pass stages={len(balance)}"
+                raise ValueError(
+                    f"balance {balance} lists {len(balance)} stages but the run has {stages} "
+                    f"({run}); give one layer count per stage{also}"
+                )
+            partition.check_balance(balance, len(seq), what)
+        partition.check_ties(seq, stages, balance, what)
+        return stages
+
+    def _check_optimizer(self, stages: int) -> None:
+        """Refuse, before any update, an optimiser the pipeline cannot step (LBFGS) or that a
+        correction set to True cannot serve: the checks the pipeline makes when it is built."""
+        from pipemare.optim import PipeMareOptimizer
+
+        if not self._fitting or not self.optimizers:
+            return
+        delays = derive_delays(self.schedule, stages, self.microbatches)
+        with warnings.catch_warnings():  # "auto" corrections that stand aside say so later
+            warnings.simplefilter("ignore")
+            PipeMareOptimizer(
+                self.optimizers[0], {}, delays, self.config, total_steps=1, steps_per_epoch=1
+            )
 
     # -- telemetry --------------------------------------------------------------------------
 
@@ -323,11 +403,13 @@ class _PipeMareStrategyMixin(_Base):
     def _optimizer(self, seq: nn.Sequential) -> torch.optim.Optimizer:
         if len(self.optimizers) > 1:
             raise ValueError(
-                "pipemare trains with one optimiser; configure_optimizers returned several"
+                "pipemare steps one optimiser; configure_optimizers returned several: return "
+                "one, with a parameter group for each part that needs other settings"
             )
-        if self.optimizers:
+        # Lightning's stand-in when configure_optimizers returns None is not the user's
+        if self.optimizers and type(self.optimizers[0]).__name__ != "_MockOptimizer":
             return self.optimizers[0]
-        return torch.optim.SGD(seq.parameters(), lr=0.0)  # evaluation only: never stepped
+        return torch.optim.SGD(seq.parameters(), lr=0.0)  # never stepped with a real rate
 
     def _choose_balance(
         self, seq: nn.Sequential, stages: int, sample: Any, step: str, args: tuple
@@ -347,7 +429,7 @@ class _PipeMareStrategyMixin(_Base):
                     balance = partition.balance_by_time(seq, x, stages)
         return self.broadcast(balance, src=0)
 
-    def _run_length(self, trainer: Any) -> dict[str, int]:
+    def _run_length(self, trainer: Any) -> dict[str, Any]:
         """The run's optimiser steps and steps per epoch, for T1's horizon, where known."""
         if not self._fitting:
             return {}
@@ -367,7 +449,11 @@ class _PipeMareStrategyMixin(_Base):
         if self.pipeline is None:
             if self._fitting:
                 check_last_batch(self._module.trainer, self.microbatches)
-            balance = self._choose_balance(seq, stages, batch, step, args)
+            saved = (self._pending_state or {}).get("layout")
+            if isinstance(self.balance, str) and saved and saved["stages"] == stages:
+                balance = list(saved["balance"])  # a resume cuts as the run it continues did
+            else:
+                balance = self._choose_balance(seq, stages, batch, step, args)
             self.balance = balance  # later rebuilds (after fit, for test) cut the same way
             trainer = self._module.trainer
             clip_val = trainer.gradient_clip_val if self._fitting else None
@@ -404,6 +490,7 @@ class _PipeMareStrategyMixin(_Base):
             self._load_pending_state()
             self._train_results = self._results(self.pipeline.minibatches_fed)
             self.pipeline.executor.on_minibatch = lambda k, loss: steps.publish(k, float(loss))
+            self.pipeline.executor.on_nonfinite = self._record_nonfinite
             self._attach_probe(self.pipeline)
         return self.pipeline
 
@@ -434,8 +521,7 @@ class _PipeMareStrategyMixin(_Base):
     def reported_step(self) -> int | None:
         """The training step (counted from 1) whose minibatch the latest step's loss and logs
         belong to; None before any was reported."""
-        results = self._train_results
-        return results.next if results is not None and results.next > 0 else None
+        return self._returned or None
 
     def _steps_of(self) -> UserSteps:
         assert self._steps is not None, "the strategy has not been set up by a Trainer yet"
@@ -469,7 +555,10 @@ class _PipeMareStrategyMixin(_Base):
         upto = k if first or closes_epoch(self._module.trainer) else k - self.lag
         losses = steps.replay_through(upto, self.root_device)
         if losses:
-            self._last_loss = losses[-1]
+            # the latest loss, or the first non-finite one caught up with (monitors see it)
+            j = next((j for j, v in enumerate(losses) if not math.isfinite(v)), len(losses) - 1)
+            self._last_loss = losses[j]
+            self._returned = self._train_results.next - len(losses) + j + 1
             self._check_finite(losses)
         self._write_due()  # checkpoints whose step reached every stage by now
         if self.lag:
@@ -479,18 +568,41 @@ class _PipeMareStrategyMixin(_Base):
 
     def _check_finite(self, losses: list[float]) -> None:
         """Stop at a non-finite loss, on every process at the same step (the losses are the
-        same everywhere); a ConvergenceMonitor, when attached, diagnoses it instead."""
+        same everywhere); a ConvergenceMonitor, when attached, diagnoses it instead. Stop at
+        non-finite gradients where the loss was finite, on the process that met them."""
         assert self._train_results is not None
         first = self._train_results.next - len(losses)  # the minibatch of losses[0]
         for k, loss in enumerate(losses, start=first):
-            if not math.isfinite(loss) and not self.divergence_monitored:
-                pipe = self.pipeline
-                assert pipe is not None
-                last = pipe.num_stages - 1
-                where = ""
-                if isinstance(pipe.transport, DistributedTransport):
-                    where = f", rank {pipe.transport.rank_of(last)}"
-                raise NonFiniteLossError(k + 1, last, loss, where)
+            if not math.isfinite(loss):
+                if not self.divergence_monitored:
+                    raise NonFiniteLossError(k + 1, self._last_stage, loss, self._where(-1))
+                self._bad_grads.clear()  # the run diverged: the monitor decides from here on
+                self._diverged = True
+            bad = self._bad_grads.pop(k, None)
+            if bad is not None and math.isfinite(loss):
+                raise NonFiniteGradientError(k + 1, bad[0], bad[1], self._where(bad[0]))
+
+    @property
+    def _last_stage(self) -> int:
+        assert self.pipeline is not None
+        return self.pipeline.num_stages - 1
+
+    def _where(self, stage: int) -> str:
+        """The text ", rank r" for ``stage`` (-1: the last) with a process per stage, else ""."""
+        pipe = self.pipeline
+        assert pipe is not None
+        if not isinstance(pipe.transport, DistributedTransport):
+            return ""
+        return f", rank {pipe.transport.rank_of(stage % pipe.num_stages)}"
+
+    def _record_nonfinite(self, stage: int, minibatch: int, names: list[str]) -> None:
+        # The update was skipped. Raise when the minibatch's results arrive: a non-finite loss
+        # then stops every process alike; a finite one means the backward itself overflowed.
+        if self._diverged:
+            return
+        assert self._adapter is not None
+        names = [f"{self._adapter.path}.{n}" for n in names]
+        self._bad_grads.setdefault(minibatch, (stage, names))
 
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
@@ -574,6 +686,10 @@ class _PipeMareStrategyMixin(_Base):
             self.pipeline = None  # its stages are no longer split; the next run rebuilds it
 
     def on_train_end(self) -> None:
+        self._drain()
+        if self._bad_grads:  # skipped updates of minibatches whose results never came
+            k, (stage, names) = min(self._bad_grads.items())
+            raise NonFiniteGradientError(k + 1, stage, names, self._where(stage))
         self._consolidate()
 
     def on_validation_end(self) -> None:
@@ -642,6 +758,12 @@ class _PipeMareStrategyMixin(_Base):
 
     def remove_checkpoint(self, filepath: Any) -> None:
         self._saves.remove(filepath)
+
+    def _write_file(self, checkpoint: dict[str, Any], filepath: Any, options: Any) -> None:
+        super().save_checkpoint(checkpoint, filepath, storage_options=options)
+
+    def _remove_file(self, filepath: Any) -> None:
+        super().remove_checkpoint(filepath)
 
     def _write_due(self) -> None:
         if self._adapter is not None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import _resume_worker as worker
 import pytest
+import pytorch_lightning as pl
 import torch
 from test_strategy_distributed import environment
 
@@ -141,3 +142,51 @@ def test_two_processes_checkpointing_changes_nothing(tmp_path):
     every, never = tmp_path / "every", tmp_path / "never"
     assert _max_diff(_weights(every / "final.pt"), _weights(never / "final.pt")) < 1e-6
     assert len(list((every / "ckpt").glob("step=*.ckpt"))) == 10
+
+
+def _saved(tmp_path: Path, **strategy: object) -> Path:
+    from test_strategy import Tiny, tiny_data, trainer
+
+    import pipemare
+
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    pl.seed_everything(0)
+    t = trainer(
+        pipemare.PipeMareStrategy(**strategy), max_steps=6, enable_checkpointing=True,
+        callbacks=[ckpt],
+    )  # fmt: skip
+    t.fit(Tiny(), tiny_data())
+    return Path(ckpt.last_model_path)
+
+
+def _resume(path: Path, **strategy: object) -> tuple[pl.Trainer, list[str]]:
+    import warnings
+
+    from test_strategy import Tiny, tiny_data, trainer
+
+    import pipemare
+
+    t = trainer(pipemare.PipeMareStrategy(**strategy), max_steps=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(Tiny(), tiny_data(), ckpt_path=path)
+    return t, [str(w.message) for w in caught if "pipemare: resuming" in str(w.message)]
+
+
+def test_a_resume_with_an_automatic_balance_cuts_as_the_checkpointed_run(tmp_path):
+    path = _saved(tmp_path, stages=4, microbatches=2, balance=[2, 1, 1, 1])
+    t, notes = _resume(path, stages=4, microbatches=2, balance="time")
+    assert t.strategy.balance == [2, 1, 1, 1] and not notes
+    assert t.global_step == 8
+
+
+def test_a_resume_into_another_layout_says_what_carries_over_and_what_is_reset(tmp_path):
+    path = _saved(tmp_path, stages=4, microbatches=2, balance=[2, 1, 1, 1])
+    t, notes = _resume(path, stages=3, microbatches=4, balance=[2, 2, 1], schedule="async")
+    assert t.global_step == 8 and len(notes) == 1
+    note = notes[0]
+    assert "weights, the optimiser's state and the step count carry over" in note
+    assert "random streams are reset" in note and "4 stages [2, 1, 1, 1]" in note
+    assert "the buffers of weight_prediction are dropped" in note
+    assert "schedule changes from 'pipemare' to 'async'" in note
+    assert "microbatches changes from 2 to 4" in note
