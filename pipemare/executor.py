@@ -231,6 +231,7 @@ class Executor:
             else:
                 self.optimizer.step(i, a.index)
             stage.after_update()
+            self.transport.progress(i, a.index + 1)
 
     @staticmethod
     def _nonfinite(stage: Stage) -> list[str]:

@@ -351,5 +351,6 @@ class Pipeline:
         self.executor.restart(int(state["minibatches"]))
         for s in self.stages:
             s.version = int(state["minibatches"])
+            self.transport.progress(s.index, s.version)
             if s.index in state["rng"]:
                 s.set_rng_state(state["rng"][s.index])

@@ -48,6 +48,9 @@ class Transport(abc.ABC):
     def release(self, src: int, dst: int, channel: str, microbatch: int) -> None:  # noqa: B027
         """The receiver is done with ``microbatch``'s payload; its buffers may be reused."""
 
+    def progress(self, stage: int, completed: int) -> None:  # noqa: B027 - optional
+        """Local ``stage`` has completed ``completed`` steps (applied that many updates)."""
+
     def flush(self) -> None:  # noqa: B027 - transports that deliver at once have nothing to wait for
         """Wait until everything sent has been delivered."""
 
@@ -92,7 +95,8 @@ class InProcessTransport(Transport):
 
 
 # Header: [microbatch, count (-1: one bare tensor), then per tensor: dtype code (-1 = None),
-# ndim, dims...].
+# ndim, dims..., zeros, and last the steps the sender's stage had completed (for the error
+# that names a failed stage's progress)].
 _HEADER = 128
 _DTYPES = [
     torch.float32,
@@ -111,7 +115,7 @@ _DTYPES = [
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
-def _encode(microbatch: int, payload: Any) -> list[int]:
+def _encode(microbatch: int, payload: Any, completed: int = 0) -> list[int]:
     bare = isinstance(payload, torch.Tensor)
     items = tensors(payload)
     header = [microbatch, -1 if bare else len(items)]
@@ -122,12 +126,12 @@ def _encode(microbatch: int, payload: Any) -> list[int]:
         if t.dtype not in _CODE:
             raise TypeError(f"cannot send tensors of dtype {t.dtype} between stages")
         header += [_CODE[t.dtype], t.dim(), *t.shape]
-    if len(header) > _HEADER:
+    if len(header) > _HEADER - 1:
         raise ValueError(
             f"a stage output of {len(items)} tensors with these shapes needs a "
-            f"{len(header)}-entry header, more than {_HEADER}; return fewer or flatter tensors"
+            f"{len(header)}-entry header, more than {_HEADER - 1}; return fewer or flatter tensors"
         )
-    return header + [0] * (_HEADER - len(header))
+    return header + [0] * (_HEADER - 1 - len(header)) + [completed]
 
 
 def _decode(
@@ -222,8 +226,8 @@ class _Inbox:
         for work in slot.works:
             self.watchdog.wait(work, self.peer, what)
         header = slot.header.tolist()
-        got, signature = header[0], tuple(header[1:])
-        self.watchdog.heard(self.peer, got)
+        got, signature = header[0], tuple(header[1:-1])
+        self.watchdog.heard(self.peer, got, completed=header[-1])
         if got != microbatch:
             raise _mismatch(src, dst, channel, microbatch, got)
         buffers = slot.buffers
@@ -256,11 +260,13 @@ class _Outbox:
             [None] * depth
         )
 
-    def send(self, microbatch: int, payload: Any, device: torch.device) -> list[Any]:
+    def send(
+        self, microbatch: int, payload: Any, device: torch.device, completed: int = 0
+    ) -> list[Any]:
         """Post the message's sends; returns ``(work, tensor)`` pairs to keep until delivered."""
         header_group, payload_group, extra_group = self.groups
-        header = _encode(microbatch, payload)
-        signature = tuple(header[1:])
+        header = _encode(microbatch, payload, completed)
+        signature = tuple(header[1:-1])
         expected = self._expected.popleft()
         self._expected.append(signature)
         head = torch.tensor(header, dtype=torch.int64, device=device)
@@ -341,6 +347,9 @@ class DistributedTransport(Transport):
         self.collective_group = dist.new_group(backend=backend)
         self._inbox: dict[tuple[int, str], _Inbox] = {}
         self._outbox: dict[tuple[int, str], _Outbox] = {}
+        #: per local stage, the steps it has completed (updates applied), sent with each
+        #: message so that a peer's error can say how far a failed stage got
+        self.completed: dict[int, int] = {}
         for ch, src, dst in ((ACT, me - 1, me + 1), (GRAD, me + 1, me - 1)):
             if 0 <= src < stages:
                 inbox = _Inbox(self._rank_of[src], groups[ch], self.device, self.watchdog)
@@ -357,12 +366,16 @@ class DistributedTransport(Transport):
 
     def send(self, src: int, dst: int, channel: str, microbatch: int, payload: Any) -> None:
         peer = self._rank_of[dst]
-        sent = self._outbox[dst, channel].send(microbatch, payload, self.device)
+        completed = self.completed.get(src, 0)
+        sent = self._outbox[dst, channel].send(microbatch, payload, self.device, completed)
         self._sent += [(w, t, peer) for w, t in sent]
         self._sent = [entry for entry in self._sent if not entry[0].is_completed()]
 
     def ready(self, src: int, dst: int, channel: str) -> bool:
         return True
+
+    def progress(self, stage: int, completed: int) -> None:
+        self.completed[stage] = completed
 
     def recv(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
         return self._inbox[src, channel].take(src, dst, channel, microbatch)

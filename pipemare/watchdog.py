@@ -56,6 +56,8 @@ class StageFailedError(RuntimeError):
     Attributes:
         peer: the stage that failed (rank, host, PID).
         last_microbatch: the last microbatch heard from it (None: nothing yet).
+        completed_steps: the steps (updates) its stage had completed when it sent that
+            microbatch, the latest known (None: nothing heard yet).
     """
 
     def __init__(
@@ -66,14 +68,18 @@ class StageFailedError(RuntimeError):
         last_microbatch: int | None,
         microbatches: int,
         cause: str,
+        completed: int | None = None,
     ) -> None:
         self.peer, self.last_microbatch = peer, last_microbatch
+        self.completed_steps = completed
         heard = (
             "nothing heard from it yet"
             if last_microbatch is None
             else f"last heard from it at microbatch {last_microbatch} (step "
             f"{last_microbatch // microbatches + 1})"
         )
+        if completed is not None and last_microbatch is not None:
+            heard += f", when it had completed {completed} steps (its updates)"
         super().__init__(
             f"pipemare: stage {peer.stage} (rank {peer.rank}, host {peer.host}, pid {peer.pid}) "
             f"failed or stopped responding: its process {describe_process(peer)}; stage "
@@ -95,10 +101,14 @@ class Watchdog:
         self.peers, self.me, self.timeout = peers, me, timeout
         self.microbatches = 1
         self._heard: dict[int, int] = {}
+        self._completed: dict[int, int] = {}
 
-    def heard(self, rank: int, microbatch: int) -> None:
-        """A message of ``microbatch`` arrived from ``rank``."""
+    def heard(self, rank: int, microbatch: int, completed: int | None = None) -> None:
+        """A message of ``microbatch`` arrived from ``rank``, whose stage had then completed
+        ``completed`` steps (applied that many updates)."""
         self._heard[rank] = microbatch
+        if completed is not None:
+            self._completed[rank] = completed
 
     def wait(self, work: Any, rank: int, what: str) -> None:
         try:
@@ -117,5 +127,11 @@ class Watchdog:
 
     def failure(self, rank: int, what: str, err: BaseException) -> StageFailedError:
         return StageFailedError(
-            self.peers[rank], self.me, what, self._heard.get(rank), self.microbatches, str(err)
+            self.peers[rank],
+            self.me,
+            what,
+            self._heard.get(rank),
+            self.microbatches,
+            str(err),
+            self._completed.get(rank),
         )

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,6 +70,9 @@ def test_a_stage_killed_or_stopped_ends_every_process_naming_it(tmp_path, sig):
     assert "stage 1 (rank 1, host " in out and f"pid {pid})" in out, out[-4000:]
     want = "is gone" if sig == signal.SIGKILL else "is stopped"
     assert want in out, out[-4000:]
+    # how far the failed stage got: it was signalled after step 5 (its own report)
+    completed = [int(n) for n in re.findall(r"when it had completed (\d+) steps", out)]
+    assert completed and min(completed) >= 3, out[-4000:]
 
 
 def test_describe_process_tells_gone_from_running():
