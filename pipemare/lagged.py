@@ -43,13 +43,6 @@ def _done_by_step_end(
     raise AssertionError("unreachable: a stream always reaches an unfed forward")
 
 
-def _backwards_by_step_end(
-    schedule: str, stages: int, microbatches: int, stage: int, fed: int
-) -> set[int]:
-    """Microbatches whose backward ``stage`` has run when it stops for unfed data."""
-    return _done_by_step_end(schedule, stages, microbatches, stage, fed, Op.BACKWARD)
-
-
 @functools.cache  # pure, and asked for at every training step
 def result_lag(schedule: str, stages: int, microbatches: int) -> int:
     """Steps between a minibatch's step and the step at which every process has its results.
@@ -62,14 +55,7 @@ def result_lag(schedule: str, stages: int, microbatches: int) -> int:
         >>> result_lag("gpipe", 4, 2), result_lag("pipemare", 4, 2), result_lag("async", 8, 1)
         (0, 2, 7)
     """
-    n = microbatches
-    t = stages + 2  # a step well past the fill, in steady state
-    lag = 0
-    for stage in range(stages):
-        done = _backwards_by_step_end(schedule, stages, n, stage, (t + 1) * n)
-        known = max((k for k in range(t + 1) if (k + 1) * n - 1 in done), default=-1)
-        lag = max(lag, t - known)
-    return lag
+    return _steady_lag(schedule, stages, microbatches, Op.BACKWARD)
 
 
 @functools.cache
@@ -85,13 +71,20 @@ def snapshot_lag(schedule: str, stages: int, microbatches: int) -> int:
         >>> snapshot_lag("1f1b", 4, 2), snapshot_lag("pipemare", 4, 2), snapshot_lag("async", 8, 1)
         (0, 2, 7)
     """
+    return _steady_lag(schedule, stages, microbatches, Op.UPDATE)
+
+
+def _steady_lag(schedule: str, stages: int, microbatches: int, op: Op) -> int:
+    """Steps after step ``t`` until every stage has run minibatch ``t``'s last ``op`` (the
+    backward of its last microbatch, or its update), in steady state."""
     n = microbatches
     t = stages + 2  # a step well past the fill, in steady state
+    last = (lambda k: (k + 1) * n - 1) if op is Op.BACKWARD else (lambda k: k)
     lag = 0
     for stage in range(stages):
-        done = _done_by_step_end(schedule, stages, n, stage, (t + 1) * n, Op.UPDATE)
-        applied = max((k for k in range(t + 1) if k in done), default=-1)
-        lag = max(lag, t - applied)
+        done = _done_by_step_end(schedule, stages, n, stage, (t + 1) * n, op)
+        finished = max((k for k in range(t + 1) if last(k) in done), default=-1)
+        lag = max(lag, t - finished)
     return lag
 
 

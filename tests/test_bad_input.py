@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
+import test_strategy
 import torch
 from pytorch_lightning.plugins import MixedPrecision
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
@@ -24,17 +25,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def trainer(strategy, **kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(strategy=strategy, **defaults)
+    return test_strategy.trainer(strategy, **{"max_steps": 2, **kwargs})
 
 
 class Tiny(pl.LightningModule):
