@@ -154,6 +154,19 @@ class PipeMareConfig:
             warmup_steps=0,
         )
 
+    def for_stashing(self, schedule: str, stashes: bool) -> PipeMareConfig:
+        """This config for ``schedule``: a stashing schedule (``pipedream``) refuses
+        ``weight_prediction=True`` and turns ``"auto"`` off; other schedules keep it as is."""
+        if not stashes:
+            return self
+        if self.weight_prediction is True:
+            raise ValueError(
+                f"weight_prediction cannot run with {schedule!r}: its backward uses the stashed "
+                "forward weights, not the predicted ones; use schedule='async' or 'pipemare', or "
+                "weight_prediction='auto'"
+            )
+        return dataclasses.replace(self, weight_prediction=False) if self.predicts else self
+
     @classmethod
     def for_schedule(cls, corrected: bool) -> PipeMareConfig:
         """The default for a schedule: the ``pipemare`` corrections, nothing for the others."""

@@ -173,8 +173,9 @@ class Executor:
             self._act(w, a)
             self.probe.record(i, a.op.value, a.index, start)
         self.done[i][a.op] = a.index
-        for watch in list(self.watchers):
-            watch(i, a)
+        if self.watchers:  # a checkpoint being taken (rare): copy, a watcher may remove itself
+            for watch in list(self.watchers):
+                watch(i, a)
 
     def _act(self, w: _Worker, a: Action) -> None:
         stage, i, last = w.stage, w.stage.index, w.stage.index == self.num_stages - 1

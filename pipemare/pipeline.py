@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -124,14 +123,8 @@ class Pipeline:
         self.balance = self._balance(model, balance, self.num_stages)
         self.stage_modules = partition.split(model, self.balance)
         self.schedule, self.microbatches = schedule, microbatches
-        self.config = config if config is not None else PipeMareConfig.for_schedule(sp.corrected)
-        if sp.stashes and self.config.weight_prediction is True:
-            raise ValueError(
-                f"weight_prediction cannot run with {schedule!r}: its backward uses the stashed "
-                "forward weights, not the predicted ones; use schedule='async' or 'pipemare'"
-            )
-        if sp.stashes and self.config.predicts:  # "auto" stands aside for a stashing schedule
-            self.config = dataclasses.replace(self.config, weight_prediction=False)
+        config = config if config is not None else PipeMareConfig.for_schedule(sp.corrected)
+        self.config = config.for_stashing(schedule, sp.stashes)
         self.delays: tuple[StageDelay, ...] = derive_delays(schedule, self.num_stages, microbatches)
         self.input_fn, self.target_fn, self.loss_fn = input_fn, target_fn, loss_fn
 

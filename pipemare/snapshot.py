@@ -37,6 +37,15 @@ def _copy(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
 
 
+def _copy_state(module: nn.Module, parameters: bool) -> dict[str, torch.Tensor]:
+    """Copies of ``module``'s state dict entries: its parameters, or everything else."""
+    return {
+        k: _copy(v)
+        for k, v in module.state_dict(keep_vars=True).items()
+        if isinstance(v, nn.Parameter) == parameters
+    }
+
+
 class _StageParts:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] | None = None
@@ -108,23 +117,13 @@ class Snapshot:
             self.pipe.executor.watchers.remove(self._watch)
 
     def _take_forward(self, i: int) -> None:
-        module = self.pipe.stage_modules[i]
         parts = self._parts[i]
-        parts.buffers = {
-            k: _copy(v)
-            for k, v in module.state_dict(keep_vars=True).items()
-            if not isinstance(v, nn.Parameter)
-        }
+        parts.buffers = _copy_state(self.pipe.stage_modules[i], parameters=False)
         parts.rng = self._stage[i].rng_state()
 
     def _take_update(self, i: int) -> None:
-        module = self.pipe.stage_modules[i]
         parts = self._parts[i]
-        parts.params = {
-            k: _copy(v)
-            for k, v in module.state_dict(keep_vars=True).items()
-            if isinstance(v, nn.Parameter)
-        }
+        parts.params = _copy_state(self.pipe.stage_modules[i], parameters=True)
         opt = self.pipe.optimizer
         params = opt.stage_parameters(i)
         for p in params:

@@ -112,12 +112,8 @@ class _PipeMareStrategyMixin(_Base):
                 f"config must be a pipemare.PipeMareConfig, got {type(config).__name__}; "
                 "e.g. PipeMareConfig(warmup_steps=20)"
             )
-        if config is not None and spec(schedule).stashes and config.weight_prediction is True:
-            raise ValueError(
-                f"weight_prediction cannot run with {schedule!r}: its backward uses the stashed "
-                "forward weights, not the predicted ones; use schedule='async' or 'pipemare', or "
-                "weight_prediction='auto'"
-            )
+        if config is not None:  # refused here, before anything runs, not at the first batch
+            config.for_stashing(schedule, spec(schedule).stashes)
         if start_method not in START_METHODS:
             raise ValueError(
                 f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}"
