@@ -120,7 +120,7 @@ def run(
             stages=stages if devices == 1 else None,
             microbatches=2,
             balance="even",
-            stall_timeout=20,
+            stall_timeout=60,  # generous: a busy machine must not look like a stall
         ),
         accelerator="cpu",
         devices=devices,
