@@ -64,6 +64,11 @@ class Pipeline:
         check_finite: before each stage's update, check its gradients; NaN or Inf ones are not
             applied and raise :class:`~pipemare.errors.NonFiniteGradientError` (one device sync
             per update; the Lightning strategy reports them with the step's results instead).
+        recompute: activation recomputation on every stage but the last: a stage keeps only
+            its inputs per in-flight microbatch and reruns its forward at backward time, at the
+            weights its backward uses (under ``async``/``pipemare`` the activations then come
+            from backward-time weights too; see :mod:`pipemare.stage`). The last stage, whose
+            forward runs the loss, never reruns.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -99,8 +104,14 @@ class Pipeline:
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
         check_finite: bool = True,
+        recompute: bool = False,
     ) -> None:
         partition.check_sequential(model)
+        if not isinstance(recompute, bool):
+            raise TypeError(
+                f"recompute must be True or False, got {recompute!r}; True reruns each "
+                "stage's forward at backward time instead of keeping its activations"
+            )
         sp = spec(schedule)
         if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)):
             raise ValueError(f"stages must be a whole number >= 1, got {stages!r}")
@@ -152,6 +163,7 @@ class Pipeline:
                 forward_weights=self.optimizer.forward_weights if self.config.predicts else None,
                 microbatches=microbatches,
                 seed=(base_seed + 7919 * (i + 1)) % 2**63,
+                recompute=recompute and i < self.num_stages - 1,
             )
             for i in local
         ]
