@@ -54,6 +54,8 @@ def module_state(
         stage_states = {i: pipe.stage_modules[i].state_dict() for i in pipe.local_stages}
     local = {prefix + k: v.detach().cpu() for sd in stage_states.values() for k, v in sd.items()}
     distributed = isinstance(pipe.transport, DistributedTransport)
+    if _other_copy(pipe):
+        local = {}  # copy 0 holds the same weights; its buffers are the ones saved
     if not distributed or dist.get_rank() == 0:
         # what lies outside the Sequential is the same everywhere
         outside = module.state_dict().items()
@@ -62,6 +64,12 @@ def module_state(
     for part in gather(local, all_ranks) if distributed else [local]:
         full.update(part)
     return {k: full[k] for k in module.state_dict()} if full else {}
+
+
+def _other_copy(pipe: Pipeline) -> bool:
+    """Whether this process runs a copy of the pipeline other than copy 0 (D > 1): copy 0's
+    state stands for all, the copies apply the same updates to the same weights."""
+    return isinstance(pipe.transport, DistributedTransport) and pipe.transport.replica > 0
 
 
 def _cpu(value: Any) -> Any:
@@ -85,7 +93,8 @@ def optimizer_state(param_groups: list[dict[str, Any]], snapshot: Snapshot) -> d
         "extra": snapshot.pipemare_state(),
     }
     distributed = isinstance(snapshot.pipe.transport, DistributedTransport)
-    parts = gather(local, all_ranks=False) if distributed else [local]
+    parts = gather(None if _other_copy(snapshot.pipe) else local, False) if distributed else [local]
+    parts = [p for p in parts if p is not None]
     if not parts:
         return {}
     first: dict[str, Any] = parts[0]["extra"]
@@ -110,6 +119,7 @@ def layout(pipe: Pipeline) -> dict[str, Any]:
     """How ``pipe`` cuts and runs the model: what a resume compares against."""
     return {
         "stages": pipe.num_stages,
+        "replicas": getattr(pipe.transport, "replicas", 1),
         "balance": list(pipe.balance),
         "schedule": pipe.schedule,
         "microbatches": pipe.microbatches,

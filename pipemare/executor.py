@@ -16,6 +16,7 @@ import torch
 from pipemare.clip import GradClip
 from pipemare.errors import NonFiniteGradientError
 from pipemare.optim import PipeMareOptimizer
+from pipemare.replicas import GradientAverager
 from pipemare.schedule import Action, Op, drain_tail
 from pipemare.stage import Stage, as_payload
 from pipemare.telemetry import Probe
@@ -96,6 +97,9 @@ class Executor:
         self.done: dict[int, dict[Op, int]] = {s.index: {} for s in stages}
         #: called with ``(stage, action)`` after each action (see :mod:`pipemare.snapshot`)
         self.watchers: list[Callable[[int, Action], None]] = []
+        #: averages gradients over the stage's replicas (D copies of the pipeline), or None
+        self.reducer: GradientAverager | None = None
+        self._backwards: dict[tuple[int, int], int] = {}  # (stage, minibatch) -> backwards run
 
     # -- data in, losses out ---------------------------------------------------------------
 
@@ -137,6 +141,8 @@ class Executor:
             return i == 0 or self.transport.ready(i - 1, i, ACT)
         if a.op is Op.BACKWARD:
             return i == self.num_stages - 1 or self.transport.ready(i + 1, i, GRAD)
+        if self.reducer is not None:  # the replicas' mean, before anything reads the gradients
+            self.reducer.finish(i, a.index)
         if self.clip is not None:  # the update's gradients are complete: publish their norm
             self.clip.post(i, a.index, self.optimizer.stage_parameters(i))
             return self.clip.ready(i, a.index)
@@ -216,6 +222,8 @@ class Executor:
             if i > 0:
                 self.transport.release(i - 1, i, ACT, m)  # the input's last use was above
                 self._send(i, i - 1, GRAD, m, grads)
+            if self.reducer is not None:
+                self._count_backward(i, m)
         else:
             params = self.optimizer.stage_parameters(i)
             if probe is not None:
@@ -233,6 +241,17 @@ class Executor:
                 self.optimizer.step(i, a.index)
             stage.after_update()
             self.transport.progress(i, a.index + 1)
+
+    def _count_backward(self, i: int, m: int) -> None:
+        """After a minibatch's last backward pass on stage ``i``, start averaging its gradients."""
+        assert self.reducer is not None
+        key = (i, m // self.microbatches)
+        done = self._backwards.get(key, 0) + 1
+        if done < self.microbatches:
+            self._backwards[key] = done
+            return
+        self._backwards.pop(key, None)
+        self.reducer.start(i, key[1], self.optimizer.stage_parameters(i))
 
     @staticmethod
     def _nonfinite(stage: Stage) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import functools
 import pickle
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -135,19 +136,35 @@ class DistributedResults(Results):
     first ``_CAPACITY`` bytes go in a message whose receive is posted two minibatches ahead,
     so it arrives while the receiver computes; anything longer follows in a second group.
 
+    With ``D`` copies of the pipeline each copy's last stage publishes to its own copy's
+    processes; before that the last stages of all copies combine their values with ``merge``
+    (in ``merge_group``), so every process of every copy sees the same results.
+
     Args:
         source: rank of the process running the last stage.
         start: the first minibatch this run publishes (after a resume, later than 0).
+        ranks: the processes that receive (default: all); must include ``source``.
+        merge_group: the gloo group of every copy's last-stage process (None: one copy).
+        merge: combines the values of all copies, in copy order, into one.
     """
 
     def __init__(
-        self, source: int, start: int = 0, depth: int = 2, watchdog: Watchdog | None = None
+        self,
+        source: int,
+        start: int = 0,
+        depth: int = 2,
+        watchdog: Watchdog | None = None,
+        ranks: Sequence[int] | None = None,
+        merge_group: Any = None,
+        merge: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         super().__init__(start)
         self.watchdog = watchdog
         self.source, self.rank = source, dist.get_rank()
         self._groups = (dist.new_group(backend="gloo"), dist.new_group(backend="gloo"))
-        self._peers = [r for r in range(dist.get_world_size()) if r != source]
+        everyone = range(dist.get_world_size()) if ranks is None else ranks
+        self._peers = [r for r in everyone if r != source]
+        self._merge_group, self._merge = merge_group, merge
         self._sent: list[tuple[Any, torch.Tensor]] = []
         self._posted: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._own: dict[int, Any] = {}  # the source's own results
@@ -160,6 +177,10 @@ class DistributedResults(Results):
         self._posted.append((dist.irecv(buf, src=self.source, group=self._groups[0]), buf))
 
     def publish(self, minibatch: int, value: Any) -> None:
+        if self._merge_group is not None:
+            parts: list[Any] = [None] * dist.get_world_size(self._merge_group)
+            dist.all_gather_object(parts, value, group=self._merge_group)
+            value = self._merge(parts) if self._merge is not None else parts[0]
         data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         message = torch.zeros(_CAPACITY, dtype=torch.uint8)
         message[:_HEAD].view(torch.int64)[:] = torch.tensor([minibatch, len(data)])

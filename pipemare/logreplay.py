@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["LogRecorder", "Record"]
+__all__ = ["LogRecorder", "Record", "merge_records"]
 
 
 def _is_metric(value: Any) -> bool:
@@ -75,6 +75,33 @@ class Record:
         return self.value / self.weight if _reduce_name(self.kwargs) == "mean" else self.value
 
 
+def merge_records(parts: list[list[Record]]) -> list[Record]:
+    """One step's records from each copy of the pipeline (D data-parallel copies), combined
+    as the microbatches are: the mean over copies of equal share (each copy's weights sum to
+    one), the sum, the max or the min. A torchmetrics record keeps copy 0's step value; its
+    state stays with each copy's last stage and ``compute()`` syncs all of them at epoch end.
+    """
+    merged: dict[str, Record] = {}
+    for records in parts:
+        for r in records:
+            have = merged.get(r.name)
+            if have is None:
+                merged[r.name] = dataclasses.replace(r, kwargs=dict(r.kwargs))
+            elif r.metric is not None:
+                have.update_count = max(have.update_count, r.update_count)
+            elif r.value is not None:
+                fx = _reduce_name(r.kwargs)
+                if have.value is None:
+                    have.value, have.weight = r.value, r.weight
+                elif fx in ("mean", "sum"):
+                    have.value += r.value
+                    have.weight += r.weight
+                else:
+                    pick = max if fx == "max" else min
+                    have.value = pick(have.value, r.value)
+    return list(merged.values())
+
+
 class LogRecorder:
     """Stands in for ``LightningModule.log`` while the user's steps run, then replays."""
 
@@ -82,15 +109,23 @@ class LogRecorder:
         self.module = module
         self.records: dict[str, Record] = {}
         self._weight = 1.0
+        self._batch_size: int | None = None
         self._metric_paths = {id(m): n for n, m in module.named_modules() if _is_metric(m)}
 
-    def recording(self, weight: float) -> Callable[..., None]:
-        """A ``log`` replacement for one microbatch carrying ``weight`` of the minibatch."""
-        self._weight = weight
+    def recording(self, weight: float, batch_size: int | None = None) -> Callable[..., None]:
+        """A ``log`` replacement for one microbatch carrying ``weight`` of the minibatch.
+
+        ``batch_size`` (the minibatch's) is given to the replayed ``log`` unless the user
+        passed one: a record is replayed during a later step, whose batch may differ in size
+        (e.g. a validation loader's last batch), and Lightning weights epoch means by it.
+        """
+        self._weight, self._batch_size = weight, batch_size
         return self._log
 
     def _log(self, name: str, value: Any, **kwargs: Any) -> None:
         kwargs.pop("sync_dist_group", None)  # a process group does not travel between ranks
+        if self._batch_size is not None and kwargs.get("batch_size") is None:
+            kwargs["batch_size"] = self._batch_size
         record = self.records.setdefault(name, Record(name, kwargs))
         if _is_metric(value):
             path = self._metric_paths.get(id(value))

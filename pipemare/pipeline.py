@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipemare import partition
@@ -16,6 +17,7 @@ from pipemare.delay import StageDelay, derive_delays
 from pipemare.executor import Executor
 from pipemare.microbatch import batch_size, scatter, to_device
 from pipemare.optim import PipeMareOptimizer
+from pipemare.replicas import GradientAverager, broadcast_state
 from pipemare.schedule import Action, spec, stream
 from pipemare.snapshot import Snapshot
 from pipemare.stage import Stage, as_payload
@@ -180,8 +182,34 @@ class Pipeline:
             clip=self.clip,
             check_finite=check_finite,
         )
+        if isinstance(transport, DistributedTransport) and transport.replicas > 1:
+            self._replicate(transport)
 
     # -- construction helpers ----------------------------------------------------------------
+
+    def _replicate(self, transport: DistributedTransport) -> None:
+        """D copies of the pipeline: start every replica from copy 0's weights, and average
+        the replicas' gradients before each update (:mod:`pipemare.replicas`)."""
+        (me,) = transport.local_stages
+        group, ranks = transport.replica_group, transport.replica_ranks
+        broadcast_state(self.stage_modules[me], group, src=ranks[0])
+        peer = ranks[1] if ranks[0] == dist.get_rank() else ranks[0]
+        watchdog = transport.watchdog
+        self.executor.reducer = GradientAverager(
+            group, transport.replicas, wait=lambda work, what: watchdog.wait(work, peer, what)
+        )
+
+    def sync_buffers(self) -> None:
+        """Give every replica copy 0's buffers (BatchNorm statistics), e.g. before evaluating."""
+        transport = self.transport
+        if isinstance(transport, DistributedTransport) and transport.replicas > 1:
+            for i in self.local_stages:
+                broadcast_state(
+                    self.stage_modules[i],
+                    transport.replica_group,
+                    src=transport.replica_ranks[0],
+                    parameters=False,
+                )
 
     def _make_transport(self, name: str, stages: int | None, layers: int) -> Transport:
         if name == "inprocess":

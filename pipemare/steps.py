@@ -19,11 +19,17 @@ import pytorch_lightning as pl
 import torch
 
 from pipemare.lagged import Results
-from pipemare.logreplay import LogRecorder, Record
+from pipemare.logreplay import LogRecorder, Record, merge_records
 from pipemare.microbatch import batch_size
 from pipemare.module_adapter import ModuleAdapter, loss_of
 
-__all__ = ["UserSteps", "check_last_batch", "closes_epoch", "closes_loader"]
+__all__ = [
+    "UserSteps",
+    "check_last_batch",
+    "closes_epoch",
+    "closes_loader",
+    "merge_published",
+]
 
 
 class UserSteps:
@@ -72,7 +78,7 @@ class UserSteps:
     def head(self, out: Any, microbatch: Any) -> Any:
         """Last stage: the rest of the step on the pipeline's output, its logs recorded."""
         weight = batch_size(microbatch) / self.size
-        with self.logging_to(self.recorder.recording(weight)):
+        with self.logging_to(self.recorder.recording(weight, self.size)):
             return self.adapter.run_with_output(self.name, out, microbatch, *self.args)
 
     def loss(self, out: Any, microbatch: Any) -> torch.Tensor:
@@ -98,6 +104,17 @@ class UserSteps:
 
     def replay(self, records: list[Record], device: torch.device) -> None:
         self.recorder.replay(records, self.module.log, device)
+
+
+def merge_published(parts: list[tuple[Any, list[Record]]]) -> tuple[Any, list[Record]]:
+    """What D copies of the pipeline published for one minibatch, as one result: the mean of
+    their losses (copy 0's value when it is not a number, e.g. a step's outputs) and their
+    logs combined (:func:`pipemare.logreplay.merge_records`)."""
+    values = [v for v, _ in parts]
+    value = values[0]
+    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+        value = sum(values) / len(values)
+    return value, merge_records([records for _, records in parts])
 
 
 def closes_epoch(trainer: pl.Trainer) -> bool:

@@ -40,12 +40,19 @@ from pipemare.delay import StageDelay, derive_delays
 from pipemare.errors import NonFiniteGradientError, NonFiniteLossError
 from pipemare.lagged import DistributedResults, LocalResults, Results, result_lag
 from pipemare.launching import START_METHODS, LightningAPI
+from pipemare.layout import RankLayout
 from pipemare.microbatch import batch_size, combine, scatter
 from pipemare.module_adapter import ModuleAdapter, find_sequential
 from pipemare.pipeline import Pipeline
 from pipemare.saving import SaveQueue
 from pipemare.schedule import SCHEDULES, spec
-from pipemare.steps import UserSteps, check_last_batch, closes_epoch, closes_loader
+from pipemare.steps import (
+    UserSteps,
+    check_last_batch,
+    closes_epoch,
+    closes_loader,
+    merge_published,
+)
 from pipemare.telemetry import Probe
 from pipemare.transport import DistributedTransport
 
@@ -195,13 +202,34 @@ class _PipeMareStrategyMixin(_Base):
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
-        return {"num_replicas": 1, "rank": 0}  # every stage sees the same batches
+        # every stage of a copy of the pipeline sees the same batches; the copies split them
+        if not self.distributed:
+            return {"num_replicas": 1, "rank": 0}
+        layout = self.rank_layout
+        return {"num_replicas": layout.replicas, "rank": layout.position(self.global_rank)[0]}
 
     @property
     def num_stages(self) -> int | None:
         if self.distributed:
-            return self.num_processes * self.num_nodes
+            return self.stages if self.stages is not None else self._world_size
         return self.stages if self.stages is not None else None
+
+    @property
+    def _world_size(self) -> int:
+        return self.num_processes * self.num_nodes
+
+    @property
+    def rank_layout(self) -> RankLayout:
+        """Which processes form each copy of the pipeline and which hold each stage's replicas
+        (:class:`~pipemare.layout.RankLayout`): ``devices * num_nodes / stages`` copies."""
+        stages = self.num_stages if self.distributed else 1
+        assert stages is not None
+        return RankLayout(self._world_size, stages, max(self.num_processes, 1))
+
+    @property
+    def replicas(self) -> int:
+        """D: data-parallel copies of the pipeline (1 unless ``stages`` < the process count)."""
+        return self.rank_layout.replicas if self.distributed else 1
 
     @property
     def delays(self) -> tuple[StageDelay, ...]:
@@ -218,12 +246,15 @@ class _PipeMareStrategyMixin(_Base):
         return derive_delays(self.schedule, p, self.microbatches)
 
     def _check_layout(self) -> None:
-        world = self.num_processes * self.num_nodes
-        if world > 1 and self.stages is not None and self.stages != world:
+        world = self._world_size
+        if world > 1 and self.stages is not None and world % self.stages:
+            fits = [d for d in range(1, world + 1) if world % d == 0]
             raise ValueError(
                 f"PipeMareStrategy(stages={self.stages}) with devices={self.num_processes} and "
-                f"num_nodes={self.num_nodes}: run one stage per device (devices*num_nodes = "
-                f"{self.stages}), or devices=1 to simulate the {self.stages} stages in one process"
+                f"num_nodes={self.num_nodes}: {world} processes cannot run whole copies of a "
+                f"{self.stages}-stage pipeline; use stages={' or '.join(map(str, fits))} "
+                f"(devices*num_nodes/stages copies, each a pipeline), change the device count, "
+                f"or devices=1 to simulate the {self.stages} stages in one process"
             )
 
     def _check_precision(self) -> None:
@@ -344,7 +375,9 @@ class _PipeMareStrategyMixin(_Base):
             balance = list(self.balance)
             if len(balance) != stages:
                 run = (
-                    "one per process"
+                    f"stages={self.num_stages}"
+                    if self.distributed and self.stages is not None
+                    else "one per process"
                     if self.distributed
                     else f"stages={self.stages}"
                     if self.stages is not None
@@ -477,6 +510,8 @@ class _PipeMareStrategyMixin(_Base):
                 **clip,
                 **self._run_length(trainer),
             )
+            if self.distributed:
+                self._lightning.rank_zero_info(self.rank_layout.describe())
             self._lightning.rank_zero_info(
                 f"pipemare: {stages} stages "
                 f"({'one per process' if self.distributed else 'in one process'}), "
@@ -494,7 +529,10 @@ class _PipeMareStrategyMixin(_Base):
         if not self.distributed:
             return "inprocess"
         return DistributedTransport(
-            self.num_stages, self.root_device, stall_timeout=self.stall_timeout
+            self.num_stages,
+            self.root_device,
+            stall_timeout=self.stall_timeout,
+            layout=self.rank_layout,
         )
 
     def _results(self, start: int) -> Results:
@@ -505,7 +543,19 @@ class _PipeMareStrategyMixin(_Base):
         transport = self.pipeline.transport
         assert isinstance(transport, DistributedTransport)
         last = transport.rank_of(transport.num_stages - 1)
-        return DistributedResults(last, start, watchdog=transport.watchdog)
+        layout = self.rank_layout
+        merge_group = None
+        if layout.replicas > 1:  # the copies' last stages combine their results first
+            group = dist.new_group(list(layout.stage_groups[-1]), backend="gloo")  # on every rank
+            merge_group = group if self.global_rank == last else None
+        return DistributedResults(
+            last,
+            start,
+            watchdog=transport.watchdog,
+            ranks=layout.pipelines[transport.replica],
+            merge_group=merge_group,
+            merge=merge_published,
+        )
 
     @property
     def lag(self) -> int:
@@ -659,6 +709,7 @@ class _PipeMareStrategyMixin(_Base):
     def _drain(self) -> None:
         if self.pipeline is not None:
             self.pipeline.drain()
+            self.pipeline.sync_buffers()  # the copies evaluate (and save) copy 0's buffers
             self._write_due()
 
     def on_validation_start(self) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipemare.layout import RankLayout
 from pipemare.stage import tensors
 from pipemare.watchdog import Watchdog, this_process
 
@@ -166,6 +167,17 @@ def init_process_group(backend: str) -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
 
 
+def _own_group(groups: Sequence[Sequence[int]], rank: int, backend: str) -> Any:
+    """Create every group of ``groups`` (each process must create them all, in the same order)
+    and return the one that holds ``rank``."""
+    own = None
+    for ranks in groups:
+        group = dist.new_group(list(ranks), backend=backend)
+        if rank in ranks:
+            own = group
+    return own
+
+
 def _buffers(signature: tuple[int, ...], device: torch.device) -> list[torch.Tensor | None]:
     _, _, specs = _decode([0, *signature])
     return [None if s is None else torch.empty(s[1], dtype=s[0], device=device) for s in specs]
@@ -295,9 +307,13 @@ class DistributedTransport(Transport):
     longer needs it, and its buffers receive a later message.
 
     Args:
-        stages: number of stages; must equal the world size (the default).
+        stages: number of stages; must equal the world size (the default) unless ``layout``
+            runs several copies of the pipeline.
         device: this process's device; CUDA selects NCCL.
         stage_of_rank: which stage each rank runs (default: rank ``r`` runs stage ``r``).
+        layout: ``D`` data-parallel copies of the pipeline (:class:`~pipemare.layout.RankLayout`):
+            this process talks to the ranks of its own copy, and :attr:`replica_group` joins
+            the ranks that hold its stage in every copy.
         depth: messages posted ahead per neighbour and channel.
         stall_timeout: seconds any wait for another stage may take before this process
             fails, naming that stage (see :mod:`pipemare.watchdog`).
@@ -310,21 +326,36 @@ class DistributedTransport(Transport):
         stage_of_rank: Sequence[int] | None = None,
         depth: int = 2,
         stall_timeout: float = 300.0,
+        layout: RankLayout | None = None,
     ) -> None:
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         init_process_group(backend)
         world, rank = dist.get_world_size(), dist.get_rank()
         stages = world if stages is None else stages
-        if world != stages:
+        if layout is not None:
+            if (layout.world_size, layout.stages) != (world, stages):
+                raise ValueError(
+                    f"the layout is for {layout.world_size} processes and {layout.stages} stages, "
+                    f"but the world size is {world} and the pipeline has {stages} stages"
+                )
+            if stage_of_rank is not None:
+                raise ValueError("give either stage_of_rank or layout, not both")
+        elif world != stages:
             raise ValueError(
                 f"the world size is {world} but the pipeline has {stages} stages; run one "
                 f"process per stage (e.g. torchrun --nproc-per-node={stages}) or set "
                 f"stages={world}"
             )
-        order = list(stage_of_rank) if stage_of_rank is not None else list(range(world))
-        if sorted(order) != list(range(stages)):
-            raise ValueError(f"stage_of_rank {order} must be a permutation of 0..{stages - 1}")
+        if layout is not None:
+            self.replica, me = layout.position(rank)
+            order = list(range(stages))  # ranks of this copy, in stage order, below
+        else:
+            self.replica = 0
+            order = list(stage_of_rank) if stage_of_rank is not None else list(range(world))
+            if sorted(order) != list(range(stages)):
+                raise ValueError(f"stage_of_rank {order} must be a permutation of 0..{stages - 1}")
+            me = order[rank]
         if depth < 1:
             raise ValueError(f"depth must be at least 1, got {depth}")
         if stall_timeout <= 0:
@@ -332,8 +363,13 @@ class DistributedTransport(Transport):
                 f"stall_timeout must be a positive number of seconds, got {stall_timeout}"
             )
         self.num_stages = stages
-        self._rank_of = {stage: r for r, stage in enumerate(order)}
-        me = order[rank]
+        self.layout = layout
+        #: D, the copies of the pipeline; this process runs stage ``me`` of copy ``replica``
+        self.replicas = layout.replicas if layout is not None else 1
+        if layout is not None:
+            self._rank_of = dict(enumerate(layout.pipelines[self.replica]))
+        else:
+            self._rank_of = {stage: r for r, stage in enumerate(order)}
         self.local_stages = (me,)
         peers: list[Any] = [None] * world
         dist.all_gather_object(peers, this_process(rank, me))  # once: who runs where
@@ -343,8 +379,18 @@ class DistributedTransport(Transport):
         groups = {
             ch: tuple(dist.new_group(backend=backend) for _ in range(3)) for ch in (ACT, GRAD)
         }
-        #: a group of its own for collectives the pipeline needs (gradient norms)
-        self.collective_group = dist.new_group(backend=backend)
+        #: a group of its own for collectives over this copy's stages (gradient norms)
+        self.collective_group = _own_group(
+            layout.pipelines if layout is not None else [tuple(range(world))], rank, backend
+        )
+        #: the ranks holding this stage in every copy (they average gradients), or None
+        self.replica_group = (
+            _own_group(layout.stage_groups, rank, backend)
+            if layout is not None and layout.replicas > 1
+            else None
+        )
+        #: the global rank of each copy's process of this stage, copy 0 first
+        self.replica_ranks = layout.stage_groups[me] if layout is not None else (self._rank_of[me],)
         self._inbox: dict[tuple[int, str], _Inbox] = {}
         self._outbox: dict[tuple[int, str], _Outbox] = {}
         #: per local stage, the steps it has completed (updates applied), sent with each

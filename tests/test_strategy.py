@@ -250,11 +250,15 @@ def test_registered_in_both_lightning_packages():
 # -- errors ----------------------------------------------------------------------------------
 
 
-def test_devices_must_equal_stages():
+def test_stages_must_divide_the_devices():
     with pytest.raises(
-        ValueError, match=r"stages=4\) with devices=2 and num_nodes=1: run one stage per device"
+        ValueError,
+        match=r"stages=4\) with devices=2 and num_nodes=1: 2 processes cannot run whole copies "
+        r"of a 4-stage pipeline; use stages=1 or 2",
     ):
         pl.Trainer(strategy=PipeMareStrategy(stages=4), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=r"use stages=1 or 2 or 3 or 6"):
+        pl.Trainer(strategy=PipeMareStrategy(stages=4), accelerator="cpu", devices=3, num_nodes=2)
 
 
 class NoSequential(Tiny):
