@@ -207,14 +207,25 @@ class _Module:
 
 
 def _lightning(
-    args: argparse.Namespace, schedule: str, balance: list[int], x: torch.Tensor, y: torch.Tensor
+    args: argparse.Namespace,
+    schedule: str,
+    balance: list[int],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    stages: int | None = None,
 ) -> dict[str, Any]:
+    """The Lightning strategy; with ``stages`` below the process count, D = processes/stages
+    copies of the pipeline, each training on its own 1/D of every batch."""
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader
 
     from pipemare import PipeMareStrategy
 
     total = args.warmup + args.steps
+    if stages is not None:  # this copy's share of the batch (the distributed sampler's split)
+        copies = dist.get_world_size() // stages
+        copy_index = dist.get_rank() // stages
+        x, y = x.tensor_split(copies)[copy_index], y.tensor_split(copies)[copy_index]
     batches = [(x, y)] * total  # whole batches: no per-sample collation in the timed steps
     seen: dict[str, Any] = {}
 
@@ -232,7 +243,9 @@ def _lightning(
                 seen["spans"] = pipe.probe.take_spans()
                 seen["pipe"], seen["opt"] = pipe, trainer.optimizers[0]
 
-    strategy = PipeMareStrategy(microbatches=args.microbatches, schedule=schedule, balance=balance)
+    strategy = PipeMareStrategy(
+        stages=stages, microbatches=args.microbatches, schedule=schedule, balance=balance
+    )
     strategy.request_probe(timeline=True)
     trainer = pl.Trainer(
         strategy=strategy,
@@ -286,9 +299,13 @@ def _gather(local: Any) -> list[Any]:
     return parts
 
 
-def _row(kind: str, schedule: str, args: argparse.Namespace, parts: list[dict]) -> dict:
-    """One JSON line from every rank's measurements (the pipeline's wall: the slowest rank)."""
+def _row(
+    kind: str, schedule: str, args: argparse.Namespace, parts: list[dict], stages: int | None = None
+) -> dict:
+    """One JSON line from every rank's measurements (the pipeline's wall: the slowest rank).
+    With ``stages`` below the process count, rank r runs stage r mod ``stages`` of its copy."""
     p = len(parts)
+    stages = stages or p
     wall = max(part["wall_s"] for part in parts)
     row: dict[str, Any] = {
         "kind": kind,
@@ -304,9 +321,9 @@ def _row(kind: str, schedule: str, args: argparse.Namespace, parts: list[dict]) 
     if "spans" in parts[0]:  # pipemare: the probe's spans of each rank's own stage
         util, comm = [], []
         for r, part in enumerate(parts):
-            u, c = _spans_summary(part["spans"], p, part["wall_s"])
-            util.append(u[r] * part["wall_s"] / wall)
-            comm.append(c[r])
+            u, c = _spans_summary(part["spans"], stages, part["wall_s"])
+            util.append(u[r % stages] * part["wall_s"] / wall)
+            comm.append(c[r % stages])
     else:
         util = [part["utilisation"] * part["wall_s"] / wall for part in parts]
         comm = [part["comm_s"] for part in parts]
@@ -314,6 +331,8 @@ def _row(kind: str, schedule: str, args: argparse.Namespace, parts: list[dict]) 
     row["bubble"] = 1 - statistics.mean(util)
     row["comm_s"] = comm
     row["memory"] = [part["memory"] for part in parts]
+    if stages != p:
+        row["stages"], row["copies"] = stages, p // stages
     return row
 
 
@@ -379,6 +398,15 @@ def _worker(args: argparse.Namespace) -> None:
                 rows.append(_row(kind, name, args, parts))
             dist.barrier()
 
+    if world >= 4 and world % 2 == 0:  # data x pipeline: world/2 copies of a 2-stage pipeline
+        for name in [n for n in args.schedules if n in ("pipemare", "1f1b")]:
+            halves = partition.balance_by_params(model, 2)
+            parts = _gather(_lightning(args, name, halves, x, y, stages=2))
+            if rank == 0:
+                label = f"{name}, {world // 2} copies x 2 stages"
+                rows.append(_row("lightning", label, args, parts, stages=2))
+            dist.barrier()
+
     if rank == 0:
         _add_ratios(rows, world)
         with open(args.out / f"bench-p{world}.jsonl", "w") as f:
@@ -404,7 +432,7 @@ def _add_ratios(rows: list[dict], processes: int) -> None:
         r["vs_torch_1f1b"] = r["samples_per_s"] / torch_1f1b if torch_1f1b else None
         # what P one-thread processes could reach at most on this machine's cores
         r["cpu_bound_vs_single"] = min(r["processes"], cores)
-        if r["kind"] != "single":
+        if r["kind"] != "single" and "copies" not in r:
             # the slowest stage's own compute, measured alone: no schedule can beat it
             r["stage_bound_vs_single"] = bound / single
             r["of_stage_bound"] = r["samples_per_s"] / bound
@@ -513,9 +541,11 @@ def table(rows: list[dict]) -> str:
             continue
         util = " / ".join(f"{u:.2f}" for u in r["utilisation"])
         vs_torch = f"{r['vs_torch_1f1b']:.2f}" if r.get("vs_torch_1f1b") else "-"
+        # copies of a shorter pipeline have other stages than the bound measured for P stages
+        bound = "-" if "copies" in r else f"{r.get('of_stage_bound', 1.0):.2f}"
         lines.append(
             f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['samples_per_s']:.0f} | "
-            f"{r['vs_single']:.2f} | {vs_torch} | {r.get('of_stage_bound', 1.0):.2f} | {util} | "
+            f"{r['vs_single']:.2f} | {vs_torch} | {bound} | {util} | "
             f"{r['bubble']:.2f} |"
         )
     return "\n".join(lines)

@@ -84,6 +84,7 @@ class _PipeMareStrategyMixin(_Base):
         start_method: str = "popen",
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         stall_timeout: float = 300.0,
+        recompute: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -149,6 +150,12 @@ class _PipeMareStrategyMixin(_Base):
             raise ValueError(
                 f"stall_timeout must be a positive, finite number of seconds, got {stall_timeout!r}"
             )
+        if not isinstance(recompute, bool):
+            raise ValueError(
+                f"recompute must be True or False, got {recompute!r}; True keeps only each "
+                "stage's inputs and reruns its forward at backward time"
+            )
+        self.recompute = recompute
         self._start_method, self._timeout = start_method, timeout
         self.stall_timeout = float(stall_timeout)
         self._num_nodes = 1
@@ -507,6 +514,7 @@ class _PipeMareStrategyMixin(_Base):
                 input_fn=steps.input,
                 target_fn=lambda mb: mb,
                 forward_context=self.precision_plugin.forward_context,
+                recompute=self.recompute,
                 **clip,
                 **self._run_length(trainer),
             )
@@ -886,11 +894,23 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
         stall_timeout: seconds a process waits for another stage before it fails, naming that
             stage, its rank, host and PID (default 300; raise it if one rank can be busy that
             long alone, e.g. writing a very large checkpoint).
+        recompute: activation recomputation: every stage but the last keeps only its input
+            per in-flight microbatch and reruns its forward at backward time, with the weights
+            its backward uses (under ``async``/``pipemare`` those are backward-time weights,
+            so the activations differ from the saved-activation default; exact for ``gpipe``,
+            ``1f1b`` and ``pipedream``).
+
+    With ``stages`` below the process count (``devices * num_nodes``), the processes run
+    ``devices * num_nodes / stages`` data-parallel copies of the pipeline
+    (:class:`~pipemare.layout.RankLayout`: ranks ``r*P .. r*P+P-1`` form copy ``r``); each
+    copy trains on its share of every batch and a stage's copies average their gradients
+    before each update.
 
     Example::
 
         trainer = Trainer(strategy=PipeMareStrategy(microbatches=4), accelerator="cpu", devices=2)
         trainer = Trainer(strategy="pipemare_gpipe", devices=1)   # a baseline, by name
+        trainer = Trainer(strategy=PipeMareStrategy(stages=2), devices=4)  # 2 copies x 2 stages
     """
 
 PipeMareStrategy: type[_PipeMareStrategyMixin] = _make("pytorch_lightning")

@@ -88,6 +88,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
     parser.add_argument("--devices", type=int, default=4)
+    parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--schedule", default="gpipe")
     parser.add_argument("--microbatches", type=int, default=2)
@@ -123,6 +124,7 @@ def main() -> None:
         strategy=strategy,
         accelerator="cpu",
         devices=args.devices,
+        num_nodes=args.num_nodes,
         max_epochs=args.epochs,
         callbacks=[record, checkpoint],
         logger=False,
@@ -146,6 +148,12 @@ def main() -> None:
         "train_batches": trainer.num_training_batches,
         "best_model_score": float(checkpoint.best_model_score),
         "replicas": getattr(s, "replicas", 1),
+        "pipelines": [list(g) for g in s.rank_layout.pipelines]
+        if hasattr(s, "rank_layout")
+        else None,
+        "pipelines_cross_nodes": getattr(
+            getattr(s, "rank_layout", None), "pipelines_cross_nodes", None
+        ),
         "stage_groups": [list(g) for g in s.rank_layout.stage_groups]
         if hasattr(s, "rank_layout")
         else None,

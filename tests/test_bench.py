@@ -52,3 +52,27 @@ def test_bench_writes_one_json_line_per_configuration_a_table_and_a_chart(tmp_pa
         assert m["stash_measured"] == m["stash_analytic"]
     assert (tmp_path / "bench.png").stat().st_size > 0
     assert "| P | kind |" in (tmp_path / "bench.md").read_text()
+
+
+def test_bench_measures_copies_of_a_pipeline_in_a_four_process_launch(tmp_path):
+    cmd = [
+        sys.executable, "-m", "pipemare.experiments.bench", "--out", str(tmp_path),
+        "--processes", "4", "--width", "16", "--depth", "3", "--batch", "8",
+        "--microbatches", "2", "--steps", "2", "--warmup", "2",
+        "--schedules", "pipemare", "--memory-stages", "2",
+    ]  # fmt: skip
+    env = dict(os.environ, WANDB_MODE="offline")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
+    (copies,) = [r for r in rows if r.get("copies")]
+    assert (copies["kind"], copies["schedule"]) == ("lightning", "pipemare, 2 copies x 2 stages")
+    assert copies["stages"] == 2 and copies["processes"] == 4
+    assert len(copies["utilisation"]) == 4 and 0 <= copies["bubble"] <= 1
+    assert all(0 < u <= 1.0 + 1e-6 for u in copies["utilisation"])  # every rank computed
+    assert "of_stage_bound" not in copies  # the 4-stage bound does not apply to it
+    assert copies["samples_per_s"] > 0 and len(copies["memory"]) == 4
+    # the copies hold the same stage: equal weights on ranks 0 and 2, and on 1 and 3
+    w = [m["weights"] for m in copies["memory"]]
+    assert w[0] == w[2] and w[1] == w[3]
+    assert "2 copies x 2 stages" in (tmp_path / "bench.md").read_text()

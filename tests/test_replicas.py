@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_strategy_distributed import environment, reports, run_all
+from test_strategy_distributed import environment, free_port, reports, run_all
 
 from pipemare.logreplay import Record
 from pipemare.replicas import _buckets
@@ -73,6 +73,37 @@ def test_copies_split_the_batches_and_agree_on_everything(gpipe_runs):
     assert r0["first_labels"] == r1["first_labels"] != r2["first_labels"] == r3["first_labels"]
     both = sorted(r0["first_labels"][0] + r2["first_labels"][0])
     assert both == sorted(single["first_labels"][0])
+
+
+@pytest.mark.distributed
+def test_torchrun_on_two_nodes_keeps_each_pipeline_inside_a_node(gpipe_runs, tmp_path):
+    """2 nodes x 2 processes (torchrun), stages=2: each node runs one copy of the pipeline,
+    only the gradient average crosses nodes; the result is the one-device run's."""
+    _, single, _, ref = gpipe_runs
+    port = free_port()
+    commands = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
+            f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=pipemare-copies",
+            *launch(tmp_path, "--devices", "2", "--num-nodes", "2", "--stages", "2")[1:],
+            "--batch", "16",
+        ]  # fmt: skip
+        commands.append((cmd, environment()))
+    run_all(commands, timeout=600)
+    ranks = reports(tmp_path, 4)
+    assert ranks[0]["pipelines"] == [[0, 1], [2, 3]] and ranks[0]["stage_groups"] == [
+        [0, 2],
+        [1, 3],
+    ]
+    assert ranks[0]["pipelines_cross_nodes"] is False
+    want = torch.load(ref / "weights-rank0.pt")
+    got = torch.load(tmp_path / "weights-rank3.pt")
+    for key in want:
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6)
+    assert all(r["metrics"] == ranks[0]["metrics"] for r in ranks)
+    assert ranks[0]["metrics"]["val_acc"] == pytest.approx(single["metrics"]["val_acc"], abs=1e-6)
 
 
 @pytest.mark.distributed

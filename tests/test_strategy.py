@@ -363,3 +363,40 @@ def test_bad_options():
     with pytest.raises(ValueError, match="microbatches must be an integer >= 1"):
         PipeMareStrategy(microbatches=0)
     assert pipemare.PipeMareStrategy is PipeMareStrategy
+
+
+class LookAtStages(pl.Callback):
+    def __init__(self):
+        self.flags = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
+        self.flags = [s.recompute for s in trainer.strategy.pipeline.stages]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "pipemare"])
+def test_recompute_through_the_strategy(schedule):
+    """recompute=True reaches every stage but the last; exact for a flushing schedule, a
+    different (backward-time) computation for a non-flushing one."""
+    pl.seed_everything(0)
+    base = Tiny()
+    runs = {}
+    for recompute in (False, True):
+        model = copy.deepcopy(base)
+        strategy = PipeMareStrategy(
+            stages=3, microbatches=2, schedule=schedule, balance=[2, 2, 1], recompute=recompute
+        )
+        look = LookAtStages()
+        t = trainer(strategy, max_steps=8, callbacks=[look])
+        t.fit(model, tiny_data())
+        assert look.flags == [recompute, recompute, False]
+        runs[recompute] = weights(model)
+    diff = max((a - b).abs().max().item() for a, b in zip(runs[False], runs[True], strict=True))
+    if schedule == "1f1b":
+        assert diff < 1e-6
+    else:
+        assert diff > 1e-6  # activations rerun at backward-time weights
+
+
+def test_recompute_must_be_true_or_false():
+    with pytest.raises(ValueError, match="recompute must be True or False, got 'yes'"):
+        PipeMareStrategy(recompute="yes")
