@@ -15,6 +15,7 @@ _COMMANDS = {
     "protocol": "the fair comparison: best LR per schedule, seeds, pipeline time (engine runs)",
     "bench": "throughput and memory against one process and torch's pipelines: pipemare bench",
     "demo": "train a small model on real data through 8 simulated stages (the engine alone)",
+    "plan": "choose stages, replicas, microbatches and the cut: pipemare plan --config CONFIG",
 }
 
 
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
         from pipemare.experiments import bench
 
         bench.main(rest)
+    elif command == "plan":
+        from pipemare import planner
+
+        planner.main(rest)
     elif command == "compare":
         from pipemare.experiments import dashboard
 

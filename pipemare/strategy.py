@@ -58,7 +58,7 @@ from pipemare.transport import DistributedTransport
 
 __all__ = ["PipeMareStrategy", "register"]
 
-_BALANCES = ("time", "params", "even")
+_BALANCES = ("time", "auto", "params", "even")
 
 
 if TYPE_CHECKING:  # the mixin is combined with a Lightning ParallelStrategy at run time
@@ -373,7 +373,7 @@ class _PipeMareStrategyMixin(_Base):
                 f"at least one layer; use at most {len(seq)} stages or split the model into more "
                 "layers"
             )
-        if self.balance in ("time", "params") and stages < len(seq):
+        if self.balance in ("time", "auto", "params") and stages < len(seq):
             partition.check_ties(seq, stages, what=what)  # their cut keeps tied layers together
             return stages
         if isinstance(self.balance, str):
@@ -461,9 +461,37 @@ class _PipeMareStrategyMixin(_Base):
             assert self._adapter is not None
             with self._steps_of().discarding_logs(), torch.random.fork_rng(devices=[]):
                 x = self._adapter.capture_input(step, scatter(sample, self.microbatches)[0], *args)
-                with self.precision_plugin.forward_context():  # time what will run (autocast)
-                    balance = partition.balance_by_time(seq, x, stages)
+                if self.balance == "auto":
+                    balance = self._plan_balance(seq, x, stages)
+                else:
+                    with self.precision_plugin.forward_context():  # time what will run
+                        balance = partition.balance_by_time(seq, x, stages)
         return self.broadcast(balance, src=0)
+
+    def _plan_balance(self, seq: nn.Sequential, x: Any, stages: int) -> list[int]:
+        """``balance="auto"``: the planner's cut for this P and N (:mod:`pipemare.planner`),
+        from a profile of the layers with the run's optimiser type and corrections."""
+        from pipemare import planner
+
+        opt = self._optimizer(seq)
+        make = type(opt)
+
+        def optimizer(params: Any) -> torch.optim.Optimizer:
+            try:
+                return make(params, **opt.defaults)
+            except TypeError:  # a constructor that does not take its own defaults back
+                return torch.optim.SGD(params, lr=0.0)
+
+        return planner.auto_balance(
+            seq,
+            x,
+            stages,
+            self.microbatches,
+            self.schedule,
+            optimizer=optimizer,
+            config=self.config,
+            forward_context=self.precision_plugin.forward_context,
+        )
 
     def _run_length(self, trainer: Any) -> dict[str, Any]:
         """The run's optimiser steps and steps per epoch, for T1's horizon, where known."""
@@ -886,7 +914,9 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
         microbatches: N microbatches per batch; the batch size must be at least N.
         schedule: ``pipemare`` (default), ``async``, ``pipedream``, ``1f1b`` or ``gpipe``.
         balance: layers per stage: ``"time"`` (measured forward+backward time of each layer on
-            the first batch, default), ``"params"``, ``"even"`` or a list of counts.
+            the first batch, default), ``"auto"`` (the planner's cut for this P and N from a
+            profile of time, memory and the engine's costs, see :mod:`pipemare.planner`),
+            ``"params"``, ``"even"`` or a list of counts.
         config: :class:`~pipemare.PipeMareConfig` (T1, T2, T3); default per schedule.
         sequential: attribute path of the ``nn.Sequential`` to pipeline; found automatically
             when the module has exactly one.

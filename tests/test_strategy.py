@@ -358,7 +358,7 @@ def test_a_last_batch_too_small_to_split_is_refused_before_any_update():
 def test_bad_options():
     with pytest.raises(ValueError, match="unknown schedule 'zero_bubble'"):
         PipeMareStrategy(schedule="zero_bubble")
-    with pytest.raises(ValueError, match="balance must be one of time, params, even"):
+    with pytest.raises(ValueError, match="balance must be one of time, auto, params, even"):
         PipeMareStrategy(balance="flops")
     with pytest.raises(ValueError, match="microbatches must be an integer >= 1"):
         PipeMareStrategy(microbatches=0)
@@ -400,3 +400,28 @@ def test_recompute_through_the_strategy(schedule):
 def test_recompute_must_be_true_or_false():
     with pytest.raises(ValueError, match="recompute must be True or False, got 'yes'"):
         PipeMareStrategy(recompute="yes")
+
+
+def test_balance_auto_takes_the_planners_cut():
+    """balance="auto" profiles the layers (time, memory, the engine's costs) and cuts where
+    the planner says; the cut is used, logged and kept for later rebuilds."""
+    from pipemare import planner
+
+    pl.seed_everything(0)
+    model = Tiny()
+    strategy = PipeMareStrategy(stages=2, microbatches=2, balance="auto")
+    t = trainer(strategy, max_steps=3)
+    t.fit(model, tiny_data())
+    cut = strategy.balance
+    assert isinstance(cut, list) and sum(cut) == len(model.net) and len(cut) == 2
+    assert min(cut) >= 1
+    strategy.pipeline = None  # as after a consolidation: the next run rebuilds it
+    calls = []
+    real = planner.auto_balance
+    planner.auto_balance = lambda *a, **k: calls.append(a) or real(*a, **k)
+    try:
+        t.validate(model, tiny_data())
+    finally:
+        planner.auto_balance = real
+    assert strategy.balance == cut and calls == []  # rebuilt with the same cut, not re-planned
+    assert strategy.pipeline is not None and list(strategy.pipeline.balance) == cut
