@@ -84,8 +84,6 @@ class GradientAverager:
         self._pending: dict[
             tuple[int, int], list[tuple[Any, torch.Tensor, list[torch.Tensor]]]
         ] = {}
-        #: all-reduces started (one per bucket), for tests and telemetry
-        self.calls = 0
 
     def start(self, stage: int, update: int, params: Sequence[nn.Parameter]) -> None:
         """Begin averaging the gradients ``update`` will apply (they must be complete)."""
@@ -95,7 +93,6 @@ class GradientAverager:
             flat = torch.cat([g.reshape(-1) for g in bucket])
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             entries.append((work, flat, bucket))
-            self.calls += 1
         self._pending[stage, update] = entries
 
     def finish(self, stage: int, update: int) -> None:
@@ -115,10 +112,6 @@ class GradientAverager:
                 n = g.numel()
                 g.copy_(flat[offset : offset + n].view_as(g))
                 offset += n
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
 
 
 @torch.no_grad()

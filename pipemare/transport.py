@@ -363,7 +363,6 @@ class DistributedTransport(Transport):
                 f"stall_timeout must be a positive number of seconds, got {stall_timeout}"
             )
         self.num_stages = stages
-        self.layout = layout
         #: D, the copies of the pipeline; this process runs stage ``me`` of copy ``replica``
         self.replicas = layout.replicas if layout is not None else 1
         if layout is not None:
