@@ -9,8 +9,8 @@ import pytorch_lightning as pl
 import torch.distributed as dist
 from pytorch_lightning.utilities import rank_zero_warn
 
-from pipemare.pipeline import Pipeline
-from pipemare.telemetry import Probe
+from pipemare.engine.pipeline import Pipeline
+from pipemare.engine.telemetry import Probe
 
 PREFIX = "pipemare"
 

@@ -12,8 +12,8 @@ from pytorch_lightning.callbacks import Callback
 
 from pipemare.callbacks import _common as common
 from pipemare.callbacks import wandb as wandb_extras
-from pipemare.microbatch import batch_size
-from pipemare.telemetry import Span, replay_timeline, summarize_spans
+from pipemare.engine.microbatch import batch_size
+from pipemare.engine.telemetry import Span, replay_timeline, summarize_spans
 
 
 class PipelineMonitor(Callback):

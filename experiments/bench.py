@@ -38,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare import partition
-from pipemare.schedule import SCHEDULES, spec
+from pipemare.model import partition
+from pipemare.schedule.actions import SCHEDULES, spec
 
 __all__ = ["main", "memory_study", "run"]
 
@@ -143,7 +143,7 @@ def _stage_memory(
 
 
 def _spans_summary(spans: list, stages: int, wall: float) -> tuple[list[float], list[float]]:
-    from pipemare.telemetry import summarize_spans
+    from pipemare.engine.telemetry import summarize_spans
 
     stats = summarize_spans(spans, wall)
     util = [stats.get(i, {}).get("utilization", 0.0) for i in range(stages)]
@@ -155,7 +155,7 @@ def _engine(
     args: argparse.Namespace, schedule: str, balance: list[int], x: torch.Tensor, y: torch.Tensor
 ) -> dict[str, Any]:
     from pipemare import Pipeline
-    from pipemare.telemetry import Probe
+    from pipemare.engine.telemetry import Probe
 
     model = mlp(args.width, args.depth)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

@@ -17,7 +17,7 @@ from torch import nn
 from pipemare import Pipeline
 from pipemare.experiments.data import digits
 from pipemare.experiments.models import residual_mlp
-from pipemare.schedule import SCHEDULES
+from pipemare.schedule.actions import SCHEDULES
 
 
 def train(schedule: str, args: argparse.Namespace) -> dict:

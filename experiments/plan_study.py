@@ -3,7 +3,7 @@ against ``balance="time"``, on three models (issue 13).
 
 For each model and layout (schedule, P, N) the model is profiled on this machine
 (:func:`pipemare.planner.profile`), cut by the planner's dynamic programme and by
-:func:`pipemare.partition.balance_by_time`, and both cuts run in the simulator (every stage in
+:func:`pipemare.model.partition.balance_by_time`, and both cuts run in the simulator (every stage in
 this process) with a timeline probe; the recorded actions are replayed as if each stage had a
 device of its own (:func:`pipemare.planner.steady_step_time`), which is the measured step time.
 The modelled one is :func:`pipemare.planner.evaluate` on the same cut. Communication is free on
@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline, planner
-from pipemare.partition import balance_by_time
-from pipemare.telemetry import Probe
+from pipemare.engine.telemetry import Probe
+from pipemare.model.partition import balance_by_time
 
 __all__ = ["LAYOUTS", "MODELS", "main", "measure", "run"]
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline, PipeMareConfig
-from pipemare.telemetry import Probe, replay_timeline
+from pipemare.engine.telemetry import Probe, replay_timeline
 
 __all__ = ["TASKS", "RunResult", "Task", "step_time", "train"]
 
@@ -275,7 +275,7 @@ def step_time(
 
     Runs ``warm + steps`` steps in this process with every action timed, replays the actions
     of the last ``steps`` through the schedule with each stage on a device of its own
-    (:func:`pipemare.telemetry.replay_timeline`; communication taken as free) and divides the
+    (:func:`pipemare.engine.telemetry.replay_timeline`; communication taken as free) and divides the
     makespan by ``steps``; the median of ``repeats`` such windows. Run it alone on the
     machine: the durations are measured.
     """

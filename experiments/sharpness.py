@@ -4,7 +4,7 @@ Trains the MNIST residual CNN of ``configs/mnist.yaml`` with plain SGD, synchron
 every ``--every`` steps estimates the top Hessian eigenvalue of the training loss by power
 iteration (Hessian-vector products on ``--probe`` batches). Prints it next to ``2/lr``,
 where synchronous gradient descent stops being stable, and the bound for gradients ``tau``
-updates old (:func:`pipemare.corrections.delayed_gd_bound`)::
+updates old (:func:`pipemare.optim.stability.delayed_gd_bound`)::
 
     python -m pipemare.experiments.sharpness --lr 0.05 --delay 7
 
@@ -20,9 +20,9 @@ import argparse
 import torch
 from torch import nn
 
-from pipemare.corrections import delayed_gd_bound
 from pipemare.experiments.classifiers import mnist_resnet
 from pipemare.experiments.datamodules import MNISTDataModule
+from pipemare.optim.stability import delayed_gd_bound
 
 
 def top_eigenvalue(

@@ -3,15 +3,15 @@
 Importing it registers ``strategy="pipemare"`` (and ``pipemare_<schedule>``) with Lightning.
 """
 
-from pipemare.config import PipeMareConfig
-from pipemare.delay import StageDelay, closed_form_delays, derive_delays
-from pipemare.errors import NonFiniteGradientError, NonFiniteLossError
-from pipemare.optim import PipeMareOptimizer
-from pipemare.pipeline import Pipeline
-from pipemare.schedule import SCHEDULES, generate
-from pipemare.strategy import LightningPipeMareStrategy, PipeMareStrategy, register
-from pipemare.transport import DistributedTransport, InProcessTransport, Transport
+from pipemare import _moved
+from pipemare.engine.errors import NonFiniteGradientError, NonFiniteLossError
+from pipemare.engine.pipeline import Pipeline
+from pipemare.engine.transport import DistributedTransport, InProcessTransport, Transport
+from pipemare.lightning.strategy import LightningPipeMareStrategy, PipeMareStrategy, register
+from pipemare.optim import PipeMareConfig, PipeMareOptimizer
+from pipemare.schedule import SCHEDULES, StageDelay, closed_form_delays, derive_delays, generate
 
+_moved.install()
 register()
 
 __all__ = [

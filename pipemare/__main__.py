@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
 
         bench.main(rest)
     elif command == "plan":
-        from pipemare import planner
+        from pipemare.planner import planner
 
         planner.main(rest)
     elif command == "compare":

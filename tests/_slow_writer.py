@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from pipemare.checkpoint_io import atomic_save
+from pipemare.lightning.checkpoint_io import atomic_save
 
 
 class Stall:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pipemare import PipeMareStrategy
-from pipemare.checkpoint_io import atomic_save
+from pipemare.lightning.checkpoint_io import atomic_save
 
 HERE = Path(__file__).parent
 

@@ -21,8 +21,8 @@ import pytorch_lightning as pl
 import torch
 from test_strategy_distributed import environment
 
-from pipemare.lagged import snapshot_lag
-from pipemare.schedule import SCHEDULES, Op
+from pipemare.engine.lagged import snapshot_lag
+from pipemare.schedule.actions import SCHEDULES, Op
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_resume_worker.py")
@@ -51,7 +51,7 @@ def _launch(out: Path, *args: str, expect_ok: bool = True) -> subprocess.Complet
 def test_every_stage_has_applied_a_snapshots_update_within_the_lag(schedule):
     """The step by which a checkpoint is complete everywhere, checked on the streams
     themselves from a start (filling) and across T3's switch, not only in steady state."""
-    from pipemare.lagged import _done_by_step_end
+    from pipemare.engine.lagged import _done_by_step_end
 
     for stages in (1, 2, 3, 5):
         for n in (1, 2, 3):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
-from pipemare.clip import GradClip, NormBoard, global_norm_lag
+from pipemare.engine.clip import GradClip, NormBoard, global_norm_lag
 
 
 def model():

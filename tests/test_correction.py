@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from pipemare import corrections
+from pipemare.optim import corrections
+from pipemare.optim.stability import delayed_gd_bound
 
 
 @pytest.mark.parametrize("tau", [0.0, 0.5, 1.0, 2.0, 3.5, 7.0])
@@ -50,7 +51,7 @@ def _delayed_gd_stable(a: float, tau: int, steps: int = 4000) -> bool:
 
 @pytest.mark.parametrize("tau", [0, 1, 2, 4, 8])
 def test_stability_bound_separates_stable_from_unstable(tau):
-    bound = corrections.delayed_gd_bound(tau)
+    bound = delayed_gd_bound(tau)
     assert _delayed_gd_stable(0.97 * bound, tau)
     assert not _delayed_gd_stable(1.03 * bound, tau)
     assert bound == pytest.approx(math.pi / (2 * tau + 1), rel=0.06 if tau else 0.6)

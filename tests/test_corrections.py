@@ -9,15 +9,14 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline, PipeMareConfig, PipeMareOptimizer, derive_delays
-from pipemare.corrections import (
+from pipemare.optim.corrections import (
     SpikeCompensation,
     WeightPrediction,
-    delayed_gd_bound,
     predicted_weight,
     spike_coefficients,
 )
-from pipemare.corrections.stability import largest_stable_step
-from pipemare.delay import StageDelay
+from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
+from pipemare.schedule.delay import StageDelay
 
 OTHERS_OFF = {"lr_reschedule": False, "delay_momentum": None}
 ONLY_WP = {**OTHERS_OFF, "spike_compensation": False, "weight_prediction": True}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from test_strategy_distributed import environment
 
-from pipemare.watchdog import Peer, describe_process
+from pipemare.engine.watchdog import Peer, describe_process
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent

@@ -16,9 +16,9 @@ import pytest
 import torch
 from test_strategy_distributed import environment, reports, run_all
 
-from pipemare.lagged import LocalResults, result_lag
-from pipemare.microbatch import combine, scatter
-from pipemare.schedule import SCHEDULES, spec
+from pipemare.engine.lagged import LocalResults, result_lag
+from pipemare.engine.microbatch import combine, scatter
+from pipemare.schedule.actions import SCHEDULES, spec
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_lag_worker.py")

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from pipemare.layout import RankLayout
+from pipemare.engine.layout import RankLayout
 
 
 def test_two_stages_two_replicas_on_one_node():

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipemare import PipeMareConfig, PipeMareOptimizer, corrections, derive_delays
+from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
+from pipemare.optim import corrections
 
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1),

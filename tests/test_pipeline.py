@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare import SCHEDULES, DistributedTransport, Pipeline, partition
+from pipemare import SCHEDULES, DistributedTransport, Pipeline
+from pipemare.model import partition
 
 
 def mse(out, target):
@@ -279,7 +280,7 @@ def test_state_dict_resume_equals_uninterrupted(schedule):
 
 
 def test_replayed_timeline_overlaps_stages_and_respects_dependencies():
-    from pipemare.telemetry import Probe, replay_timeline, summarize_spans
+    from pipemare.engine.telemetry import Probe, replay_timeline, summarize_spans
 
     class TickingProbe(Probe):
         """A clock that advances one unit per reading: durations by construction, so the

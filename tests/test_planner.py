@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline, planner
-from pipemare.planner import LayerProfile, Overhead, Profile
-from pipemare.telemetry import replay_timeline
+from pipemare.engine.telemetry import replay_timeline
+from pipemare.planner.planner import LayerProfile, Overhead, Profile
 
 ROOT = Path(__file__).resolve().parents[1]
 FREE = Overhead(0.0, 0.0, 0.0)

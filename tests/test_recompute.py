@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from pipemare import Pipeline, PipeMareConfig, corrections
+from pipemare import Pipeline, PipeMareConfig
+from pipemare.optim import corrections
 
 
 def mse(out, target):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from test_strategy_distributed import environment, free_port, reports, run_all
 
-from pipemare.logreplay import Record
-from pipemare.replicas import _buckets
-from pipemare.steps import merge_published
+from pipemare.engine.replicas import _buckets
+from pipemare.lightning.logreplay import Record
+from pipemare.lightning.steps import merge_published
 
 HERE = Path(__file__).parent
 WORKER = str(HERE / "_replica_worker.py")

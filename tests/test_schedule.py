@@ -7,8 +7,8 @@ from collections import deque
 
 import pytest
 
-from pipemare import schedule as sch
-from pipemare.schedule import Op, drain_tail, generate, spec, stream
+from pipemare.schedule import actions as sch
+from pipemare.schedule.actions import Op, drain_tail, generate, spec, stream
 
 
 def names(plan):

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare.config import PipeMareConfig
-from pipemare.corrections import Correction, DiscrepancyCorrection, StageView
-from pipemare.corrections.base import group_momentum, set_group_momentum
-from pipemare.delay import StageDelay
+from pipemare.optim.config import PipeMareConfig
+from pipemare.optim.corrections import Correction, DiscrepancyCorrection, StageView
+from pipemare.optim.corrections.base import group_momentum, set_group_momentum
+from pipemare.schedule.delay import StageDelay
 
 __all__ = ["PipeMareOptimizer"]
 
@@ -23,7 +23,8 @@ class PipeMareOptimizer:
     The user's optimiser keeps owning the parameters, their state (momentum, Adam moments)
     and the hyperparameters that LR schedulers drive; a stage's update runs the optimiser on
     that stage's parameters only. Update ``k`` uses the user's hyperparameters *from when
-    minibatch k was fed*. On top of that the config's corrections (:mod:`pipemare.corrections`)
+    minibatch k was fed*. On top of that the config's corrections
+    (:mod:`~pipemare.optim.corrections`)
     act per stage: T1 scales the rate, T2 corrects the backward's weights, weight prediction
     moves the forward's, spike compensation reshapes the update.
 
@@ -33,14 +34,14 @@ class PipeMareOptimizer:
     Args:
         optimizer: any ``torch.optim.Optimizer`` built over (at least) the stages' parameters.
         stage_params: for every stage this process runs, its parameters.
-        delays: every stage's :class:`~pipemare.delay.StageDelay`, indexed by stage.
+        delays: every stage's :class:`~pipemare.schedule.delay.StageDelay`, indexed by stage.
         config: which corrections run.
         microbatches: N.
         total_steps: the run's optimiser steps (for T1's horizon as a fraction of the run).
         steps_per_epoch: optimiser steps per epoch (for T1's horizon in epochs).
 
     Example:
-        >>> from pipemare.delay import derive_delays
+        >>> from pipemare.schedule.delay import derive_delays
         >>> model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
         >>> sgd = torch.optim.SGD(model.parameters(), lr=0.1)
         >>> delays = derive_delays("pipemare", 2, 1)

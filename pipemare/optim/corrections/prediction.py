@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare.corrections.base import StageView, StepAveraged
+from pipemare.optim.corrections.base import StageView, StepAveraged
 
 __all__ = ["WeightPrediction", "predicted_weight"]
 

@@ -1,20 +1,22 @@
 """Lightning strategy: ``Trainer(strategy="pipemare")`` pipelines an unchanged LightningModule.
 
-The strategy is glue between Lightning's hooks and :class:`~pipemare.pipeline.Pipeline`:
+The strategy is glue between Lightning's hooks and :class:`~pipemare.engine.pipeline.Pipeline`:
 
 - ``training_step`` feeds the batch to the pipeline, which runs this process's share of the
   schedule, weight updates included, and returns without waiting for the batch to reach the
-  last stage; the user's steps run per microbatch (:mod:`pipemare.steps`), and the loss and
+  last stage; the user's steps run per microbatch (:mod:`~pipemare.lightning.steps`), and the loss
+  and
   ``self.log`` values a step reports are those of the minibatch ``L`` steps earlier, ``L`` the
-  pipeline's depth in steps (:mod:`pipemare.lagged`; shown as ``lag`` in the progress bar);
+  pipeline's depth in steps (:mod:`pipemare.engine.lagged`; shown as ``lag`` in the progress bar);
 - ``backward`` does nothing and ``optimizer_step`` only runs Lightning's closure: the engine
   already applied each stage's update when the schedule called for it;
 - validation and test run pipelined after draining the pipeline (a batch's microbatches
   overlap across stages, and in one process per stage consecutive batches overlap too);
-- checkpoints hold the whole model and optimiser state (:mod:`pipemare.checkpointing`).
+- checkpoints hold the whole model and optimiser state (:mod:`pipemare.lightning.checkpointing`).
 
 Two modes: one stage per process (``devices=P``: Lightning's launchers, torchrun or SLURM,
-gloo on CPU and NCCL on CUDA, see :mod:`pipemare.launching`), or every stage in one process
+gloo on CPU and NCCL on CUDA, see :mod:`~pipemare.lightning.launching`), or every stage in one
+process
 (``devices=1``, ``stages=P``). Lightning ships two packages with separate strategy registries;
 ``import pipemare`` registers the strategy in ``pytorch_lightning`` and, when installed, in
 ``lightning.pytorch``.
@@ -34,27 +36,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare import checkpointing, launching, partition
-from pipemare.config import PipeMareConfig
-from pipemare.delay import StageDelay, derive_delays
-from pipemare.errors import NonFiniteGradientError, NonFiniteLossError
-from pipemare.lagged import DistributedResults, LocalResults, Results, result_lag
-from pipemare.launching import START_METHODS, LightningAPI
-from pipemare.layout import RankLayout
-from pipemare.microbatch import batch_size, combine, scatter
-from pipemare.module_adapter import ModuleAdapter, find_sequential
-from pipemare.pipeline import Pipeline
-from pipemare.saving import SaveQueue
-from pipemare.schedule import SCHEDULES, spec
-from pipemare.steps import (
+from pipemare.engine.errors import NonFiniteGradientError, NonFiniteLossError
+from pipemare.engine.lagged import DistributedResults, LocalResults, Results, result_lag
+from pipemare.engine.layout import RankLayout
+from pipemare.engine.microbatch import batch_size, combine, scatter
+from pipemare.engine.pipeline import Pipeline
+from pipemare.engine.telemetry import Probe
+from pipemare.engine.transport import DistributedTransport
+from pipemare.lightning import checkpointing, launching
+from pipemare.lightning.launching import START_METHODS, LightningAPI
+from pipemare.lightning.module_adapter import ModuleAdapter, find_sequential
+from pipemare.lightning.saving import SaveQueue
+from pipemare.lightning.steps import (
     UserSteps,
     check_last_batch,
     closes_epoch,
     closes_loader,
     merge_published,
 )
-from pipemare.telemetry import Probe
-from pipemare.transport import DistributedTransport
+from pipemare.model import partition
+from pipemare.optim.config import PipeMareConfig
+from pipemare.schedule.actions import SCHEDULES, spec
+from pipemare.schedule.delay import StageDelay, derive_delays
 
 __all__ = ["PipeMareStrategy", "register"]
 
@@ -91,7 +94,9 @@ class _PipeMareStrategyMixin(_Base):
         checkpoint_io: Any = None,
         precision_plugin: Any = None,
     ) -> None:
-        if checkpoint_io is None:  # atomic on any local filesystem (pipemare.checkpoint_io)
+        if (
+            checkpoint_io is None
+        ):  # atomic on any local filesystem (pipemare.lightning.checkpoint_io)
             checkpoint_io = self._lightning.AtomicCheckpointIO()  # type: ignore[misc]
         super().__init__(
             accelerator=accelerator,
@@ -228,7 +233,7 @@ class _PipeMareStrategyMixin(_Base):
     @property
     def rank_layout(self) -> RankLayout:
         """Which processes form each copy of the pipeline and which hold each stage's replicas
-        (:class:`~pipemare.layout.RankLayout`): ``devices * num_nodes / stages`` copies."""
+        (:class:`~pipemare.engine.layout.RankLayout`): ``devices * num_nodes / stages`` copies."""
         stages = self.num_stages if self.distributed else 1
         assert stages is not None
         return RankLayout(self._world_size, stages, max(self.num_processes, 1))
@@ -402,7 +407,7 @@ class _PipeMareStrategyMixin(_Base):
     def _check_optimizer(self, stages: int) -> None:
         """Refuse, before any update, an optimiser the pipeline cannot step (LBFGS) or that a
         correction set to True cannot serve: the checks the pipeline makes when it is built."""
-        from pipemare.optim import PipeMareOptimizer
+        from pipemare.optim.optimizer import PipeMareOptimizer
 
         if not self._fitting or not self.optimizers:
             return
@@ -416,7 +421,8 @@ class _PipeMareStrategyMixin(_Base):
     # -- telemetry --------------------------------------------------------------------------
 
     def request_probe(self, **settings: Any) -> None:
-        """Ask for telemetry (:class:`pipemare.telemetry.Probe`); monitors call this in setup."""
+        """Ask for telemetry (:class:`pipemare.engine.telemetry.Probe`); monitors call this in
+        setup."""
         for key, value in settings.items():
             old = self._probe_settings.get(key)
             if isinstance(value, bool):
@@ -469,9 +475,9 @@ class _PipeMareStrategyMixin(_Base):
         return self.broadcast(balance, src=0)
 
     def _plan_balance(self, seq: nn.Sequential, x: Any, stages: int) -> list[int]:
-        """``balance="auto"``: the planner's cut for this P and N (:mod:`pipemare.planner`),
+        """``balance="auto"``: the planner's cut for this P and N (:mod:`pipemare.planner.planner`),
         from a profile of the layers with the run's optimiser type and corrections."""
-        from pipemare import planner
+        from pipemare.planner import planner
 
         opt = self._optimizer(seq)
         make = type(opt)
@@ -572,7 +578,7 @@ class _PipeMareStrategyMixin(_Base):
         )
 
     def _results(self, start: int) -> Results:
-        """Where the last stage publishes results for every process (see pipemare.lagged)."""
+        """Where the last stage publishes results for every process (see pipemare.engine.lagged)."""
         if not self.distributed:
             return LocalResults(start)
         assert self.pipeline is not None
@@ -821,7 +827,7 @@ class _PipeMareStrategyMixin(_Base):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model; during training the state each stage has once the step's
-        minibatch has reached it, collected without draining (see :mod:`pipemare.saving`)."""
+        minibatch has reached it, collected without draining (:mod:`~pipemare.lightning.saving`)."""
         if self.pipeline is None:
             return self._module.state_dict()
         assert self._adapter is not None
@@ -915,7 +921,7 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
         schedule: ``pipemare`` (default), ``async``, ``pipedream``, ``1f1b`` or ``gpipe``.
         balance: layers per stage: ``"time"`` (measured forward+backward time of each layer on
             the first batch, default), ``"auto"`` (the planner's cut for this P and N from a
-            profile of time, memory and the engine's costs, see :mod:`pipemare.planner`),
+            profile of time, memory and the engine's costs, see :mod:`pipemare.planner.planner`),
             ``"params"``, ``"even"`` or a list of counts.
         config: :class:`~pipemare.PipeMareConfig` (T1, T2, T3); default per schedule.
         sequential: attribute path of the ``nn.Sequential`` to pipeline; found automatically
@@ -932,7 +938,7 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
 
     With ``stages`` below the process count (``devices * num_nodes``), the processes run
     ``devices * num_nodes / stages`` data-parallel copies of the pipeline
-    (:class:`~pipemare.layout.RankLayout`: ranks ``r*P .. r*P+P-1`` form copy ``r``); each
+    (:class:`~pipemare.engine.layout.RankLayout`: ranks ``r*P .. r*P+P-1`` form copy ``r``); each
     copy trains on its share of every batch and a stage's copies average their gradients
     before each update.
 

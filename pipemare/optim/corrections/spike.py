@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare.corrections.base import Correction, StageView, group_momentum
+from pipemare.optim.corrections.base import Correction, StageView, group_momentum
 
 __all__ = ["SpikeCompensation", "spike_coefficients"]
 

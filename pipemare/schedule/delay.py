@@ -27,7 +27,7 @@ import dataclasses
 import math
 from fractions import Fraction
 
-from pipemare.schedule import Op, generate, spec
+from pipemare.schedule.actions import Op, generate, spec
 
 __all__ = ["StageDelay", "closed_form_delays", "derive_delays"]
 

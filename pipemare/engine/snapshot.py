@@ -14,7 +14,7 @@ stage's own action stream where a drain after minibatch ``t`` would leave it:
 
 The copies are taken by hooks as the stage reaches those points, so the run goes on exactly
 as if nothing were saved; the snapshot is complete once every local stage applied update
-``t`` (:func:`pipemare.lagged.snapshot_lag` steps later). Resuming from it continues like a
+``t`` (:func:`pipemare.engine.lagged.snapshot_lag` steps later). Resuming from it continues like a
 run that drained after minibatch ``t``.
 """
 
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipemare.schedule import Action, Op
+from pipemare.schedule.actions import Action, Op
 
 if TYPE_CHECKING:
-    from pipemare.pipeline import Pipeline
+    from pipemare.engine.pipeline import Pipeline
 
 __all__ = ["Snapshot"]
 

@@ -4,7 +4,7 @@ The user's ``training_step`` (or ``validation_step``, ...) runs in two halves: o
 stage up to the point where it calls its ``nn.Sequential`` (what it passes is the pipeline's
 input), on the last stage from there on (the loss, metrics, ``self.log``). Its ``self.log``
 calls are recorded per microbatch, combined per minibatch, published with the minibatch's
-loss (:mod:`pipemare.lagged`), and replayed through the real ``LightningModule.log`` on every
+loss (:mod:`pipemare.engine.lagged`), and replayed through the real ``LightningModule.log`` on every
 process at the same step, lagged by the pipeline's depth.
 """
 
@@ -18,10 +18,10 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-from pipemare.lagged import Results
-from pipemare.logreplay import LogRecorder, Record, merge_records
-from pipemare.microbatch import batch_size
-from pipemare.module_adapter import ModuleAdapter, loss_of
+from pipemare.engine.lagged import Results
+from pipemare.engine.microbatch import batch_size
+from pipemare.lightning.logreplay import LogRecorder, Record, merge_records
+from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
 
 __all__ = [
     "UserSteps",
@@ -109,7 +109,7 @@ class UserSteps:
 def merge_published(parts: list[tuple[Any, list[Record]]]) -> tuple[Any, list[Record]]:
     """What D copies of the pipeline published for one minibatch, as one result: the mean of
     their losses (copy 0's value when it is not a number, e.g. a step's outputs) and their
-    logs combined (:func:`pipemare.logreplay.merge_records`)."""
+    logs combined (:func:`pipemare.lightning.logreplay.merge_records`)."""
     values = [v for v, _ in parts]
     value = values[0]
     if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):

@@ -1,6 +1,6 @@
 """Data parallelism across copies of the pipeline: the replicas of a stage average gradients.
 
-With ``D`` copies of a ``P``-stage pipeline (:class:`~pipemare.layout.RankLayout`), each copy
+With ``D`` copies of a ``P``-stage pipeline (:class:`~pipemare.engine.layout.RankLayout`), each copy
 trains on its own ``1/D`` of every batch. Before each update a stage's ``D`` replicas replace
 their accumulated gradients by the mean over the replicas, so every replica applies the same
 update to the same weights: the update of one pipeline fed the whole batch, when the loss is

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare.pipeline import Pipeline
-from pipemare.snapshot import Snapshot
-from pipemare.transport import DistributedTransport
+from pipemare.engine.pipeline import Pipeline
+from pipemare.engine.snapshot import Snapshot
+from pipemare.engine.transport import DistributedTransport
 
 __all__ = ["gather", "layout", "load_pipemare_state", "module_state", "optimizer_state"]
 
@@ -81,7 +81,7 @@ def optimizer_state(param_groups: list[dict[str, Any]], snapshot: Snapshot) -> d
 
     Args:
         param_groups: the optimiser's ``state_dict()["param_groups"]`` (its settings).
-        snapshot: the stages' state (:class:`~pipemare.snapshot.Snapshot`).
+        snapshot: the stages' state (:class:`~pipemare.engine.snapshot.Snapshot`).
 
     Each process's optimiser only ever stepped its own stages' parameters, so the
     per-parameter states of all processes are disjoint and merge into the whole model's.

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare.corrections.base import StepAveraged
+from pipemare.optim.corrections.base import StepAveraged
 
 __all__ = ["DiscrepancyCorrection", "backward_weight", "velocity_decay", "velocity_update"]
 

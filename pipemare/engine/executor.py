@@ -13,14 +13,14 @@ from typing import Any
 
 import torch
 
-from pipemare.clip import GradClip
-from pipemare.errors import NonFiniteGradientError
-from pipemare.optim import PipeMareOptimizer
-from pipemare.replicas import GradientAverager
-from pipemare.schedule import Action, Op, drain_tail
-from pipemare.stage import Stage, as_payload
-from pipemare.telemetry import Probe
-from pipemare.transport import ACT, GRAD, Transport
+from pipemare.engine.clip import GradClip
+from pipemare.engine.errors import NonFiniteGradientError
+from pipemare.engine.replicas import GradientAverager
+from pipemare.engine.stage import Stage, as_payload
+from pipemare.engine.telemetry import Probe
+from pipemare.engine.transport import ACT, GRAD, Transport
+from pipemare.optim.optimizer import PipeMareOptimizer
+from pipemare.schedule.actions import Action, Op, drain_tail
 
 __all__ = ["Executor"]
 
@@ -95,7 +95,7 @@ class Executor:
         self.on_nonfinite: Callable[[int, int, list[str]], None] | None = None
         #: per local stage, the index of the latest action of each kind it ran
         self.done: dict[int, dict[Op, int]] = {s.index: {} for s in stages}
-        #: called with ``(stage, action)`` after each action (see :mod:`pipemare.snapshot`)
+        #: called with ``(stage, action)`` after each action (see :mod:`pipemare.engine.snapshot`)
         self.watchers: list[Callable[[int, Action], None]] = []
         #: averages gradients over the stage's replicas (D copies of the pipeline), or None
         self.reducer: GradientAverager | None = None

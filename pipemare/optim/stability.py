@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from pipemare.delay import StageDelay
+from pipemare.schedule.delay import StageDelay
 
 if TYPE_CHECKING:
-    from pipemare.config import PipeMareConfig
+    from pipemare.optim.config import PipeMareConfig
 
 __all__ = ["delayed_gd_bound", "largest_stable_step"]
 
@@ -44,7 +44,7 @@ def _delayed_quadratic(
 ) -> float:
     """Growth of ``|u|`` on ``f(u) = u²/2`` with gradients ``delay`` updates late: the last
     window's peak over the first window's (below 1: the iteration contracts)."""
-    from pipemare.optim import PipeMareOptimizer
+    from pipemare.optim.optimizer import PipeMareOptimizer
 
     u = nn.Parameter(torch.ones(1, dtype=torch.float64))
     delays = (StageDelay(float(delay), 0.0, ((delay, 0),)),)
@@ -87,7 +87,7 @@ def largest_stable_step(
         config: the corrections (default: none). T1's horizon is the whole run.
         optimizer: ``(params, lr) -> optimiser`` (default: plain SGD).
     """
-    from pipemare.config import PipeMareConfig
+    from pipemare.optim.config import PipeMareConfig
 
     cfg = config if config is not None else PipeMareConfig.off()
     make = optimizer or (lambda ps, lr: torch.optim.SGD(ps, lr=lr))

@@ -10,19 +10,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare import partition
-from pipemare.clip import DistributedNormBoard, GradClip, NormBoard, global_norm_lag
-from pipemare.config import PipeMareConfig
-from pipemare.delay import StageDelay, derive_delays
-from pipemare.executor import Executor
-from pipemare.microbatch import batch_size, scatter, to_device
-from pipemare.optim import PipeMareOptimizer
-from pipemare.replicas import GradientAverager, broadcast_state
-from pipemare.schedule import Action, spec, stream
-from pipemare.snapshot import Snapshot
-from pipemare.stage import Stage, as_payload
-from pipemare.telemetry import Probe
-from pipemare.transport import ACT, DistributedTransport, InProcessTransport, Transport
+from pipemare.engine.clip import DistributedNormBoard, GradClip, NormBoard, global_norm_lag
+from pipemare.engine.executor import Executor
+from pipemare.engine.microbatch import batch_size, scatter, to_device
+from pipemare.engine.replicas import GradientAverager, broadcast_state
+from pipemare.engine.stage import Stage, as_payload
+from pipemare.engine.telemetry import Probe
+from pipemare.engine.transport import ACT, DistributedTransport, InProcessTransport, Transport
+from pipemare.model import partition
+from pipemare.optim.config import PipeMareConfig
+from pipemare.optim.optimizer import PipeMareOptimizer
+from pipemare.schedule.actions import Action, spec, stream
+from pipemare.schedule.delay import StageDelay, derive_delays
 
 __all__ = ["Pipeline"]
 
@@ -53,23 +52,23 @@ class Pipeline:
         schedule: ``gpipe``, ``1f1b``, ``pipedream``, ``async`` or ``pipemare``.
         balance: layers per stage (a list), ``"even"`` (default) or ``"params"``.
         config: PipeMare techniques; default: T1+T2 for ``pipemare``, none for the others.
-        transport: ``"inprocess"``, ``"distributed"`` or a :class:`~pipemare.transport.Transport`.
+        transport: ``"inprocess"``, ``"distributed"`` or a :class:`~pipemare.Transport`.
         device: where this process's stages run (default: where the model is).
         input_fn: batch -> the model's input (default ``batch[0]``).
         target_fn: batch -> what ``loss_fn`` compares with (default ``batch[1]``).
         forward_context: context manager factory around each stage's forward (e.g. autocast).
         seed: seeds each stage's own random stream (default: from ``torch.initial_seed()``).
-        clip_grad_norm: clip by the global L2 norm over all stages (see :mod:`pipemare.clip`).
+        clip_grad_norm: clip by the global L2 norm over all stages (:mod:`~pipemare.engine.clip`).
         clip_grad_value: clip every gradient element to ``[-value, value]``.
         total_steps: the run's optimiser steps, for T1's horizon as a fraction of the run.
         steps_per_epoch: optimiser steps per epoch, for T1's horizon in epochs.
         check_finite: before each stage's update, check its gradients; NaN or Inf ones are not
-            applied and raise :class:`~pipemare.errors.NonFiniteGradientError` (one device sync
+            applied and raise :class:`~pipemare.NonFiniteGradientError` (one device sync
             per update; the Lightning strategy reports them with the step's results instead).
         recompute: activation recomputation on every stage but the last: a stage keeps only
             its inputs per in-flight microbatch and reruns its forward at backward time, at the
             weights its backward uses (under ``async``/``pipemare`` the activations then come
-            from backward-time weights too; see :mod:`pipemare.stage`). The last stage, whose
+            from backward-time weights too; see :mod:`pipemare.engine.stage`). The last stage, whose
             forward runs the loss, never reruns.
 
     Example:
@@ -189,7 +188,7 @@ class Pipeline:
 
     def _replicate(self, transport: DistributedTransport) -> None:
         """D copies of the pipeline: start every replica from copy 0's weights, and average
-        the replicas' gradients before each update (:mod:`pipemare.replicas`)."""
+        the replicas' gradients before each update (:mod:`pipemare.engine.replicas`)."""
         (me,) = transport.local_stages
         group, ranks = transport.replica_group, transport.replica_ranks
         broadcast_state(self.stage_modules[me], group, src=ranks[0])
@@ -267,7 +266,7 @@ class Pipeline:
 
     @property
     def probe(self) -> Probe | None:
-        """Telemetry (see :mod:`pipemare.telemetry`); None until a monitor attaches one."""
+        """Telemetry (see :mod:`pipemare.engine.telemetry`); None until a monitor attaches one."""
         return self.executor.probe
 
     @probe.setter
@@ -299,11 +298,6 @@ class Pipeline:
         self.executor.feed(chunks, [batch_size(c) / total for c in chunks])
         self.executor.run()
         return self.executor.pop_loss(k)
-
-    def snapshot(self, minibatch: int | None = None) -> Snapshot:
-        """Start copying each stage's state as a drain after ``minibatch`` (default: the last
-        fed) would leave it, without draining (see :class:`~pipemare.snapshot.Snapshot`)."""
-        return Snapshot(self, minibatch)
 
     @property
     def drained(self) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from pipemare.delay import StageDelay
+from pipemare.schedule.delay import StageDelay
 
 __all__ = [
     "Correction",

@@ -6,7 +6,7 @@ import dataclasses
 import math
 from typing import Any
 
-from pipemare.corrections import (
+from pipemare.optim.corrections import (
     Correction,
     DelayMomentum,
     DiscrepancyCorrection,

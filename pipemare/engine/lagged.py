@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipemare.schedule import Op, stream
-from pipemare.watchdog import Watchdog
+from pipemare.engine.watchdog import Watchdog
+from pipemare.schedule.actions import Op, stream
 
 __all__ = ["DistributedResults", "LocalResults", "Results", "result_lag", "snapshot_lag"]
 
@@ -63,7 +63,7 @@ def result_lag(schedule: str, stages: int, microbatches: int) -> int:
 def snapshot_lag(schedule: str, stages: int, microbatches: int) -> int:
     """Steps after step ``t`` at whose end every stage has applied minibatch ``t``'s update.
 
-    A :class:`~pipemare.snapshot.Snapshot` of minibatch ``t`` is complete in every process by
+    A :class:`~pipemare.engine.snapshot.Snapshot` of minibatch ``t`` is complete in every process by
     the end of step ``t + snapshot_lag``: derived, like :func:`result_lag`, by running each
     stage's action stream in steady state (a filling pipeline, after a start, a drain or T3's
     warm-up, is never later).

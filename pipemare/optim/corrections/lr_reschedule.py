@@ -2,14 +2,14 @@
 
 ``α_{k,i} = α_k · max(τ_i, 1) ** -(1 - min(k / K, 1))``: stage ``i`` starts at ``α/τ_i`` and
 reaches the user's rate after ``K`` steps, following the ``1/τ`` shape of the stability bound
-of delayed gradient descent (:func:`pipemare.corrections.stability.delayed_gd_bound`). The
+of delayed gradient descent (:func:`pipemare.optim.stability.delayed_gd_bound`). The
 public re-implementation of Ajanthan et al. (ICML 2025, PluralisResearch/AsyncPP) applies the
 same factor with ``τ_i = P - 1 - i`` and K about 12-14% of the run.
 """
 
 from __future__ import annotations
 
-from pipemare.corrections.base import Correction
+from pipemare.optim.corrections.base import Correction
 
 __all__ = ["LRReschedule", "lr_factor"]
 

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipemare.layout import RankLayout
-from pipemare.stage import tensors
-from pipemare.watchdog import Watchdog, this_process
+from pipemare.engine.layout import RankLayout
+from pipemare.engine.stage import tensors
+from pipemare.engine.watchdog import Watchdog, this_process
 
 __all__ = ["ACT", "GRAD", "DistributedTransport", "InProcessTransport", "Transport"]
 
@@ -311,12 +311,13 @@ class DistributedTransport(Transport):
             runs several copies of the pipeline.
         device: this process's device; CUDA selects NCCL.
         stage_of_rank: which stage each rank runs (default: rank ``r`` runs stage ``r``).
-        layout: ``D`` data-parallel copies of the pipeline (:class:`~pipemare.layout.RankLayout`):
+        layout: ``D`` data-parallel copies of the pipeline
+        (:class:`~pipemare.engine.layout.RankLayout`):
             this process talks to the ranks of its own copy, and :attr:`replica_group` joins
             the ranks that hold its stage in every copy.
         depth: messages posted ahead per neighbour and channel.
         stall_timeout: seconds any wait for another stage may take before this process
-            fails, naming that stage (see :mod:`pipemare.watchdog`).
+            fails, naming that stage (see :mod:`pipemare.engine.watchdog`).
     """
 
     def __init__(

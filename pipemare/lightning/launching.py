@@ -17,7 +17,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from pipemare.checkpoint_io import AtomicCheckpointIO, LightningAtomicCheckpointIO
+from pipemare.lightning.checkpoint_io import AtomicCheckpointIO, LightningAtomicCheckpointIO
 
 __all__ = [
     "START_METHODS",

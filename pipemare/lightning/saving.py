@@ -3,10 +3,10 @@
 Lightning saves by asking the strategy for the model's and the optimiser's state
 (``dump_checkpoint``) and then handing the dict to ``save_checkpoint``. Draining the pipeline
 there would make every later step depend on how often the run checkpoints. Instead, the
-strategy answers with a :class:`~pipemare.snapshot.Snapshot` of the step's minibatch: each
+strategy answers with a :class:`~pipemare.engine.snapshot.Snapshot` of the step's minibatch: each
 stage's state is copied as that stage reaches the point a drain would have left it at, and
 the checkpoint is written, in order with the saves and removals queued before and after it,
-once every stage has passed that point — :func:`~pipemare.lagged.snapshot_lag` steps later
+once every stage has passed that point — :func:`~pipemare.engine.lagged.snapshot_lag` steps later
 (with one process per stage, every process writes at that same step, since collecting the
 stages' parts is a collective), or at the next drain (validation, the end of training).
 
@@ -25,11 +25,11 @@ from typing import Any
 
 from torch import nn
 
-from pipemare import checkpointing
-from pipemare.lagged import snapshot_lag
-from pipemare.pipeline import Pipeline
-from pipemare.snapshot import Snapshot
-from pipemare.transport import DistributedTransport
+from pipemare.engine.lagged import snapshot_lag
+from pipemare.engine.pipeline import Pipeline
+from pipemare.engine.snapshot import Snapshot
+from pipemare.engine.transport import DistributedTransport
+from pipemare.lightning import checkpointing
 
 __all__ = ["Deferred", "SaveQueue"]
 
@@ -87,7 +87,7 @@ class SaveQueue:
             if same and same[-1].minibatch == minibatch:
                 self._current = same[-1]
             else:
-                self._current = pipe.snapshot(minibatch)
+                self._current = Snapshot(pipe, minibatch)
         return self._current
 
     @staticmethod

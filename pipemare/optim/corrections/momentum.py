@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from pipemare.corrections.base import Correction, StageView, group_momentum
+from pipemare.optim.corrections.base import Correction, StageView, group_momentum
 
 __all__ = ["DelayMomentum", "delay_momenta"]
 

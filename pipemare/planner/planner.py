@@ -9,7 +9,7 @@ The planner works in three steps, after PipeDream's optimizer and BaPipe's explo
    parameter, gradient and optimiser-state bytes.
 2. :func:`evaluate` models one layout: a stage's time is the sum of its layers' (with the
    fixed per-action cost counted once), the schedule's action streams are replayed through
-   their dependencies with :func:`pipemare.telemetry.replay_timeline` (the same replay that
+   their dependencies with :func:`pipemare.engine.telemetry.replay_timeline` (the same replay that
    turns a measured run into pipeline time), and memory per stage counts parameters,
    gradients, optimiser state, saved activations times the microbatches the schedule keeps
    in flight on that stage, and stashed weight versions.
@@ -40,12 +40,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from pipemare import partition
-from pipemare.config import PipeMareConfig
-from pipemare.microbatch import _map, batch_size
-from pipemare.partition import _flat, _joined, _layers, _leaf
-from pipemare.schedule import Op, generate, spec
-from pipemare.telemetry import Span, replay_timeline
+from pipemare.engine.microbatch import _map, batch_size
+from pipemare.engine.telemetry import Span, replay_timeline
+from pipemare.model import partition
+from pipemare.model.partition import _flat, _joined, _layers, _leaf
+from pipemare.optim.config import PipeMareConfig
+from pipemare.schedule.actions import Op, generate, spec
 
 __all__ = [
     "LayerProfile",
@@ -531,8 +531,10 @@ def _time_engine(
     clock: _LayerClock | None = None,
 ) -> tuple[list[_Samples], Any]:
     """Engine seconds of each stage's forward, backward and update actions (N = 1)."""
-    from pipemare.pipeline import Pipeline  # the pipeline imports much; only profiling needs it
-    from pipemare.telemetry import Probe
+    from pipemare.engine.pipeline import (
+        Pipeline,
+    )  # the pipeline imports much; only profiling needs it
+    from pipemare.engine.telemetry import Probe
 
     stages = len(balance)
     opt = optimizer(model.parameters())
@@ -1033,7 +1035,7 @@ def _causal(plans: list[list[Any]]) -> tuple[tuple[int, Op, int], ...]:
 def _peaks(actions: Sequence[Any], microbatches: int, stashes: bool) -> tuple[int, int]:
     """Most microbatches in flight on a stage, and most weight versions it stashes.
 
-    Follows :class:`pipemare.stage.Stage`: a microbatch is in flight from its forward to its
+    Follows :class:`pipemare.engine.stage.Stage`: a microbatch is in flight from its forward to its
     backward; with weight stashing an update copies the live version when an in-flight
     microbatch still needs it, and a copy goes when its last microbatch's backward ran.
     """
@@ -1067,7 +1069,7 @@ def _replay(
     """Replay the streams with each stage's durations; per stage, when each update ended.
 
     Without ``links`` communication is free and the replay is
-    :func:`pipemare.telemetry.replay_timeline` itself, on synthetic spans. With ``links``
+    :func:`pipemare.engine.telemetry.replay_timeline` itself, on synthetic spans. With ``links``
     (seconds to carry one microbatch's activation over the link after stage ``i``; its
     gradient takes as long back) a message leaves when its action ends, queues behind the
     link's earlier messages and arrives that many seconds later; compute and transfers overlap.
@@ -1126,7 +1128,7 @@ def _period(ends: dict[int, dict[int, float]], first: int, last: int) -> float:
 def steady_step_time(spans: Sequence[Span], num_stages: int, skip: int = 2) -> float:
     """Seconds per optimiser step of a measured run, as P devices would take it.
 
-    Replays the spans with :func:`pipemare.telemetry.replay_timeline` and measures, on every
+    Replays the spans with :func:`pipemare.engine.telemetry.replay_timeline` and measures, on every
     stage, the time between its update of the first recorded minibatch (plus ``skip``, to let
     the replay settle) and its last recorded update; the slowest stage's rate is the step time.
     :func:`evaluate` models the same quantity, so the two compare like with like.
@@ -1160,7 +1162,7 @@ def evaluate(
 
     A stage's forward (backward, update) seconds are the engine's fixed per-action seconds
     plus what each of its layers adds on top of them. The schedule's action streams run
-    through :func:`pipemare.telemetry.replay_timeline` with those durations; the step time is
+    through :func:`pipemare.engine.telemetry.replay_timeline` with those durations; the step time is
     the slowest stage's time between updates once the pipeline is full. With replicas, each
     update first all-reduces the stage's gradients over a ring, ``2(D-1)/D × bytes /
     bandwidth`` seconds. With a bandwidth, activations and gradients cross each link in
@@ -1795,7 +1797,7 @@ def _from_config(path: str) -> dict[str, Any]:
     import warnings
 
     from pipemare.experiments.cli import PipeMareCLI
-    from pipemare.module_adapter import ModuleAdapter, find_sequential, loss_of
+    from pipemare.lightning.module_adapter import ModuleAdapter, find_sequential, loss_of
 
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when both are given
     try:

@@ -16,18 +16,17 @@ correction                 what it changes                          source
 T3 (synchronous warm-up) is a schedule switch: ``PipeMareConfig.warmup_steps``.
 """
 
-from pipemare.corrections.base import Correction, StageView, StepAverage
-from pipemare.corrections.discrepancy import (
+from pipemare.optim.corrections.base import Correction, StageView, StepAverage
+from pipemare.optim.corrections.discrepancy import (
     DiscrepancyCorrection,
     backward_weight,
     velocity_decay,
     velocity_update,
 )
-from pipemare.corrections.lr_reschedule import LRReschedule, lr_factor
-from pipemare.corrections.momentum import DelayMomentum, delay_momenta
-from pipemare.corrections.prediction import WeightPrediction, predicted_weight
-from pipemare.corrections.spike import SpikeCompensation, spike_coefficients
-from pipemare.corrections.stability import delayed_gd_bound
+from pipemare.optim.corrections.lr_reschedule import LRReschedule, lr_factor
+from pipemare.optim.corrections.momentum import DelayMomentum, delay_momenta
+from pipemare.optim.corrections.prediction import WeightPrediction, predicted_weight
+from pipemare.optim.corrections.spike import SpikeCompensation, spike_coefficients
 
 __all__ = [
     "Correction",
@@ -40,7 +39,6 @@ __all__ = [
     "WeightPrediction",
     "backward_weight",
     "delay_momenta",
-    "delayed_gd_bound",
     "lr_factor",
     "predicted_weight",
     "spike_coefficients",

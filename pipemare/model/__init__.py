@@ -1,0 +1,5 @@
+"""A model cut into stages: which layers each stage holds, what crosses a cut, what is tied.
+
+Depends on torch alone; the engine, the planner and the Lightning strategy cut models
+through it.
+"""

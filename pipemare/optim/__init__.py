@@ -1,0 +1,11 @@
+"""The optimiser a stage steps: a wrapper around the user's optimiser, the staleness
+corrections it applies (:mod:`~pipemare.optim.corrections`), their typed configuration and
+the delayed-quadratic theory that bounds them (:mod:`~pipemare.optim.stability`).
+
+Reads delays from :mod:`pipemare.schedule`; knows nothing of processes or Lightning.
+"""
+
+from pipemare.optim.config import PipeMareConfig
+from pipemare.optim.optimizer import PipeMareOptimizer
+
+__all__ = ["PipeMareConfig", "PipeMareOptimizer"]
