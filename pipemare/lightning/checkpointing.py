@@ -8,6 +8,7 @@ Loading needs no scattering: every process reads the whole checkpoint and keeps 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -18,7 +19,16 @@ from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.snapshot import Snapshot
 from pipemare.engine.transport import DistributedTransport
 
-__all__ = ["gather", "layout", "load_pipemare_state", "module_state", "optimizer_state"]
+__all__ = [
+    "consolidate",
+    "gather",
+    "layout",
+    "load_optimizer_states",
+    "load_pipemare_state",
+    "module_state",
+    "optimizer_state",
+    "warn_layout_changes",
+]
 
 
 def gather(local: Any, all_ranks: bool) -> list[Any]:
@@ -162,3 +172,32 @@ def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> list[str]:
     pipe.optimizer.load_state_dict(optimizer_state)
     pipe.load_state_dict(pipeline_state)
     return notes
+
+
+def warn_layout_changes(notes: list[str], warn: Callable[[str], Any]) -> None:
+    """Say through ``warn`` what :func:`load_pipemare_state` could not carry over, if anything."""
+    if notes:
+        warn(
+            "pipemare: resuming a checkpoint saved with another layout; the weights, the "
+            "optimiser's state and the step count carry over; " + "; ".join(notes)
+        )
+
+
+def load_optimizer_states(optimizers: Sequence[Any], states: Sequence[Any]) -> Any:
+    """Load each optimiser's own state; return pipemare's part of it (what
+    :func:`optimizer_state` saved under "pipemare"), or None where there is none."""
+    pending = None
+    for optimizer, state in zip(optimizers, states, strict=False):
+        optimizer.load_state_dict({k: v for k, v in state.items() if k != "pipemare"})
+        if "pipemare" in state:
+            pending = state["pipemare"]
+    return pending
+
+
+def consolidate(module: nn.Module, pipe: Pipeline, prefix: str, device: torch.device) -> None:
+    """Give every process the whole model again (as DDP leaves it): each held its stages."""
+    full = module_state(module, pipe, prefix, all_ranks=True)
+    for stage in pipe.stage_modules:
+        if any(p.is_meta for p in stage.parameters()):
+            stage.to_empty(device=device)
+    module.load_state_dict(full)

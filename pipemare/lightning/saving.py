@@ -186,12 +186,19 @@ class SaveQueue:
             for s in checkpoint["optimizer_states"]
         ]
 
-    def abandon(self) -> list[str]:
-        """Drop everything queued (after an error); returns the files never written."""
+    def abandon(self, warn: Callable[[str], Any] | None = None) -> list[str]:
+        """Drop everything queued (after an error); returns the files never written, and
+        names them through ``warn`` when given."""
         lost = self.pending
         for entry in self._entries:
             if entry.snapshot is not None:
                 entry.snapshot.release()
         self._entries.clear()
         self._current = None
+        if lost and warn is not None:
+            warn(
+                f"pipemare: {len(lost)} checkpoint(s) not written, their step's updates had not "
+                f"reached every stage when the run stopped: {', '.join(lost)}; the files written "
+                "before are intact"
+            )
         return lost

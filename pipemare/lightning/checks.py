@@ -1,0 +1,237 @@
+"""The strategy's checks: its arguments, the run's precision, process layout, Trainer settings,
+the cut of the Sequential and the optimiser, each refused before anything runs.
+
+Every error says what to do instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import warnings
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from torch import nn
+
+from pipemare.lightning.launching import START_METHODS, LightningAPI
+from pipemare.model import partition
+from pipemare.optim.config import PipeMareConfig
+from pipemare.schedule.actions import spec
+from pipemare.schedule.delay import derive_delays
+
+__all__ = [
+    "BALANCES",
+    "check_arguments",
+    "check_cut",
+    "check_layout",
+    "check_optimizer",
+    "check_precision",
+    "check_trainer",
+    "one_optimizer",
+]
+
+BALANCES = ("time", "auto", "params", "even")
+
+
+def check_arguments(
+    *,
+    stages: Any,
+    microbatches: Any,
+    schedule: str,
+    balance: Any,
+    config: Any,
+    sequential: Any,
+    start_method: Any,
+    timeout: Any,
+    stall_timeout: Any,
+    recompute: Any,
+) -> None:
+    """Refuse a bad constructor argument of the strategy, naming what it takes instead."""
+    spec(schedule)  # a clear error for an unknown name, before anything runs
+    if stages is not None and (
+        isinstance(stages, bool) or not isinstance(stages, int) or stages < 1
+    ):
+        raise ValueError(f"stages must be a positive integer, got {stages!r}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    _check_balance_argument(balance)
+    if config is not None and not isinstance(config, PipeMareConfig):
+        raise TypeError(
+            f"config must be a pipemare.PipeMareConfig, got {type(config).__name__}; "
+            "e.g. PipeMareConfig(warmup_steps=20)"
+        )
+    if config is not None:  # refused here, before anything runs, not at the first batch
+        config.for_stashing(schedule, spec(schedule).stashes)
+    if start_method not in START_METHODS:
+        raise ValueError(
+            f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}"
+        )
+    if sequential is not None and not isinstance(sequential, str):
+        raise ValueError(
+            "sequential must name the nn.Sequential attribute as a string, e.g. 'net' or "
+            f"'model.layers', got {sequential!r}"
+        )
+    if not isinstance(timeout, datetime.timedelta):
+        raise ValueError(
+            "timeout (for connecting the processes) must be a datetime.timedelta, e.g. "
+            f"datetime.timedelta(minutes=30), got {timeout!r}"
+        )
+    if (
+        isinstance(stall_timeout, bool)
+        or not isinstance(stall_timeout, (int, float))
+        or not 0 < stall_timeout < math.inf
+    ):
+        raise ValueError(
+            f"stall_timeout must be a positive, finite number of seconds, got {stall_timeout!r}"
+        )
+    if not isinstance(recompute, bool):
+        raise ValueError(
+            f"recompute must be True or False, got {recompute!r}; True keeps only each "
+            "stage's inputs and reruns its forward at backward time"
+        )
+
+
+def _check_balance_argument(balance: Any) -> None:
+    counts = isinstance(balance, (list, tuple)) and all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in balance
+    )
+    if balance not in BALANCES and not (counts and len(balance) > 0):
+        raise ValueError(
+            f"balance must be one of {', '.join(BALANCES)} or a list of layer counts (a "
+            f"whole number >= 1 per stage, e.g. [3, 2]), got {balance!r}"
+        )
+
+
+def check_layout(stages: int | None, devices: int, num_nodes: int) -> None:
+    """Refuse a process count that cannot run whole copies of a ``stages``-stage pipeline."""
+    world = devices * num_nodes
+    if world > 1 and stages is not None and world % stages:
+        fits = [d for d in range(1, world + 1) if world % d == 0]
+        raise ValueError(
+            f"PipeMareStrategy(stages={stages}) with devices={devices} and "
+            f"num_nodes={num_nodes}: {world} processes cannot run whole copies of a "
+            f"{stages}-stage pipeline; use stages={' or '.join(map(str, fits))} "
+            f"(devices*num_nodes/stages copies, each a pipeline), change the device count, "
+            f"or devices=1 to simulate the {stages} stages in one process"
+        )
+
+
+def check_precision(api: LightningAPI, plugin: Any) -> None:
+    """Refuse a precision other than 32-bit, bf16-mixed or bf16-true."""
+    name = getattr(plugin, "precision", "32-true")
+    ok = (
+        (type(plugin) is api.Precision)
+        or (isinstance(plugin, api.MixedPrecision) and name == "bf16-mixed")
+        or (isinstance(plugin, api.HalfPrecision) and name == "bf16-true")
+    )
+    if not ok:
+        raise ValueError(
+            f"pipemare supports precision '32-true', 'bf16-mixed' and 'bf16-true', not "
+            f"{name!r} ({type(plugin).__name__}); float16 needs loss scaling across stages, which "
+            "pipemare does not do: use precision='bf16-mixed'"
+        )
+
+
+def check_trainer(module: Any, trainer: Any) -> None:
+    """Refuse manual optimization, gradient accumulation and a bad clipping threshold."""
+    if not module.automatic_optimization:
+        raise ValueError(
+            "pipemare applies each stage's optimiser step itself; manual optimization "
+            "(self.automatic_optimization = False) is not supported"
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise ValueError(
+            f"accumulate_grad_batches={trainer.accumulate_grad_batches}: a pipeline already "
+            "accumulates over its microbatches; use PipeMareStrategy(microbatches=N) instead"
+        )
+    clip = trainer.gradient_clip_val
+    if clip is not None and not (isinstance(clip, (int, float)) and 0 <= clip < math.inf):
+        raise ValueError(
+            f"gradient_clip_val={clip!r}: a clipping threshold must be a positive number; "
+            "pass one, or 0 or None for no clipping"
+        )
+
+
+@contextlib.contextmanager
+def one_optimizer() -> Iterator[None]:
+    """Around Lightning's setup: its refusal of several optimisers, in pipemare's words."""
+    try:
+        yield
+    except RuntimeError as err:  # Lightning's words would send the user to manual optimization
+        if "multiple optimizers" not in str(err) or "optimizer_idx" in str(err):
+            raise
+        raise ValueError(
+            "pipemare steps one optimiser, stage by stage; configure_optimizers returned "
+            "several (Lightning runs several only with manual optimization, which pipemare "
+            "does not support). Return one optimiser, with a parameter group for each part "
+            "that needs other settings, e.g. torch.optim.Adam([{'params': body.parameters()}"
+            ", {'params': head.parameters(), 'lr': 1e-4}])"
+        ) from err
+
+
+def check_cut(
+    what: str,
+    seq: nn.Sequential,
+    balance: Sequence[int] | str,
+    stages: int | None,
+    num_stages: int | None,
+    distributed: bool,
+) -> int:
+    """Refuse, before anything runs, a Sequential that cannot be cut as asked; return P.
+
+    Args:
+        what: the Sequential's name in errors, e.g. ``"Net.layers"``.
+        seq: the Sequential.
+        balance: the strategy's ``balance``.
+        stages: the strategy's ``stages`` argument.
+        num_stages: the run's stage count, where known (with a process per stage, always).
+        distributed: whether each stage runs in a process of its own.
+    """
+    partition.check_sequential(seq, what)
+    p = num_stages or len(seq)
+    if p > len(seq):
+        raise ValueError(
+            f"cannot cut {what} ({len(seq)} layers) into {p} stages: every stage needs "
+            f"at least one layer; use at most {len(seq)} stages or split the model into more "
+            "layers"
+        )
+    if balance in ("time", "auto", "params") and p < len(seq):
+        partition.check_ties(seq, p, what=what)  # their cut keeps tied layers together
+        return p
+    if isinstance(balance, str):
+        counts = partition.even_balance(len(seq), p)
+    else:
+        counts = list(balance)
+        if len(counts) != p:
+            run = (
+                f"stages={num_stages}"
+                if distributed and stages is not None
+                else "one per process"
+                if distributed
+                else f"stages={stages}"
+                if stages is not None
+                else f"one per layer of {what}, the default with devices=1"
+            )
+            also = "" if distributed else f", or pass stages={len(counts)}"
+            raise ValueError(
+                f"balance {counts} lists {len(counts)} stages but the run has {p} "
+                f"({run}); give one layer count per stage{also}"
+            )
+        partition.check_balance(counts, len(seq), what)
+    partition.check_ties(seq, p, counts, what)
+    return p
+
+
+def check_optimizer(
+    optimizer: Any, schedule: str, stages: int, microbatches: int, config: PipeMareConfig
+) -> None:
+    """Refuse, before any update, an optimiser the pipeline cannot step (LBFGS) or that a
+    correction set to True cannot serve: the checks the pipeline makes when it is built."""
+    from pipemare.optim.optimizer import PipeMareOptimizer
+
+    delays = derive_delays(schedule, stages, microbatches)
+    with warnings.catch_warnings():  # "auto" corrections that stand aside say so later
+        warnings.simplefilter("ignore")
+        PipeMareOptimizer(optimizer, {}, delays, config, total_steps=1, steps_per_epoch=1)
