@@ -10,13 +10,10 @@ import contextlib
 import datetime
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
-from torch import nn
-
 from pipemare.lightning.launching import START_METHODS, LightningAPI
-from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
 from pipemare.schedule.actions import spec
 from pipemare.schedule.delay import derive_delays
@@ -24,7 +21,6 @@ from pipemare.schedule.delay import derive_delays
 __all__ = [
     "BALANCES",
     "check_arguments",
-    "check_cut",
     "check_layout",
     "check_optimizer",
     "check_precision",
@@ -169,59 +165,6 @@ def one_optimizer() -> Iterator[None]:
             "that needs other settings, e.g. torch.optim.Adam([{'params': body.parameters()}"
             ", {'params': head.parameters(), 'lr': 1e-4}])"
         ) from err
-
-
-def check_cut(
-    what: str,
-    seq: nn.Sequential,
-    balance: Sequence[int] | str,
-    stages: int | None,
-    num_stages: int | None,
-    distributed: bool,
-) -> int:
-    """Refuse, before anything runs, a Sequential that cannot be cut as asked; return P.
-
-    Args:
-        what: the Sequential's name in errors, e.g. ``"Net.layers"``.
-        seq: the Sequential.
-        balance: the strategy's ``balance``.
-        stages: the strategy's ``stages`` argument.
-        num_stages: the run's stage count, where known (with a process per stage, always).
-        distributed: whether each stage runs in a process of its own.
-    """
-    partition.check_sequential(seq, what)
-    p = num_stages or len(seq)
-    if p > len(seq):
-        raise ValueError(
-            f"cannot cut {what} ({len(seq)} layers) into {p} stages: every stage needs "
-            f"at least one layer; use at most {len(seq)} stages or split the model into more "
-            "layers"
-        )
-    if balance in ("time", "auto", "params") and p < len(seq):
-        partition.check_ties(seq, p, what=what)  # their cut keeps tied layers together
-        return p
-    if isinstance(balance, str):
-        counts = partition.even_balance(len(seq), p)
-    else:
-        counts = list(balance)
-        if len(counts) != p:
-            run = (
-                f"stages={num_stages}"
-                if distributed and stages is not None
-                else "one per process"
-                if distributed
-                else f"stages={stages}"
-                if stages is not None
-                else f"one per layer of {what}, the default with devices=1"
-            )
-            also = "" if distributed else f", or pass stages={len(counts)}"
-            raise ValueError(
-                f"balance {counts} lists {len(counts)} stages but the run has {p} "
-                f"({run}); give one layer count per stage{also}"
-            )
-        partition.check_balance(counts, len(seq), what)
-    partition.check_ties(seq, p, counts, what)
-    return p
 
 
 def check_optimizer(

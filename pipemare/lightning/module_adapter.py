@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["ModuleAdapter", "find_sequential", "loss_of"]
+__all__ = ["ModuleAdapter", "loss_of"]
 
 
 class _Captured(BaseException):  # BaseException: a user's `except Exception` must not swallow it
@@ -67,60 +67,6 @@ class _Inject(_StandIn):
                 "once per microbatch. Call it once per step, or pipeline a different module"
             )
         return self.output
-
-
-def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
-    """The Sequential to pipeline: ``name`` (a dotted attribute path), or the only one there is.
-
-    Raises:
-        ValueError: no Sequential, several candidates, or ``name`` is not a Sequential.
-    """
-    if name is not None:
-        try:
-            found = module.get_submodule(name)
-        except AttributeError:
-            raise ValueError(
-                f"{type(module).__name__} has no submodule {name!r} to pipeline; pass the "
-                f"attribute that holds your nn.Sequential, e.g. sequential='net'"
-            ) from None
-        if not isinstance(found, nn.Sequential):
-            raise ValueError(
-                f"{type(module).__name__}.{name} is a {type(found).__name__}, not an "
-                "nn.Sequential; "
-                "pipemare cuts an nn.Sequential into stages: wrap the layers in one"
-            )
-        return name, found
-    candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
-    if not candidates:
-        nested = _outermost_sequentials(module)
-        if nested:
-            raise ValueError(
-                f"{type(module).__name__} has no nn.Sequential attribute to pipeline, but holds "
-                f"{', '.join(nested)} deeper down; name the one to pipeline with "
-                f"PipeMareStrategy(sequential='{nested[0]}')"
-            )
-        raise ValueError(
-            f"{type(module).__name__} has no nn.Sequential attribute to pipeline; hold the layers "
-            "in one (self.net = nn.Sequential(...)) and call it in training_step, or name a "
-            "nested one with PipeMareStrategy(sequential='model.layers')"
-        )
-    if len(candidates) > 1:
-        names = ", ".join(n for n, _ in candidates)
-        raise ValueError(
-            f"{type(module).__name__} has several nn.Sequential attributes ({names}); choose the "
-            f"one to pipeline with PipeMareStrategy(sequential='{candidates[0][0]}')"
-        )
-    return candidates[0]
-
-
-def _outermost_sequentials(module: nn.Module) -> list[str]:
-    """Dotted paths of the Sequentials in ``module`` that no other Sequential holds."""
-    found: list[str] = []
-    for name, m in module.named_modules():
-        inside = any(name.startswith(f + ".") for f in found)
-        if name and isinstance(m, nn.Sequential) and not inside:
-            found.append(name)
-    return found
 
 
 class ModuleAdapter:

@@ -41,11 +41,12 @@ from pipemare.engine.pipeline import Pipeline
 from pipemare.lightning import build, checks, launching, registry
 from pipemare.lightning.launching import LightningAPI
 from pipemare.lightning.model_state import ModelStateHooks
-from pipemare.lightning.module_adapter import ModuleAdapter, find_sequential
+from pipemare.lightning.module_adapter import ModuleAdapter
 from pipemare.lightning.processes import ProcessesMixin
 from pipemare.lightning.saving import SaveQueue
 from pipemare.lightning.steps import UserSteps, check_last_batch
 from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
+from pipemare.model.cuts import check_cut, find_sequential
 from pipemare.optim.config import PipeMareConfig
 from pipemare.schedule.actions import spec
 from pipemare.schedule.delay import StageDelay, derive_delays
@@ -164,9 +165,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         checks.check_trainer(module, trainer)
         path, seq = find_sequential(module, self.sequential)
         what = f"{type(module).__name__}.{path}"
-        stages = checks.check_cut(
-            what, seq, self.balance, self.stages, self.num_stages, self.distributed
-        )
+        stages = check_cut(what, seq, self.balance, self.stages, self.num_stages, self.distributed)
         self._adapter = ModuleAdapter(module, path)
         self._adapter.check_no_outside_parameters()
         self._steps = UserSteps(module, self._adapter, self.precision_plugin.forward_context)
