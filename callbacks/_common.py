@@ -1,4 +1,5 @@
-"""Helpers the monitors share: finding the pipeline, gathering per-stage values, logging."""
+"""What the monitors share: their base class, finding the pipeline, gathering per-stage values,
+logging."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch.distributed as dist
+from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 
 PREFIX = "pipemare"
+
+#: The pipeline and its telemetry probe, or None before pipemare's strategy built both.
+Watched = tuple[Pipeline, Probe] | None
 
 
 def pipemare_strategy(trainer: pl.Trainer, who: str) -> Any | None:
@@ -31,7 +36,7 @@ def pipeline(trainer: pl.Trainer) -> Pipeline | None:
     return getattr(trainer.strategy, "pipeline", None)
 
 
-def probed(trainer: pl.Trainer) -> tuple[Pipeline, Probe] | None:
+def probed(trainer: pl.Trainer) -> Watched:
     """The pipeline and its telemetry probe, once pipemare's strategy built one with a probe."""
     pipe = pipeline(trainer)
     if pipe is None or pipe.probe is None:
@@ -71,6 +76,23 @@ def log(trainer: pl.Trainer, metrics: dict[str, float]) -> None:
         return
     for logger in trainer.loggers:
         logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def gather_stages(
+    trainer: pl.Trainer, local: dict[int, dict[str, float]]
+) -> dict[int, dict[str, float]]:
+    """This process's ``{stage: {name: value}}`` merged with every other process's."""
+    return merge_stages(gather(trainer, local))
+
+
+def log_stages(
+    trainer: pl.Trainer,
+    stats: dict[int, dict[str, float]],
+    extra: dict[str, float] | None = None,
+) -> None:
+    """Keep ``stats`` for the per-stage table and log them, then ``extra``, as metrics."""
+    remember(trainer, stats)
+    log(trainer, {**stage_metrics(stats), **(extra or {})})
 
 
 def remember(trainer: pl.Trainer, stats: dict[int, dict[str, float]]) -> None:
@@ -116,3 +138,42 @@ def log_config(trainer: pl.Trainer) -> None:
     config = {PREFIX: pipeline_config(trainer)}
     for logger in trainer.loggers:
         logger.log_hyperparams(config)
+
+
+class Monitor(Callback):
+    """A pipemare monitor: at setup it finds pipemare's strategy and asks it for telemetry
+    (:meth:`_watch`); after each training batch it gets the pipeline and its probe, once there
+    are both (:meth:`_after_batch`).
+
+    Args:
+        log_every_n_steps: logging interval (default: the Trainer's).
+    """
+
+    def __init__(self, log_every_n_steps: int | None = None) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self._strategy: Any = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._strategy = pipemare_strategy(trainer, type(self).__name__)
+        if self._strategy is not None:
+            self._watch(trainer, self._strategy)
+
+    def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
+        """Ask ``strategy`` for the telemetry this monitor reads (``request_probe``)."""
+
+    def _due(self, trainer: pl.Trainer) -> bool:
+        """Whether the step that just ran is one to log at."""
+        return trainer.global_step % interval(trainer, self.log_every_n_steps) == 0
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._after_batch(trainer, outputs, batch, probed(trainer))
+
+    def _after_batch(self, trainer: pl.Trainer, outputs: Any, batch: Any, watched: Watched) -> None:
+        """After a training batch, with what :func:`probed` found."""

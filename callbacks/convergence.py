@@ -8,7 +8,6 @@ import time
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
 
 from pipemare.callbacks import _common as common
@@ -40,7 +39,7 @@ class DivergenceError(RuntimeError):
         super().__init__(divergence.message())
 
 
-class ConvergenceMonitor(Callback):
+class ConvergenceMonitor(common.Monitor):
     """Watches convergence and stops a run that diverged.
 
     Logs ``pipemare/stage{i}/grad_norm`` (gradient norm of each stage's update, before clipping),
@@ -82,7 +81,8 @@ class ConvergenceMonitor(Callback):
             raise ValueError(
                 f"on_divergence must be one of {', '.join(_ON_DIVERGENCE)}, got {on_divergence!r}"
             )
-        self.log_every_n_steps, self.on_divergence = log_every_n_steps, on_divergence
+        super().__init__(log_every_n_steps)
+        self.on_divergence = on_divergence
         self.divergence: Divergence | None = None
         self.steps_to_target: int | None = None
         self.time_to_target: float | None = None
@@ -90,28 +90,17 @@ class ConvergenceMonitor(Callback):
         self._smoothed: float | None = None
         self._start = 0.0
         self._grad: dict[int, list[float]] = {}
-        self._strategy: Any = None
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._strategy = common.pipemare_strategy(trainer, type(self).__name__)
-        if self._strategy is not None:
-            self._strategy.divergence_monitored = True  # its diagnosis replaces the bare check
-            self._strategy.request_probe(
-                grad_norm_every=common.interval(trainer, self.log_every_n_steps)
-            )
+    def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
+        strategy.divergence_monitored = True  # its diagnosis replaces the bare check
+        strategy.request_probe(grad_norm_every=common.interval(trainer, self.log_every_n_steps))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._start = time.perf_counter()
 
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+    def _after_batch(
+        self, trainer: pl.Trainer, outputs: Any, batch: Any, watched: common.Watched
     ) -> None:
-        watched = common.probed(trainer)
         if watched is not None:
             for (i, _), norm in sorted(watched[1].take_grad_norms().items()):
                 self._grad.setdefault(i, []).append(norm)
@@ -121,7 +110,7 @@ class ConvergenceMonitor(Callback):
             if reason is not None:
                 self._on_divergence(trainer, loss, reason)
                 return
-        if trainer.global_step % common.interval(trainer, self.log_every_n_steps) == 0:
+        if self._due(trainer):
             self._log(trainer)
 
     def _diverged(self, loss: float, step: int) -> str | None:
@@ -135,11 +124,9 @@ class ConvergenceMonitor(Callback):
 
     def _log(self, trainer: pl.Trainer) -> None:
         local = {i: {"grad_norm": v[-1]} for i, v in self._grad.items() if v}
-        stats = common.merge_stages(common.gather(trainer, local))
-        common.remember(trainer, stats)
-        metrics = common.stage_metrics(stats)
-        metrics[f"{common.PREFIX}/wall_time"] = time.perf_counter() - self._start
-        common.log(trainer, metrics)
+        stats = common.gather_stages(trainer, local)
+        wall_time = {f"{common.PREFIX}/wall_time": time.perf_counter() - self._start}
+        common.log_stages(trainer, stats, wall_time)
 
     def _on_divergence(self, trainer: pl.Trainer, loss: float, reason: str) -> None:
         pipe = common.pipeline(trainer)

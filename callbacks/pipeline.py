@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback
 
 from pipemare.callbacks import _common as common
 from pipemare.callbacks import wandb as wandb_extras
@@ -16,7 +15,7 @@ from pipemare.engine.microbatch import batch_size
 from pipemare.engine.telemetry import Span, replay_timeline, summarize_spans
 
 
-class PipelineMonitor(Callback):
+class PipelineMonitor(common.Monitor):
     """Logs how well the pipeline keeps its stages busy.
 
     ``pipemare/throughput`` (training samples/s), ``pipemare/utilization`` (mean over stages),
@@ -50,11 +49,10 @@ class PipelineMonitor(Callback):
     ) -> None:
         if timeline_every_n_steps < 1:
             raise ValueError(f"timeline_every_n_steps must be >= 1, got {timeline_every_n_steps}")
-        self.log_every_n_steps = log_every_n_steps
+        super().__init__(log_every_n_steps)
         self.trace_path = Path(trace_path) if trace_path is not None else None
         self.trace_steps = trace_steps
         self.timeline_every_n_steps = timeline_every_n_steps
-        self._strategy: Any = None
         self._spans: list[Span] = []
         self._trace: list[Span] = []
         self._samples = 0
@@ -64,10 +62,8 @@ class PipelineMonitor(Callback):
         self._pipeline_time, self._step_time = 0.0, 0.0
         self._config_logged = False
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._strategy = common.pipemare_strategy(trainer, type(self).__name__)
-        if self._strategy is not None:
-            self._strategy.request_probe(timeline=True)
+    def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
+        strategy.request_probe(timeline=True)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         wandb_extras.define_metrics(trainer)
@@ -88,17 +84,11 @@ class PipelineMonitor(Callback):
             step = trainer.global_step
             watched[1].timeline = step % self.timeline_every_n_steps == 0 or self._tracing(step)
 
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+    def _after_batch(
+        self, trainer: pl.Trainer, outputs: Any, batch: Any, watched: common.Watched
     ) -> None:
         self._samples += batch_size(batch)
         self._window_steps += 1
-        watched = common.probed(trainer)
         if watched is None:
             return
         pipe, probe = watched
@@ -116,7 +106,7 @@ class PipelineMonitor(Callback):
                 self._trace += spans
                 if step == self.trace_steps[1] - 1:
                     self._write_trace(trainer, pipe.num_stages)
-        if trainer.global_step % common.interval(trainer, self.log_every_n_steps) == 0:
+        if self._due(trainer):
             self._log(trainer, pipe.num_stages)
 
     def _log(self, trainer: pl.Trainer, num_stages: int) -> None:
@@ -131,23 +121,19 @@ class PipelineMonitor(Callback):
             self._pipeline_time += self._step_time * self._window_steps
         else:
             self._pipeline_time += wall
-            stats = common.merge_stages(
-                common.gather(trainer, summarize_spans(self._spans, self._sampled_wall))
-            )
+            stats = common.gather_stages(trainer, summarize_spans(self._spans, self._sampled_wall))
         stats = {
             i: {k + ("_s" if k != "utilization" else ""): v for k, v in s.items()}
             for i, s in stats.items()
         }
-        metrics = common.stage_metrics(stats)
-        metrics[f"{common.PREFIX}/throughput"] = self._samples / wall if wall > 0 else 0.0
+        metrics = {f"{common.PREFIX}/throughput": self._samples / wall if wall > 0 else 0.0}
         if stats:
             metrics[f"{common.PREFIX}/utilization"] = sum(
                 s["utilization"] for s in stats.values()
             ) / len(stats)
         metrics[f"{common.PREFIX}/pipeline_time"] = self._pipeline_time
         metrics[f"{common.PREFIX}/simulated"] = float(simulated)
-        common.remember(trainer, stats)
-        common.log(trainer, metrics)
+        common.log_stages(trainer, stats, metrics)
         self._spans, self._samples, self._window_start = [], 0, time.perf_counter()
         self._sampled_wall, self._sampled_steps, self._window_steps = 0.0, 0, 0
 

@@ -6,12 +6,11 @@ import statistics
 from typing import Any
 
 import pytorch_lightning as pl
-from pytorch_lightning.callbacks import Callback
 
 from pipemare.callbacks import _common as common
 
 
-class StalenessMonitor(Callback):
+class StalenessMonitor(common.Monitor):
     """Logs, per stage: the delays the schedule implies and the ones measured from the weight
     versions the passes actually used; the forward/backward weight discrepancy
     ``||w_fwd - w_bkwd|| / ||w||`` with T2's correction (what the backward used) and without it
@@ -30,32 +29,21 @@ class StalenessMonitor(Callback):
     def __init__(
         self, log_every_n_steps: int | None = None, discrepancy_every_n_steps: int = 50
     ) -> None:
-        self.log_every_n_steps = log_every_n_steps
+        super().__init__(log_every_n_steps)
         self.discrepancy_every_n_steps = discrepancy_every_n_steps
-        self._strategy: Any = None
         self._discrepancy: list[Any] = []
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._strategy = common.pipemare_strategy(trainer, type(self).__name__)
-        if self._strategy is not None:
-            self._strategy.request_probe(
-                delays=True, discrepancy_every=self.discrepancy_every_n_steps
-            )
+    def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
+        strategy.request_probe(delays=True, discrepancy_every=self.discrepancy_every_n_steps)
 
-    def on_train_batch_end(
-        self,
-        trainer: pl.Trainer,
-        pl_module: pl.LightningModule,
-        outputs: Any,
-        batch: Any,
-        batch_idx: int,
+    def _after_batch(
+        self, trainer: pl.Trainer, outputs: Any, batch: Any, watched: common.Watched
     ) -> None:
-        watched = common.probed(trainer)
         if watched is None:
             return
         pipe, probe = watched
         self._discrepancy += probe.take_discrepancy()
-        if (trainer.global_step % common.interval(trainer, self.log_every_n_steps)) != 0:
+        if not self._due(trainer):
             return
         local: dict[int, dict[str, float]] = {}
         for i, fwd, bkwd in _mean_delays(probe.take_delays()):
@@ -67,7 +55,7 @@ class StalenessMonitor(Callback):
         self._discrepancy = []
         for stage in pipe.stages:
             local.setdefault(stage.index, {})["in_flight"] = float(stage.in_flight)
-        stats = common.merge_stages(common.gather(trainer, local))
+        stats = common.gather_stages(trainer, local)
         last = max(pipe.minibatches_fed - 1, 0)
         user_lr = float(pipe.optimizer.param_groups[0]["lr"])
         for i, d in enumerate(pipe.delays):
@@ -77,8 +65,7 @@ class StalenessMonitor(Callback):
                 tau_bkwd=d.backward,
                 lr=user_lr * pipe.optimizer.lr_factor(i, last),
             )
-        common.remember(trainer, stats)
-        common.log(trainer, common.stage_metrics(stats))
+        common.log_stages(trainer, stats)
 
 
 def _mean_delays(delays: list[tuple[int, int, int, int]]) -> list[tuple[int, float, float]]:

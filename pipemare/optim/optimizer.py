@@ -125,19 +125,22 @@ class PipeMareOptimizer:
             factor *= c.lr_factor(stage, minibatch)
         return factor
 
+    def _user_settings(self, minibatch: int, group: int) -> Mapping[str, Any]:
+        """Group ``group``'s settings recorded for ``minibatch``; without a record, today's."""
+        hparams = self._hparams.get(minibatch)
+        return hparams[group] if hparams else self.optimizer.param_groups[group]
+
     def momentum(self, stage: int, minibatch: int, group: int = 0) -> float:
         """The momentum ``stage``'s update of ``minibatch`` runs with (β1 of the Adam family,
         SGD's ``momentum``): the user's, as the corrections set it per stage."""
-        hparams = self._hparams.get(minibatch)
-        m = group_momentum(hparams[group] if hparams else self.optimizer.param_groups[group])
+        m = group_momentum(self._user_settings(minibatch, group))
         for c in self.corrections:
             m = c.momentum(stage, minibatch, m)
         return m
 
     def effective_lr(self, stage: int, minibatch: int, group: int = 0) -> float:
         """The learning rate ``stage`` uses (or used) for the update of ``minibatch``."""
-        hparams = self._hparams.get(minibatch)
-        base = hparams[group]["lr"] if hparams else self.optimizer.param_groups[group]["lr"]
+        base = self._user_settings(minibatch, group)["lr"]
         return float(base) * self.lr_factor(stage, minibatch)
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
@@ -173,17 +176,17 @@ class PipeMareOptimizer:
                 g.update(old)
         for c in self.corrections:
             c.after_step(stage, minibatch, params, used)
-        for p in params:
-            p.grad = None
-        self._used(stage, minibatch)
+        self._used(stage, minibatch, params)
 
     def skip(self, stage: int, minibatch: int) -> None:
         """Drop ``stage``'s gradients of ``minibatch`` without updating (they were not finite)."""
-        for p in self.stage_parameters(stage):
-            p.grad = None
-        self._used(stage, minibatch)
+        self._used(stage, minibatch, self.stage_parameters(stage))
 
-    def _used(self, stage: int, minibatch: int) -> None:
+    def _used(self, stage: int, minibatch: int, params: Sequence[nn.Parameter]) -> None:
+        """``stage`` is done with ``minibatch``: its gradients go, and the settings recorded for
+        ``minibatch`` once every stage is done with it."""
+        for p in params:
+            p.grad = None
         waiting = self._waiting.get(minibatch)
         if waiting is not None:
             waiting.discard(stage)

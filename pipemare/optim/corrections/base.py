@@ -14,12 +14,21 @@ from pipemare.schedule.delay import StageDelay
 
 __all__ = [
     "Correction",
+    "HParams",
+    "Params",
     "StageView",
     "StepAverage",
     "StepAveraged",
+    "foreach_pair",
     "group_momentum",
     "set_group_momentum",
 ]
+
+#: One stage's parameters, as a hook receives them.
+Params = Sequence[nn.Parameter]
+
+#: Per parameter, the param-group settings it was stepped with (learning rate included).
+HParams = Sequence[Mapping[str, Any]]
 
 
 def group_momentum(group: Mapping[str, Any]) -> float:
@@ -82,10 +91,18 @@ class Correction:
     """
 
     name: ClassVar[str] = ""
+    active: bool = True
+    """False where the correction stood aside for this run's optimiser (the config's ``"auto"``)."""
+    start: int = 0
+    """The first step it applies to (T3's warm-up steps have no delay)."""
 
     def bind(self, view: StageView) -> None:
         """Called once, when the optimiser wrapper is built."""
         self.view = view
+
+    def _applies(self, step: int) -> bool:
+        """Whether the correction acts on the update of minibatch ``step``."""
+        return self.active and step >= self.start
 
     def lr_factor(self, stage: int, step: int) -> float:
         return 1.0
@@ -95,16 +112,10 @@ class Correction:
         would run with otherwise (the user's, or an earlier correction's)."""
         return momentum
 
-    def before_step(self, stage: int, params: Sequence[nn.Parameter]) -> None:
+    def before_step(self, stage: int, params: Params) -> None:
         return None
 
-    def after_step(
-        self,
-        stage: int,
-        minibatch: int,
-        params: Sequence[nn.Parameter],
-        hparams: Sequence[Mapping[str, Any]],
-    ) -> None:
+    def after_step(self, stage: int, minibatch: int, params: Params, hparams: HParams) -> None:
         """After ``stage``'s update of ``minibatch``; ``hparams``: per parameter, the group
         settings it was just stepped with (learning rate included)."""
         return None
@@ -134,6 +145,24 @@ class Correction:
         return {}
 
 
+@torch.no_grad()
+def foreach_pair(
+    targets: Sequence[torch.Tensor],
+    sources: Sequence[torch.Tensor],
+    fused: Callable[[list[torch.Tensor], list[torch.Tensor]], object],
+    single: Callable[[torch.Tensor, torch.Tensor], object],
+) -> None:
+    """An in-place update of each target by its source: one ``fused`` call over the pairs of
+    one dtype (the per-tensor cost matters on small layers), then ``single`` on each other pair
+    with the source cast to its target's dtype (low-precision weights, float32 buffers)."""
+    same = [(t, s) for t, s in zip(targets, sources, strict=True) if t.dtype == s.dtype]
+    if same:
+        fused([t for t, _ in same], [s for _, s in same])
+    for t, s in zip(targets, sources, strict=True):
+        if t.dtype != s.dtype:
+            single(t, s.to(t.dtype))
+
+
 class StepAverage:
     """An exponential average of each weight's recent optimiser steps, in one buffer per weight.
 
@@ -153,25 +182,21 @@ class StepAverage:
             u = self.neg[p] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         return u
 
-    @torch.no_grad()
-    def before(self, params: Sequence[nn.Parameter], gamma: float) -> None:
-        bufs = [self._buffer(p) for p in params]
-        same = [(u, p) for u, p in zip(bufs, params, strict=True) if u.dtype == p.dtype]
-        if same:  # one fused call for the list: the per-tensor cost matters on small layers
-            torch._foreach_lerp_([u for u, _ in same], [p for _, p in same], 1.0 - gamma)
-        for u, p in zip(bufs, params, strict=True):
-            if u.dtype != p.dtype:
-                u.lerp_(p.to(u.dtype), 1.0 - gamma)
+    def before(self, params: Params, gamma: float) -> None:
+        foreach_pair(
+            [self._buffer(p) for p in params],
+            params,
+            lambda us, ps: torch._foreach_lerp_(us, ps, 1.0 - gamma),
+            lambda u, p: u.lerp_(p, 1.0 - gamma),
+        )
 
-    @torch.no_grad()
-    def after(self, params: Sequence[nn.Parameter], gamma: float) -> None:
-        same = [p for p in params if self.neg[p].dtype == p.dtype]
-        if same:
-            weights: list[torch.Tensor] = list(same)
-            torch._foreach_sub_([self.neg[p] for p in same], weights, alpha=1.0 - gamma)
-        for p in params:
-            if self.neg[p].dtype != p.dtype:
-                self.neg[p].sub_(p.to(self.neg[p].dtype), alpha=1.0 - gamma)
+    def after(self, params: Params, gamma: float) -> None:
+        foreach_pair(
+            [self.neg[p] for p in params],
+            params,
+            lambda us, ps: torch._foreach_sub_(us, ps, alpha=1.0 - gamma),
+            lambda u, p: u.sub_(p, alpha=1.0 - gamma),
+        )
 
     def velocity(self, p: nn.Parameter) -> torch.Tensor | None:
         """δ as a new tensor; None before the weight's first update."""
@@ -180,10 +205,25 @@ class StepAverage:
 
 
 class StepAveraged(Correction):
-    """A correction built on a :class:`StepAverage` (its one buffer per weight, checkpointed)."""
+    """A correction built on a :class:`StepAverage` (its one buffer per weight, checkpointed),
+    which it updates around every step of the stages :meth:`_step_decay` names."""
 
     def __init__(self) -> None:
         self.steps = StepAverage()
+
+    def _step_decay(self, stage: int) -> float | None:
+        """γ of ``stage``'s step average; None: the stage keeps none."""
+        raise NotImplementedError
+
+    def before_step(self, stage: int, params: Params) -> None:
+        gamma = self._step_decay(stage)
+        if gamma is not None:
+            self.steps.before(params, gamma)
+
+    def after_step(self, stage: int, minibatch: int, params: Params, hparams: HParams) -> None:
+        gamma = self._step_decay(stage)
+        if gamma is not None:
+            self.steps.after(params, gamma)
 
     def buffers(self) -> dict[nn.Parameter, torch.Tensor]:
         return self.steps.neg  # -δ: see StepAverage

@@ -9,9 +9,6 @@ measurement (README, "The PipeMare techniques").
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
 import torch
 from torch import nn
 
@@ -65,26 +62,10 @@ class DiscrepancyCorrection(StepAveraged):
         self.decay = decay
         super().__init__()
 
-    def _gamma(self, stage: int) -> float:
-        return velocity_decay(self.view.delays[stage].discrepancy, self.decay)
-
-    def _active(self, stage: int) -> bool:
+    def _step_decay(self, stage: int) -> float | None:
+        discrepancy = self.view.delays[stage].discrepancy
         # Stages whose backward is not behind their forward (the last one) need no velocity.
-        return self.view.delays[stage].discrepancy > 0
-
-    def before_step(self, stage: int, params: Sequence[nn.Parameter]) -> None:
-        if self._active(stage):
-            self.steps.before(params, self._gamma(stage))
-
-    def after_step(
-        self,
-        stage: int,
-        minibatch: int,
-        params: Sequence[nn.Parameter],
-        hparams: Sequence[Mapping[str, Any]],
-    ) -> None:
-        if self._active(stage):
-            self.steps.after(params, self._gamma(stage))
+        return velocity_decay(discrepancy, self.decay) if discrepancy > 0 else None
 
     def backward_weight(self, param: nn.Parameter, delta: int) -> torch.Tensor | None:
         u = self.steps.neg.get(param)

@@ -60,7 +60,7 @@ class DelayMomentum(Correction):
         if not 0.0 <= top < 1.0:
             raise ValueError(f"delay_momentum must lie in [0, 1), got {top}")
         self.top, self.start, self.strict = top, start, strict
-        self.adam_family, self.active = True, True
+        self.adam_family = True
 
     def bind(self, view: StageView) -> None:
         super().bind(view)
@@ -87,12 +87,12 @@ class DelayMomentum(Correction):
         return [d.forward for d in self.view.delays]
 
     def momentum(self, stage: int, step: int, momentum: float) -> float:
-        if not self.active or step < self.start:
+        if not self._applies(step):
             return momentum
         return delay_momenta(momentum, self.top, self._delays())[stage]
 
     def lr_factor(self, stage: int, step: int) -> float:
-        if not self.active or self.adam_family or step < self.start:
+        if self.adam_family or not self._applies(step):
             return 1.0
         user = group_momentum(self.view.optimizer.param_groups[0])
         return (1.0 - self.momentum(stage, step, user)) / (1.0 - user)

@@ -18,13 +18,13 @@ the update that will consume the microbatch's gradient minus the stage's version
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
-from pipemare.optim.corrections.base import StageView, StepAveraged
+from pipemare.optim.corrections.base import StageView, StepAveraged, foreach_pair
 
 __all__ = ["WeightPrediction", "predicted_weight"]
 
@@ -59,7 +59,6 @@ class WeightPrediction(StepAveraged):
         if scale < 0:
             raise ValueError(f"the prediction's horizon scale must be >= 0, got {scale}")
         self.decay, self.scale, self.strict = decay, scale, strict
-        self.active = True
         super().__init__()
 
     def bind(self, view: StageView) -> None:
@@ -70,19 +69,8 @@ class WeightPrediction(StepAveraged):
         )
         self.active = self.strict or not plain
 
-    def before_step(self, stage: int, params: Sequence[nn.Parameter]) -> None:
-        if self.active and self.view.delays[stage].forward_max > 0:
-            self.steps.before(params, self.decay)
-
-    def after_step(
-        self,
-        stage: int,
-        minibatch: int,
-        params: Sequence[nn.Parameter],
-        hparams: Sequence[Mapping[str, Any]],
-    ) -> None:
-        if self.active and self.view.delays[stage].forward_max > 0:
-            self.steps.after(params, self.decay)
+    def _step_decay(self, stage: int) -> float | None:
+        return self.decay if self.active and self.view.delays[stage].forward_max > 0 else None
 
     @contextlib.contextmanager
     def forward_weights(self, stage: int, horizon: int) -> Iterator[None]:
@@ -99,14 +87,13 @@ class WeightPrediction(StepAveraged):
             self._move(pairs, s)
 
     @staticmethod
-    @torch.no_grad()
     def _move(pairs: list[tuple[nn.Parameter, torch.Tensor]], alpha: float) -> None:
-        same = [(p, u) for p, u in pairs if p.dtype == u.dtype]
-        if same:  # one fused call for the stage's weights: per-tensor cost matters on small layers
-            torch._foreach_add_([p for p, _ in same], [u for _, u in same], alpha=alpha)
-        for p, u in pairs:
-            if p.dtype != u.dtype:  # low-precision weights, float32 steps
-                p.add_(u.to(p.dtype), alpha=alpha)
+        foreach_pair(
+            [p for p, _ in pairs],
+            [u for _, u in pairs],
+            lambda ps, us: torch._foreach_add_(ps, us, alpha=alpha),
+            lambda p, u: p.add_(u, alpha=alpha),
+        )
 
     def describe(self) -> dict[str, Any]:
         return {"decay": self.decay, "scale": self.scale, "active": self.active}

@@ -15,13 +15,17 @@ For Adam and AdamW the first moment ``m̂`` plays the momentum's part with ``m =
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 
-from pipemare.optim.corrections.base import Correction, StageView, group_momentum
+from pipemare.optim.corrections.base import (
+    Correction,
+    HParams,
+    Params,
+    StageView,
+    group_momentum,
+)
 
 __all__ = ["SpikeCompensation", "spike_coefficients"]
 
@@ -71,7 +75,6 @@ class SpikeCompensation(Correction):
 
     def __init__(self, start: int = 0, strict: bool = True) -> None:
         self.start, self.strict = start, strict
-        self.active = True
 
     def bind(self, view: StageView) -> None:
         super().bind(view)
@@ -90,7 +93,7 @@ class SpikeCompensation(Correction):
         return self.view.delays[stage].forward
 
     def lr_factor(self, stage: int, step: int) -> float:
-        if not self.active or step < self.start:
+        if not self._applies(step):
             return 1.0
         # The optimiser's own step becomes a·(its update); the b term is added after it.
         # All groups of one optimiser share a momentum in practice; the first one's is used,
@@ -101,15 +104,9 @@ class SpikeCompensation(Correction):
         return spike_coefficients(m, self._delay(stage))[0]
 
     @torch.no_grad()
-    def after_step(
-        self,
-        stage: int,
-        minibatch: int,
-        params: Sequence[nn.Parameter],
-        hparams: Sequence[Mapping[str, Any]],
-    ) -> None:
+    def after_step(self, stage: int, minibatch: int, params: Params, hparams: HParams) -> None:
         delay = self._delay(stage)
-        if delay <= 0 or not self.active or minibatch < self.start:
+        if delay <= 0 or not self._applies(minibatch):
             return
         decoupled = isinstance(self.view.optimizer, torch.optim.AdamW)
         for p, hp in zip(params, hparams, strict=True):
