@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from _models import quiet_trainer
 from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
@@ -57,17 +58,15 @@ def main() -> None:
         dirpath=args.out / "ckpt", monitor="val_loss", save_top_k=2, save_last=True
     )
     stopper = EarlyStopping(monitor="val_acc", mode="max", patience=3, stopping_threshold=0.93)
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        strategy,
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_epochs=args.epochs,
         gradient_clip_val=1.0,
         callbacks=[checkpoint, stopper, LearningRateMonitor(logging_interval="step")],
         logger=CSVLogger(args.out, name="csv"),
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         log_every_n_steps=5,
     )
     trainer.fit(model, DigitsDataModule(batch_size=32))

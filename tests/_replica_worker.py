@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from _models import quiet_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
@@ -120,16 +121,13 @@ def main() -> None:
     )
     record = Record()
     checkpoint = ModelCheckpoint(dirpath=args.out / "ckpt", save_last=True, monitor="val_loss")
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        strategy,
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_epochs=args.epochs,
         callbacks=[record, checkpoint],
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         num_sanity_val_steps=0,
     )
     trainer.fit(model, data)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
+from _models import quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -49,15 +50,10 @@ def main() -> None:
     pl.seed_everything(0)
     x = torch.randn(4096, 8)
     data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
-    trainer = pl.Trainer(
-        strategy=pipemare.PipeMareStrategy(stall_timeout=args.stall_timeout, balance="even"),
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        pipemare.PipeMareStrategy(stall_timeout=args.stall_timeout, balance="even"),
         devices=3,
         max_epochs=1000,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         callbacks=[Pids(args.out)],
     )
     trainer.fit(Small(), data)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
-import test_strategy
 import torch
+from _models import quiet_trainer, three_class_points
 from pytorch_lightning.plugins import MixedPrecision
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from pipemare import Pipeline, PipeMareConfig, PipeMareStrategy
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).parent.parent
 
 
 def trainer(strategy, **kwargs):
-    return test_strategy.trainer(strategy, **{"max_steps": 2, **kwargs})
+    return quiet_trainer(strategy, **{"max_steps": 2, **kwargs})
 
 
 class Tiny(pl.LightningModule):
@@ -69,9 +69,7 @@ def reused():
 
 
 def data(n=48, batch=12):
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen)
-    return DataLoader(TensorDataset(x, y), batch_size=batch)
+    return three_class_points(n, batch)
 
 
 def weights(module):

@@ -12,6 +12,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from _faults import Exploding
+from _models import quiet_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -32,18 +33,7 @@ from pipemare.experiments.datamodules import DigitsDataModule
 def fit(strategy, callbacks, logger, epochs=2, **kwargs):
     pl.seed_everything(0)
     model = kwargs.pop("model", None) or DigitsCNN(lr=3e-3)
-    t = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        logger=logger,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_checkpointing=False,
-        enable_model_summary=False,
-        **kwargs,
-    )
+    t = quiet_trainer(strategy, max_epochs=epochs, logger=logger, callbacks=callbacks, **kwargs)
     t.fit(model, kwargs.pop("data", None) or DigitsDataModule())
     return t
 

@@ -7,9 +7,9 @@ import math
 
 import pytest
 import torch
+from _models import sgd_pipeline
 from torch import nn
 
-from pipemare import Pipeline
 from pipemare.engine.clip import GradClip, NormBoard, global_norm_lag
 
 
@@ -44,15 +44,8 @@ def test_sync_clipping_equals_plain_training(schedule, algorithm):
             torch.nn.utils.clip_grad_value_(ref.parameters(), 0.05)
         ref_opt.step()
     kwargs = {"clip_grad_norm": 0.3} if algorithm == "norm" else {"clip_grad_value": 0.05}
-    pipe = Pipeline(
-        net,
-        torch.optim.SGD(net.parameters(), lr=0.5),
-        nn.functional.cross_entropy,
-        stages=3,
-        microbatches=2,
-        schedule=schedule,
-        **kwargs,
-    )
+    loss = nn.functional.cross_entropy
+    pipe = sgd_pipeline(net, loss, lr=0.5, stages=3, microbatches=2, schedule=schedule, **kwargs)
     for b in batches():
         pipe.step(b)
     pipe.drain()
@@ -95,10 +88,10 @@ def test_lag_values():
 
 def test_async_clipping_bounds_updates():
     net = model()
-    pipe = Pipeline(
+    pipe = sgd_pipeline(
         net,
-        torch.optim.SGD(net.parameters(), lr=1.0),
         nn.functional.cross_entropy,
+        lr=1.0,
         stages=3,
         microbatches=1,
         schedule="async",
@@ -121,10 +114,10 @@ def test_async_clipping_bounds_updates():
 def test_choose_one_clipping():
     net = model()
     with pytest.raises(ValueError, match="choose one of clip_grad_norm and clip_grad_value"):
-        Pipeline(
+        sgd_pipeline(
             net,
-            torch.optim.SGD(net.parameters(), lr=0.1),
             nn.functional.cross_entropy,
+            lr=0.1,
             stages=2,
             clip_grad_norm=1.0,
             clip_grad_value=1.0,

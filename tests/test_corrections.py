@@ -132,14 +132,14 @@ def test_prediction_and_stashing_refused_together_unless_auto_stands_aside():
     assert all(s._forward_weights is None for s in pipe.stages)
 
 
-def test_auto_prediction_yielding_to_t2_adds_no_forward_hook():
+def two_linear_layers_on_adam(**options) -> Pipeline:
+    """Two 2-wide linear layers in a Pipeline (``options``), trained by Adam on the MSE."""
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    pipe = Pipeline(
-        model,
-        torch.optim.Adam(model.parameters()),
-        nn.functional.mse_loss,
-        config=PipeMareConfig(discrepancy_correction=True),
-    )
+    return Pipeline(model, torch.optim.Adam(model.parameters()), nn.functional.mse_loss, **options)
+
+
+def test_auto_prediction_yielding_to_t2_adds_no_forward_hook():
+    pipe = two_linear_layers_on_adam(config=PipeMareConfig(discrepancy_correction=True))
     assert all(s._forward_weights is None for s in pipe.stages)
 
 
@@ -284,13 +284,8 @@ def test_t1_horizon_from_steps_epochs_or_a_fraction_of_the_run():
 
 
 def test_pipeline_hands_the_run_length_to_t1():
-    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
-    pipe = Pipeline(
-        model,
-        torch.optim.Adam(model.parameters()),
-        nn.functional.mse_loss,
-        total_steps=400,
-        config=PipeMareConfig(reschedule_fraction=0.25),
+    pipe = two_linear_layers_on_adam(
+        total_steps=400, config=PipeMareConfig(reschedule_fraction=0.25)
     )
     t1 = pipe.optimizer.corrections[0]
     assert t1.name == "lr_reschedule" and t1.horizon == 100

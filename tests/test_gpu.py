@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models import sgd_pipeline
 from torch import nn
-
-from pipemare import Pipeline
 
 pytestmark = pytest.mark.gpu
 
@@ -19,14 +18,8 @@ def test_cuda_simulator_matches_cpu(schedule):
             nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
         )
         net.to(device)
-        pipe = Pipeline(
-            net,
-            torch.optim.SGD(net.parameters(), lr=0.1),
-            nn.functional.cross_entropy,
-            stages=3,
-            microbatches=2,
-            schedule=schedule,
-        )
+        loss = nn.functional.cross_entropy
+        pipe = sgd_pipeline(net, loss, lr=0.1, stages=3, microbatches=2, schedule=schedule)
         gen = torch.Generator().manual_seed(1)
         for _ in range(5):
             pipe.step((torch.randn(8, 8, generator=gen), torch.randint(0, 3, (8,), generator=gen)))

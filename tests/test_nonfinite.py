@@ -8,6 +8,7 @@ import math
 import pytest
 import pytorch_lightning as pl
 import torch
+from _models import quiet_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -80,14 +81,10 @@ def test_engine_skips_the_update_and_raises_naming_stage_and_step():
 def _fit(tmp_path, x, y, monitor=None, steps=20):
     model = Module()
     callbacks = [pl.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2)]
-    trainer = pl.Trainer(
-        strategy=PipeMareStrategy(stages=3, microbatches=2, balance=[2, 2, 2]),
-        accelerator="cpu",
-        devices=1,
+    trainer = quiet_trainer(
+        PipeMareStrategy(stages=3, microbatches=2, balance=[2, 2, 2]),
         max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        enable_checkpointing=True,
         callbacks=callbacks + ([monitor] if monitor else []),
     )
     loader = DataLoader(TensorDataset(x, y), batch_size=12)

@@ -103,24 +103,25 @@ def test_delayed_gradient_mixes_forward_activations_and_backward_weights(schedul
     assert not torch.allclose(bw2, fw2)
 
 
-def test_no_weight_copies_without_stashing():
+def four_stages_after_six_steps(schedule):
+    """The model cut into 4 stages of ``schedule``, not drained after six steps."""
     model = build()
     pipe = Pipeline(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, stages=4, schedule="async"
+        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, stages=4, schedule=schedule
     )
     for _ in range(6):
         pipe.step((torch.randn(4, 3), torch.randn(4, 2)))
+    return pipe
+
+
+def test_no_weight_copies_without_stashing():
+    pipe = four_stages_after_six_steps("async")
     assert [s.peak_stashed_versions for s in pipe.stages] == [0, 0, 0, 0]
     assert [s.in_flight for s in pipe.stages] == [3, 2, 1, 0]  # stays full between steps
 
 
 def test_pipedream_stashes_one_copy_per_version_in_flight():
-    model = build()
-    pipe = Pipeline(
-        model, torch.optim.SGD(model.parameters(), lr=0.1), mse, stages=4, schedule="pipedream"
-    )
-    for _ in range(6):
-        pipe.step((torch.randn(4, 3), torch.randn(4, 2)))
+    pipe = four_stages_after_six_steps("pipedream")
     # stage i keeps s = 3 - i older versions alive while their microbatches are in flight
     assert [s.peak_stashed_versions for s in pipe.stages] == [3, 2, 1, 0]
     pipe.drain()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _models import sgd_pipeline
 from torch import nn
 
 from pipemare import SCHEDULES, DistributedTransport, Pipeline
@@ -32,14 +33,7 @@ class Join(nn.Module):
 def test_tuple_payloads_and_parameterless_stages(schedule):
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(3, 8), Split(), Join(), nn.ReLU(), nn.Linear(8, 2))
-    pipe = Pipeline(
-        net,
-        torch.optim.SGD(net.parameters(), lr=0.1),
-        mse,
-        stages=5,
-        microbatches=2,
-        schedule=schedule,
-    )
+    pipe = sgd_pipeline(net, mse, lr=0.1, stages=5, microbatches=2, schedule=schedule)
     before = net[0].weight.detach().clone()
     for _ in range(4):
         pipe.step((torch.randn(6, 3), torch.randn(6, 2)))
@@ -54,14 +48,7 @@ def test_bf16_model(schedule):
     net = nn.Sequential(
         nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 1)
     ).to(torch.bfloat16)
-    pipe = Pipeline(
-        net,
-        torch.optim.SGD(net.parameters(), lr=0.2),
-        mse,
-        stages=3,
-        microbatches=2,
-        schedule=schedule,
-    )
+    pipe = sgd_pipeline(net, mse, lr=0.2, stages=3, microbatches=2, schedule=schedule)
     x = torch.randn(32, 4, dtype=torch.bfloat16)
     y = x.float().sum(1, keepdim=True).tanh().to(torch.bfloat16)
     losses = [float(pipe.step((x, y))) for _ in range(30)]
@@ -75,10 +62,10 @@ def test_bf16_autocast_forward_context():
     net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
     seen = []
     net[1].register_forward_hook(lambda m, i, o: seen.append(i[0].dtype))
-    pipe = Pipeline(
+    pipe = sgd_pipeline(
         net,
-        torch.optim.SGD(net.parameters(), lr=0.1),
         mse,
+        lr=0.1,
         stages=2,
         forward_context=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
     )
@@ -296,14 +283,7 @@ def test_replayed_timeline_overlaps_stages_and_respects_dependencies():
     net = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
     results = {}
     for schedule in ("gpipe", "async"):
-        pipe = Pipeline(
-            net,
-            torch.optim.SGD(net.parameters(), lr=0.0),
-            mse,
-            stages=4,
-            microbatches=4,
-            schedule=schedule,
-        )
+        pipe = sgd_pipeline(net, mse, lr=0.0, stages=4, microbatches=4, schedule=schedule)
         pipe.probe = TickingProbe(timeline=True)
         for _ in range(6):
             pipe.step((torch.randn(64, 32), torch.randn(64, 32)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _models import sgd_pipeline
 from torch import nn
 
 from pipemare import Pipeline, PipeMareConfig
@@ -268,10 +269,10 @@ def test_dropout_masks_replay_on_cuda():
     def run(recompute):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(6, 32), nn.Dropout(0.5), nn.Linear(32, 2)).cuda()
-        pipe = Pipeline(
+        pipe = sgd_pipeline(
             model,
-            torch.optim.SGD(model.parameters(), lr=0.1),
             mse,
+            lr=0.1,
             stages=2,
             microbatches=2,
             schedule="1f1b",

@@ -7,27 +7,16 @@ import copy
 import pytest
 import pytorch_lightning as pl
 import torch
+from _models import QUIET_CPU_TRAINER, three_class_points
+from _models import quiet_trainer as trainer
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 import pipemare
 from pipemare import PipeMareConfig, PipeMareStrategy
 from pipemare.experiments.classifiers import DigitsCNN
 from pipemare.experiments.datamodules import DigitsDataModule
-
-
-def trainer(strategy, **kwargs):
-    defaults = dict(
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    defaults.update(kwargs)
-    return pl.Trainer(strategy=strategy, **defaults)
 
 
 class Tiny(pl.LightningModule):
@@ -61,9 +50,7 @@ class Tiny(pl.LightningModule):
 
 
 def tiny_data(n=96, batch=12):
-    gen = torch.Generator().manual_seed(0)
-    x, y = torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen)
-    return DataLoader(TensorDataset(x, y), batch_size=batch)
+    return three_class_points(n, batch)
 
 
 def weights(module):
@@ -232,16 +219,7 @@ def test_registered_in_both_lightning_packages():
 
     from pipemare import LightningPipeMareStrategy
 
-    t = L.Trainer(
-        strategy="pipemare_1f1b",
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    t = L.Trainer(strategy="pipemare_1f1b", max_steps=2, **QUIET_CPU_TRAINER)
     assert isinstance(t.strategy, LightningPipeMareStrategy) and t.strategy.schedule == "1f1b"
     t = trainer("pipemare_gpipe")
     assert isinstance(t.strategy, PipeMareStrategy) and t.strategy.schedule == "gpipe"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _models import quiet_trainer
 
 from pipemare.experiments.classifiers import DigitsCNN
 from pipemare.experiments.datamodules import DigitsDataModule
@@ -209,16 +210,7 @@ def test_spawn_returns_the_whole_trained_model_to_the_parent():
     pl.seed_everything(0)
     model = DigitsCNN(lr=3e-3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = pl.Trainer(
-        strategy="pipemare_spawn",
-        accelerator="cpu",
-        devices=2,
-        max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer("pipemare_spawn", devices=2, max_epochs=2)
     trainer.fit(model, DigitsDataModule())
     after = model.state_dict()
     # both stages changed in the parent, although only rank 0 sends its module back

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from _models import sgd_pipeline
 from torch import nn
 
 from pipemare import Pipeline
@@ -68,14 +69,8 @@ def test_sync_schedules_equal_plain_training(schedule, opt, stages, micro):
 def test_reported_loss_is_the_minibatch_mean_with_uneven_microbatches():
     net = model()
     ref = copy.deepcopy(net)
-    pipe = Pipeline(
-        net,
-        torch.optim.SGD(net.parameters(), lr=0.0),
-        nn.functional.cross_entropy,
-        stages=3,
-        microbatches=4,
-        schedule="gpipe",
-    )
+    ce = nn.functional.cross_entropy
+    pipe = sgd_pipeline(net, ce, lr=0.0, stages=3, microbatches=4, schedule="gpipe")
     x, y = batches(1, size=10)[0]  # microbatches of 3, 3, 2, 2
     loss = pipe.step((x, y))
     torch.testing.assert_close(loss, nn.functional.cross_entropy(ref(x), y))
