@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteGradientError", "NonFiniteLossError"]
+__all__ = ["NonFiniteGradientError", "NonFiniteLossError", "out_of_order"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -43,3 +43,11 @@ class NonFiniteGradientError(RuntimeError):
             "backward overflows (e.g. a sqrt or log at 0, a division by a small number), lower "
             "the learning rate or clip gradients (gradient_clip_val)."
         )
+
+
+def out_of_order(src: int, dst: int, channel: str, want: int, got: int) -> RuntimeError:
+    """The error of a stage that received another microbatch's message than it expected."""
+    return RuntimeError(
+        f"stage {dst} expected {channel} of microbatch {want} from stage {src} but got "
+        f"microbatch {got}: the stages run different schedules or step counts"
+    )

@@ -15,8 +15,9 @@ import torch
 
 from pipemare.engine.clip import GradClip
 from pipemare.engine.errors import NonFiniteGradientError
+from pipemare.engine.payload import as_payload
 from pipemare.engine.replicas import GradientAverager
-from pipemare.engine.stage import Stage, as_payload
+from pipemare.engine.stage import Stage
 from pipemare.engine.telemetry import Probe
 from pipemare.engine.transport import ACT, GRAD, Transport
 from pipemare.optim.optimizer import PipeMareOptimizer

@@ -7,20 +7,19 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from pipemare.engine.clip import DistributedNormBoard, GradClip, NormBoard, global_norm_lag
+from pipemare.engine import build
 from pipemare.engine.executor import Executor
 from pipemare.engine.microbatch import batch_size, scatter, to_device
-from pipemare.engine.replicas import GradientAverager, broadcast_state
-from pipemare.engine.stage import Stage, as_payload
+from pipemare.engine.payload import as_payload
+from pipemare.engine.replicas import broadcast_state
 from pipemare.engine.telemetry import Probe
-from pipemare.engine.transport import ACT, DistributedTransport, InProcessTransport, Transport
+from pipemare.engine.transport import ACT, DistributedTransport, Transport
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.optimizer import PipeMareOptimizer
-from pipemare.schedule.actions import Action, spec, stream
+from pipemare.schedule.actions import Action, stream
 from pipemare.schedule.delay import StageDelay, derive_delays
 
 __all__ = ["Pipeline"]
@@ -68,8 +67,8 @@ class Pipeline:
         recompute: activation recomputation on every stage but the last: a stage keeps only
             its inputs per in-flight microbatch and reruns its forward at backward time, at the
             weights its backward uses (under ``async``/``pipemare`` the activations then come
-            from backward-time weights too; see :mod:`pipemare.engine.stage`). The last stage, whose
-            forward runs the loss, never reruns.
+            from backward-time weights too; see :mod:`pipemare.engine.recompute`). The last
+            stage, whose forward runs the loss, never reruns.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -107,32 +106,12 @@ class Pipeline:
         check_finite: bool = True,
         recompute: bool = False,
     ) -> None:
-        partition.check_sequential(model)
-        if not isinstance(recompute, bool):
-            raise TypeError(
-                f"recompute must be True or False, got {recompute!r}; True reruns each "
-                "stage's forward at backward time instead of keeping its activations"
-            )
-        sp = spec(schedule)
-        if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)):
-            raise ValueError(f"stages must be a whole number >= 1, got {stages!r}")
-        if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-            raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-        if device is None:
-            first = next(model.parameters(), None)
-            device = first.device if first is not None else torch.device("cpu")
-        self.device = torch.device(device)
-        if isinstance(transport, str):
-            transport = self._make_transport(transport, stages, len(model))
-        if stages is not None and stages != transport.num_stages:
-            raise ValueError(
-                f"stages={stages} but the transport connects {transport.num_stages} stages"
-            )
+        sp = build.check_arguments(model, schedule, stages, microbatches, recompute)
+        self.device = build.default_device(model, device)
+        transport = build.make_transport(transport, stages, len(model), self.device, microbatches)
         self.transport = transport
-        if isinstance(transport, DistributedTransport):  # its errors name steps
-            transport.watchdog.microbatches = microbatches
         self.num_stages = transport.num_stages
-        self.balance = self._balance(model, balance, self.num_stages)
+        self.balance = build.choose_balance(model, balance, self.num_stages)
         self.stage_modules = partition.split(model, self.balance)
         self.schedule, self.microbatches = schedule, microbatches
         config = config if config is not None else PipeMareConfig.for_schedule(sp.corrected)
@@ -152,23 +131,20 @@ class Pipeline:
             total_steps=total_steps,
             steps_per_epoch=steps_per_epoch,
         )
-        base_seed = torch.initial_seed() if seed is None else seed
-        self.stages = [
-            Stage(
-                i,
-                self.stage_modules[i],
-                stashes=sp.stashes,
-                track=not sp.flushes,
-                backward_weight=self.optimizer.backward_weight,
-                forward_context=forward_context,
-                forward_weights=self.optimizer.forward_weights if self.config.predicts else None,
-                microbatches=microbatches,
-                seed=(base_seed + 7919 * (i + 1)) % 2**63,
-                recompute=recompute and i < self.num_stages - 1,
-            )
-            for i in local
-        ]
-        self.clip = self._make_clip(clip_grad_norm, clip_grad_value, sp.flushes)
+        self.stages = build.make_stages(
+            self.stage_modules,
+            local,
+            sp,
+            self.optimizer,
+            predicts=self.config.predicts,
+            forward_context=forward_context,
+            microbatches=microbatches,
+            seed=seed,
+            recompute=recompute,
+        )
+        self.clip = build.make_clip(
+            clip_grad_norm, clip_grad_value, sp.flushes, transport, self.device, microbatches
+        )
         self.executor = Executor(
             self.stages,
             self.num_stages,
@@ -182,20 +158,16 @@ class Pipeline:
             check_finite=check_finite,
         )
         if isinstance(transport, DistributedTransport) and transport.replicas > 1:
-            self._replicate(transport)
+            self.executor.reducer = build.replica_averager(transport, self.stage_modules)
 
-    # -- construction helpers ----------------------------------------------------------------
-
-    def _replicate(self, transport: DistributedTransport) -> None:
-        """D copies of the pipeline: start every replica from copy 0's weights, and average
-        the replicas' gradients before each update (:mod:`pipemare.engine.replicas`)."""
-        (me,) = transport.local_stages
-        group, ranks = transport.replica_group, transport.replica_ranks
-        broadcast_state(self.stage_modules[me], group, src=ranks[0])
-        peer = ranks[1] if ranks[0] == dist.get_rank() else ranks[0]
-        watchdog = transport.watchdog
-        self.executor.reducer = GradientAverager(
-            group, transport.replicas, wait=lambda work, what: watchdog.wait(work, peer, what)
+    def _stream(self, stage: int, start: int) -> Iterator[Action]:
+        return stream(
+            self.schedule,
+            self.num_stages,
+            self.microbatches,
+            stage,
+            start=start,
+            warmup=self.config.warmup_steps,
         )
 
     def sync_buffers(self) -> None:
@@ -209,58 +181,6 @@ class Pipeline:
                     src=transport.replica_ranks[0],
                     parameters=False,
                 )
-
-    def _make_transport(self, name: str, stages: int | None, layers: int) -> Transport:
-        if name == "inprocess":
-            return InProcessTransport(stages if stages is not None else layers)
-        if name == "distributed":
-            return DistributedTransport(stages, self.device)
-        raise ValueError(
-            f"transport must be 'inprocess', 'distributed' or a Transport, got {name!r}"
-        )
-
-    def _make_clip(self, norm: float | None, value: float | None, flushes: bool) -> GradClip | None:
-        if norm is not None and value is not None:
-            raise ValueError("choose one of clip_grad_norm and clip_grad_value, not both")
-        if norm is None and value is None:
-            return None
-        if value is not None:
-            return GradClip("value", value, None, 0)
-        board: NormBoard
-        if isinstance(self.transport, DistributedTransport):
-            board = DistributedNormBoard(self.transport.collective_group, self.device)
-        else:
-            board = NormBoard(self.num_stages)
-        lag = global_norm_lag(self.num_stages, self.microbatches, flushes)
-        return GradClip("norm", float(norm), board, lag)  # type: ignore[arg-type]
-
-    @staticmethod
-    def _balance(
-        model: nn.Sequential, balance: Sequence[int] | str | None, stages: int
-    ) -> list[int]:
-        if balance is None or balance == "even":
-            return partition.even_balance(len(model), stages)
-        if balance == "params":
-            return partition.balance_by_params(model, stages)
-        if isinstance(balance, str):
-            raise ValueError(
-                f"balance must be a list of layer counts, 'even' or 'params', got {balance!r}"
-            )
-        if len(balance) != stages:
-            raise ValueError(
-                f"balance {list(balance)} has {len(balance)} entries for {stages} stages"
-            )
-        return list(balance)
-
-    def _stream(self, stage: int, start: int) -> Iterator[Action]:
-        return stream(
-            self.schedule,
-            self.num_stages,
-            self.microbatches,
-            stage,
-            start=start,
-            warmup=self.config.warmup_steps,
-        )
 
     # -- training ----------------------------------------------------------------------------
 

@@ -2,7 +2,9 @@
 
 Two channels connect neighbouring stages: ``ACT`` carries activations from stage ``i`` to
 ``i+1``, ``GRAD`` carries gradients from ``i+1`` to ``i``. Each channel is first-in first-out,
-and every message carries its microbatch index, which the receiver checks.
+and every message carries its microbatch index, which the receiver checks. Between processes
+the messages are torch.distributed point-to-point ones (:mod:`pipemare.engine.p2p`), each
+described by a header (:mod:`pipemare.engine.wire`).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipemare.engine.errors import out_of_order
 from pipemare.engine.layout import RankLayout
-from pipemare.engine.stage import tensors
+from pipemare.engine.p2p import Inbox, Outbox
 from pipemare.engine.watchdog import Watchdog, this_process
 
 __all__ = ["ACT", "GRAD", "DistributedTransport", "InProcessTransport", "Transport"]
@@ -56,13 +59,6 @@ class Transport(abc.ABC):
         """Wait until everything sent has been delivered."""
 
 
-def _mismatch(src: int, dst: int, channel: str, want: int, got: int) -> RuntimeError:
-    return RuntimeError(
-        f"stage {dst} expected {channel} of microbatch {want} from stage {src} but got "
-        f"microbatch {got}: the stages run different schedules or step counts"
-    )
-
-
 class InProcessTransport(Transport):
     """Every stage in this process; payloads are passed by reference (no copy)."""
 
@@ -83,7 +79,7 @@ class InProcessTransport(Transport):
     def recv(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
         got, payload = self._queues[src, dst, channel].popleft()
         if got != microbatch:
-            raise _mismatch(src, dst, channel, microbatch, got)
+            raise out_of_order(src, dst, channel, microbatch, got)
         if self.device is not None:
             if isinstance(payload, torch.Tensor):
                 return payload.to(self.device)
@@ -93,62 +89,6 @@ class InProcessTransport(Transport):
     def pending(self) -> int:
         """Messages sent and not yet received (zero once a pipeline has drained)."""
         return sum(len(q) for q in self._queues.values())
-
-
-# Header: [microbatch, count (-1: one bare tensor), then per tensor: dtype code (-1 = None),
-# ndim, dims..., zeros, and last the steps the sender's stage had completed (for the error
-# that names a failed stage's progress)].
-_HEADER = 128
-_DTYPES = [
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-]
-_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-
-
-def _encode(microbatch: int, payload: Any, completed: int = 0) -> list[int]:
-    bare = isinstance(payload, torch.Tensor)
-    items = tensors(payload)
-    header = [microbatch, -1 if bare else len(items)]
-    for t in items:
-        if t is None:
-            header += [-1, 0]
-            continue
-        if t.dtype not in _CODE:
-            raise TypeError(f"cannot send tensors of dtype {t.dtype} between stages")
-        header += [_CODE[t.dtype], t.dim(), *t.shape]
-    if len(header) > _HEADER - 1:
-        raise ValueError(
-            f"a stage output of {len(items)} tensors with these shapes needs a "
-            f"{len(header)}-entry header, more than {_HEADER - 1}; return fewer or flatter tensors"
-        )
-    return header + [0] * (_HEADER - 1 - len(header)) + [completed]
-
-
-def _decode(
-    header: list[int],
-) -> tuple[int, bool, list[tuple[torch.dtype, tuple[int, ...]] | None]]:
-    microbatch, count, pos = header[0], header[1], 2
-    specs: list[tuple[torch.dtype, tuple[int, ...]] | None] = []
-    for _ in range(1 if count < 0 else count):
-        code, ndim = header[pos], header[pos + 1]
-        pos += 2
-        if code < 0:
-            specs.append(None)
-            continue
-        specs.append((_DTYPES[code], tuple(header[pos : pos + ndim])))
-        pos += ndim
-    return microbatch, count < 0, specs
 
 
 def init_process_group(backend: str) -> None:
@@ -178,123 +118,6 @@ def _own_group(groups: Sequence[Sequence[int]], rank: int, backend: str) -> Any:
     return own
 
 
-def _buffers(signature: tuple[int, ...], device: torch.device) -> list[torch.Tensor | None]:
-    _, _, specs = _decode([0, *signature])
-    return [None if s is None else torch.empty(s[1], dtype=s[0], device=device) for s in specs]
-
-
-def _sole_owner(t: torch.Tensor) -> bool:
-    """Whether nothing but ``t`` refers to its storage (no view, leaf or pending send)."""
-    count = getattr(torch._C, "_storage_Use_Count", None)
-    if count is None:  # pragma: no cover - a torch without the query never recycles
-        return False
-    return bool(count(t.untyped_storage()._cdata) <= 2)  # t's reference and the query's own
-
-
-class _Slot:
-    """A message posted for ahead of need: its header and, in the expected shapes, its tensors."""
-
-    def __init__(self, expected: tuple[int, ...] | None, header: torch.Tensor) -> None:
-        self.expected = expected
-        self.header = header
-        self.buffers: list[torch.Tensor | None] = []
-        self.works: list[Any] = []
-
-
-class _Inbox:
-    """Everything one stage receives from one neighbour on one channel.
-
-    Receives are posted ``depth`` messages ahead, each in the shapes of the message ``depth``
-    before it (shapes are learned from the headers, so a steady stream allocates nothing and
-    its data can arrive while the receiver computes: gloo moves a message only once its
-    receive is posted). The sender knows which shapes each posted receive expects, and when
-    a message's shapes differ it first fills the posted receive with a throwaway of the
-    expected shapes, then sends the real tensors on a third group that is never posted ahead.
-    """
-
-    def __init__(
-        self, peer: int, groups: tuple[Any, Any, Any], device: torch.device, watchdog: Watchdog
-    ) -> None:
-        self.peer, self.groups, self.device, self.watchdog = peer, groups, device, watchdog
-        self._slots: collections.deque[_Slot] = collections.deque()
-        self._pool: dict[tuple[int, ...], list[list[torch.Tensor | None]]] = {}
-        self._lent: dict[int, tuple[tuple[int, ...], list[torch.Tensor | None]]] = {}
-
-    def post(self, expected: tuple[int, ...] | None) -> None:
-        header_group, payload_group, _ = self.groups
-        slot = _Slot(expected, torch.empty(_HEADER, dtype=torch.int64, device=self.device))
-        slot.works.append(dist.irecv(slot.header, src=self.peer, group=header_group))
-        if expected is not None:
-            free = self._pool.get(expected)
-            slot.buffers = free.pop() if free else _buffers(expected, self.device)
-            for t in slot.buffers:
-                if t is not None:
-                    slot.works.append(dist.irecv(t, src=self.peer, group=payload_group))
-        self._slots.append(slot)
-
-    def take(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
-        slot = self._slots.popleft()
-        what = f"{channel} of microbatch {microbatch}"
-        for work in slot.works:
-            self.watchdog.wait(work, self.peer, what)
-        header = slot.header.tolist()
-        got, signature = header[0], tuple(header[1:-1])
-        self.watchdog.heard(self.peer, got, completed=header[-1])
-        if got != microbatch:
-            raise _mismatch(src, dst, channel, microbatch, got)
-        buffers = slot.buffers
-        if signature != slot.expected:  # the posted tensors got a throwaway; fetch the real ones
-            if slot.expected is not None:
-                self._pool.setdefault(slot.expected, []).append(slot.buffers)
-            buffers = _buffers(signature, self.device)
-            works: list[Any] = [
-                dist.irecv(t, src=self.peer, group=self.groups[2]) for t in buffers if t is not None
-            ]
-            for work in works:
-                self.watchdog.wait(work, self.peer, what)
-        self.post(signature)
-        self._lent[microbatch] = (signature, buffers)
-        return buffers[0] if header[1] < 0 else tuple(buffers)
-
-    def release(self, microbatch: int) -> None:
-        entry = self._lent.pop(microbatch, None)
-        if entry is not None and all(t is None or _sole_owner(t) for t in entry[1]):
-            self._pool.setdefault(entry[0], []).append(entry[1])
-
-
-class _Outbox:
-    """What one stage sends to one neighbour on one channel, mirroring the receiver's posts."""
-
-    def __init__(self, peer: int, groups: tuple[Any, Any, Any], depth: int) -> None:
-        self.peer, self.groups = peer, groups
-        # the shapes the receiver's posted receive for the next message expects
-        self._expected: collections.deque[tuple[int, ...] | None] = collections.deque(
-            [None] * depth
-        )
-
-    def send(
-        self, microbatch: int, payload: Any, device: torch.device, completed: int = 0
-    ) -> list[Any]:
-        """Post the message's sends; returns ``(work, tensor)`` pairs to keep until delivered."""
-        header_group, payload_group, extra_group = self.groups
-        header = _encode(microbatch, payload, completed)
-        signature = tuple(header[1:-1])
-        expected = self._expected.popleft()
-        self._expected.append(signature)
-        head = torch.tensor(header, dtype=torch.int64, device=device)
-        parts = [t.detach().contiguous() for t in tensors(payload) if t is not None]
-        out = [(dist.isend(head, dst=self.peer, group=header_group), head)]
-        group = payload_group
-        if signature != expected:
-            if expected is not None:
-                for t in _buffers(expected, device):
-                    if t is not None:
-                        out.append((dist.isend(t, dst=self.peer, group=payload_group), t))
-            group = extra_group
-        out += [(dist.isend(t, dst=self.peer, group=group), t) for t in parts]
-        return out
-
-
 class DistributedTransport(Transport):
     """One stage per process over torch.distributed point-to-point messages.
 
@@ -302,9 +125,9 @@ class DistributedTransport(Transport):
     gradients travel in separate process groups, so each communicator carries traffic in one
     direction only and every send meets its receive in order, which NCCL needs (its
     point-to-point calls between a pair of ranks share one stream) and gloo tolerates.
-    Receives are posted ahead of need (see :class:`_Inbox`), so data moves while both
-    sides compute; a stage hands a received payload back with :meth:`release` once it no
-    longer needs it, and its buffers receive a later message.
+    Receives are posted ahead of need (see :class:`~pipemare.engine.p2p.Inbox`), so data
+    moves while both sides compute; a stage hands a received payload back with
+    :meth:`release` once it no longer needs it, and its buffers receive a later message.
 
     Args:
         stages: number of stages; must equal the world size (the default) unless ``layout``
@@ -391,19 +214,19 @@ class DistributedTransport(Transport):
         )
         #: the global rank of each copy's process of this stage, copy 0 first
         self.replica_ranks = layout.stage_groups[me] if layout is not None else (self._rank_of[me],)
-        self._inbox: dict[tuple[int, str], _Inbox] = {}
-        self._outbox: dict[tuple[int, str], _Outbox] = {}
+        self._inbox: dict[tuple[int, str], Inbox] = {}
+        self._outbox: dict[tuple[int, str], Outbox] = {}
         #: per local stage, the steps it has completed (updates applied), sent with each
         #: message so that a peer's error can say how far a failed stage got
         self.completed: dict[int, int] = {}
         for ch, src, dst in ((ACT, me - 1, me + 1), (GRAD, me + 1, me - 1)):
             if 0 <= src < stages:
-                inbox = _Inbox(self._rank_of[src], groups[ch], self.device, self.watchdog)
+                inbox = Inbox(self._rank_of[src], groups[ch], self.device, self.watchdog)
                 for _ in range(depth):
                     inbox.post(None)
                 self._inbox[src, ch] = inbox
             if 0 <= dst < stages:
-                self._outbox[dst, ch] = _Outbox(self._rank_of[dst], groups[ch], depth)
+                self._outbox[dst, ch] = Outbox(self._rank_of[dst], groups[ch], depth)
         # (work, tensor kept alive until sent, receiving rank)
         self._sent: list[tuple[Any, torch.Tensor, int]] = []
 

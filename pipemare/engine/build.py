@@ -1,0 +1,171 @@
+"""A pipeline's parts, built from its arguments: argument checks, the transport, the balance,
+the stages, gradient clipping and the replicas' gradient averaging."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipemare.engine.clip import DistributedNormBoard, GradClip, NormBoard, global_norm_lag
+from pipemare.engine.replicas import GradientAverager, broadcast_state
+from pipemare.engine.stage import Stage
+from pipemare.engine.transport import DistributedTransport, InProcessTransport, Transport
+from pipemare.model import partition
+from pipemare.optim.optimizer import PipeMareOptimizer
+from pipemare.schedule.actions import ScheduleSpec, spec
+
+__all__ = [
+    "check_arguments",
+    "choose_balance",
+    "default_device",
+    "make_clip",
+    "make_stages",
+    "make_transport",
+    "replica_averager",
+]
+
+
+def check_arguments(
+    model: nn.Sequential, schedule: str, stages: Any, microbatches: Any, recompute: Any
+) -> ScheduleSpec:
+    """Refuse what cannot be pipelined, up front; returns what ``schedule`` means."""
+    partition.check_sequential(model)
+    if not isinstance(recompute, bool):
+        raise TypeError(
+            f"recompute must be True or False, got {recompute!r}; True reruns each "
+            "stage's forward at backward time instead of keeping its activations"
+        )
+    sp = spec(schedule)
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)):
+        raise ValueError(f"stages must be a whole number >= 1, got {stages!r}")
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    return sp
+
+
+def default_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
+    """``device``, or where the model is (CPU for a model without parameters)."""
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    return torch.device(device)
+
+
+def make_transport(
+    transport: str | Transport,
+    stages: int | None,
+    layers: int,
+    device: torch.device,
+    microbatches: int,
+) -> Transport:
+    """The transport ``transport`` names (or is), checked against ``stages``."""
+    if isinstance(transport, str):
+        transport = _named_transport(transport, stages, layers, device)
+    if stages is not None and stages != transport.num_stages:
+        raise ValueError(
+            f"stages={stages} but the transport connects {transport.num_stages} stages"
+        )
+    if isinstance(transport, DistributedTransport):  # its errors name steps
+        transport.watchdog.microbatches = microbatches
+    return transport
+
+
+def _named_transport(name: str, stages: int | None, layers: int, device: torch.device) -> Transport:
+    if name == "inprocess":
+        return InProcessTransport(stages if stages is not None else layers)
+    if name == "distributed":
+        return DistributedTransport(stages, device)
+    raise ValueError(f"transport must be 'inprocess', 'distributed' or a Transport, got {name!r}")
+
+
+def choose_balance(
+    model: nn.Sequential, balance: Sequence[int] | str | None, stages: int
+) -> list[int]:
+    """Layers per stage: a list as given, ``"even"`` (the default) or by ``"params"``."""
+    if balance is None or balance == "even":
+        return partition.even_balance(len(model), stages)
+    if balance == "params":
+        return partition.balance_by_params(model, stages)
+    if isinstance(balance, str):
+        raise ValueError(
+            f"balance must be a list of layer counts, 'even' or 'params', got {balance!r}"
+        )
+    if len(balance) != stages:
+        raise ValueError(f"balance {list(balance)} has {len(balance)} entries for {stages} stages")
+    return list(balance)
+
+
+def make_stages(
+    modules: Sequence[nn.Module],
+    local: Sequence[int],
+    sp: ScheduleSpec,
+    optimizer: PipeMareOptimizer,
+    *,
+    predicts: bool,
+    forward_context: Callable[[], contextlib.AbstractContextManager[Any]] | None,
+    microbatches: int,
+    seed: int | None,
+    recompute: bool,
+) -> list[Stage]:
+    """The ``local`` stages of ``modules``, each with a random stream of its own, seeded from
+    ``seed`` (default: ``torch.initial_seed()``). The last stage never recomputes."""
+    base_seed = torch.initial_seed() if seed is None else seed
+    return [
+        Stage(
+            i,
+            modules[i],
+            stashes=sp.stashes,
+            track=not sp.flushes,
+            backward_weight=optimizer.backward_weight,
+            forward_context=forward_context,
+            forward_weights=optimizer.forward_weights if predicts else None,
+            microbatches=microbatches,
+            seed=(base_seed + 7919 * (i + 1)) % 2**63,
+            recompute=recompute and i < len(modules) - 1,
+        )
+        for i in local
+    ]
+
+
+def make_clip(
+    norm: float | None,
+    value: float | None,
+    flushes: bool,
+    transport: Transport,
+    device: torch.device,
+    microbatches: int,
+) -> GradClip | None:
+    """Clipping by the global norm over all stages or by value; None for neither."""
+    if norm is not None and value is not None:
+        raise ValueError("choose one of clip_grad_norm and clip_grad_value, not both")
+    if norm is None and value is None:
+        return None
+    if value is not None:
+        return GradClip("value", value, None, 0)
+    board: NormBoard
+    if isinstance(transport, DistributedTransport):
+        board = DistributedNormBoard(transport.collective_group, device)
+    else:
+        board = NormBoard(transport.num_stages)
+    lag = global_norm_lag(transport.num_stages, microbatches, flushes)
+    return GradClip("norm", float(norm), board, lag)  # type: ignore[arg-type]
+
+
+def replica_averager(
+    transport: DistributedTransport, modules: Sequence[nn.Module]
+) -> GradientAverager:
+    """D copies of the pipeline: start every replica from copy 0's weights, and average the
+    replicas' gradients before each update (:mod:`pipemare.engine.replicas`)."""
+    (me,) = transport.local_stages
+    group, ranks = transport.replica_group, transport.replica_ranks
+    broadcast_state(modules[me], group, src=ranks[0])
+    peer = ranks[1] if ranks[0] == dist.get_rank() else ranks[0]
+    watchdog = transport.watchdog
+    return GradientAverager(
+        group, transport.replicas, wait=lambda work, what: watchdog.wait(work, peer, what)
+    )

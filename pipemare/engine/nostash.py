@@ -1,0 +1,126 @@
+"""No-stash backward: parameters saved by reference, resolved to weights at backward time.
+
+A forward pass saves activations as autograd normally does, but every parameter autograd
+saves (or a view of one, such as the transposed weight ``linear`` keeps) is saved *by
+reference*: ``(parameter, version, size, stride, offset)``. When the backward pass unpacks
+it, the stage decides which weights it sees (:meth:`~pipemare.engine.stage.Stage.weight_at`):
+
+- the live weights (``async``; and the flushing schedules, where they did not change),
+- the live weights corrected by T2, ``w - Δ δ`` (``pipemare``),
+- the weights of the forward's version (``pipedream``), copied only if an update is about
+  to overwrite a version some microbatch still needs (copy-on-write stashing, :class:`Stash`).
+
+So for ``y = W x`` a delayed backward gives ``dL/dx = W_bkwd^T dL/dy`` and
+``dL/dW = dL/dy x_fwd^T``: activations from the forward pass, weights from the backward.
+Weights computed *from* parameters inside a layer (e.g. ``w * scale``) are ordinary saved
+tensors and keep their forward-time values.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from pipemare.engine.memory import Held
+
+__all__ = ["SavedTensors", "Stash"]
+
+
+class _ParamRef(NamedTuple):
+    param: nn.Parameter
+    version: int
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+class SavedTensors:
+    """The saved-tensor hooks of one stage: its parameters by reference, the rest as they are.
+
+    Args:
+        params: the stage's parameters, by ``id``.
+        buffers: the stage's buffers, by ``id`` (held anyway, so never counted as held).
+        weight_at: ``(param, version)`` -> what a backward pass sees of ``param`` for a
+            microbatch forwarded at ``version``.
+    """
+
+    def __init__(
+        self,
+        params: Mapping[int, nn.Parameter],
+        buffers: Mapping[int, torch.Tensor],
+        weight_at: Callable[[nn.Parameter, int], torch.Tensor],
+    ) -> None:
+        self._params, self._buffers, self._weight_at = params, buffers, weight_at
+
+    def hooks(
+        self, version: int, track: bool, held: Held | None
+    ) -> torch.autograd.graph.saved_tensors_hooks:
+        """The hooks of one forward at weight ``version``: with ``track`` parameters are saved
+        by reference; ``held``, if given, collects the other saved tensors' storages."""
+
+        def pack(t: torch.Tensor) -> Any:
+            base = t if t._base is None else t._base
+            param = self._params.get(id(base))
+            if param is None or param is not base:
+                if held is not None and self._buffers.get(id(base)) is not base:
+                    held.add(t)
+                return t
+            if not track:  # only measuring: nothing changes the weights before the backward
+                return t
+            offset = int(t.storage_offset() - base.storage_offset())
+            return _ParamRef(base, version, t.size(), t.stride(), offset)
+
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _ParamRef):
+            return packed
+        w = self._weight_at(packed.param, packed.version)
+        return w.as_strided(packed.size, packed.stride, w.storage_offset() + packed.offset)
+
+
+class Stash:
+    """Copies of the weight versions in-flight microbatches still need (``pipedream``), made
+    only when an update is about to overwrite one (copy on write).
+
+    Args:
+        params: the stage's parameters, by ``id``.
+
+    Attributes:
+        peak: the most versions held in copies at once so far.
+    """
+
+    def __init__(self, params: Mapping[int, nn.Parameter]) -> None:
+        self._params = params
+        self._users: Counter[int] = Counter()  # in-flight microbatches per forward version
+        self._copies: dict[int, dict[int, torch.Tensor]] = {}
+        self.peak = 0
+
+    def hold(self, version: int) -> None:
+        """A microbatch's forward ran at ``version``; its backward may need that version."""
+        self._users[version] += 1
+
+    def release(self, version: int) -> None:
+        """A microbatch forwarded at ``version`` finished its backward."""
+        self._users[version] -= 1
+        if self._users[version] == 0:
+            del self._users[version]
+            self._copies.pop(version, None)
+
+    @torch.no_grad()
+    def before_update(self, version: int) -> None:
+        """Copy the live weights, ``version``, if an in-flight microbatch still needs them."""
+        if self._users[version] > 0:
+            self._copies[version] = {i: p.detach().clone() for i, p in self._params.items()}
+            self.peak = max(self.peak, len(self._copies))
+
+    def weight(self, param: nn.Parameter, version: int) -> torch.Tensor:
+        """The copy of ``param`` at ``version`` (an update has overwritten the live one)."""
+        return self._copies[version][id(param)]
+
+    def __len__(self) -> int:
+        return len(self._copies)
