@@ -48,9 +48,9 @@ def main(argv: list[str] | None = None) -> None:
 
         bench.main(rest)
     elif command == "plan":
-        from pipemare.planner import planner
+        from pipemare.experiments import plan_command
 
-        planner.main(rest)
+        plan_command.main(rest)
     elif command == "compare":
         from pipemare.experiments import dashboard
 

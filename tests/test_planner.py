@@ -16,7 +16,10 @@ from torch import nn
 
 from pipemare import Pipeline, planner
 from pipemare.engine.telemetry import replay_timeline
-from pipemare.planner.planner import LayerProfile, Overhead, Profile
+from pipemare.experiments import plan_command
+from pipemare.planner import LayerProfile, Overhead, Profile
+from pipemare.planner.cost import _replay
+from pipemare.planner.streams import _streams
 
 ROOT = Path(__file__).resolve().parents[1]
 FREE = Overhead(0.0, 0.0, 0.0)
@@ -147,9 +150,9 @@ def test_the_model_replays_like_the_measurement():
         durations = [
             (rng.uniform(0.1, 1), rng.uniform(0.1, 2), rng.uniform(0, 1)) for _ in range(p)
         ]
-        streams = planner._streams(schedule, p, n)
-        free = planner._replay(streams, durations, None)
-        links = planner._replay(streams, durations, [0.0] * p)
+        streams = _streams(schedule, p, n)
+        free = _replay(streams, durations, None)
+        links = _replay(streams, durations, [0.0] * p)
         for stage in range(p):
             assert links[stage] == pytest.approx(free[stage])
         spans = [
@@ -162,7 +165,7 @@ def test_the_model_replays_like_the_measurement():
 
 def test_a_measured_runs_step_time_is_read_from_its_spans():
     f, b, u = 1.0, 2.0, 0.5
-    streams = planner._streams("pipemare", 3, 2)
+    streams = _streams("pipemare", 3, 2)
     spans, clock = [], 0.0
     for s, op, i in streams.order:  # as a probe records them: one process, one after another
         seconds = (f, b, u)["FBU".index(op.value)]
@@ -210,7 +213,7 @@ def test_in_flight_and_stashed_versions_match_the_engine():
         )
         for _ in range(6):
             pipe.step((torch.randn(n, 4), torch.randn(n, 4)))
-        expected = planner._streams(schedule, p, n).peaks
+        expected = _streams(schedule, p, n).peaks
         measured = tuple((s.peak_in_flight, s.peak_stashed_versions) for s in pipe.stages)
         assert measured == expected, schedule
 
@@ -225,7 +228,7 @@ def test_memory_counts_weights_state_and_activations_in_flight():
     # weight stashing keeps copies of the weights as well
     stash = synthetic(list(prof.layers[0]), "pipedream")
     stashed = planner.evaluate(stash, [1, 1], microbatches=1, microbatch_size=1)
-    copies = planner._streams("pipedream", 2, 1).peaks[0][1]
+    copies = _streams("pipedream", 2, 1).peaks[0][1]
     assert copies >= 1
     assert stashed.memory_bytes[0] == result.memory_bytes[0] + copies * 1000
 
@@ -342,6 +345,6 @@ def test_the_cli_plans_the_mnist_config():
 def test_the_cli_refuses_bad_arguments(args, message, capsys, monkeypatch):
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit) as exit_:
-        planner.main(args)
+        plan_command.main(args)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err

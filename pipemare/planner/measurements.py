@@ -1,0 +1,163 @@
+"""What a profile holds: each layer's measured costs at one microbatch size, the fixed per-action
+overheads, and the profile that interpolates them.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+ForwardContext = Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerProfile:
+    """One layer at one microbatch size.
+
+    Times are what the layer adds to a stage's action in the engine, on top of the action's
+    fixed cost (:class:`Overhead`); communication is excluded.
+
+    Attributes:
+        name: the layer's name in the Sequential.
+        forward_s: seconds it adds to a forward action of a delayed stage (one that is not
+            the last of a non-flushing pipeline); the last layer's include the loss.
+        backward_s: seconds it adds to a backward action.
+        update_s: seconds it adds to an update action (its share of the optimiser step).
+        output_bytes: bytes of its output, what a stage ending here sends on (the gradient
+            coming back has the same size).
+        saved_bytes: bytes autograd saves for its backward pass, other than its input and its
+            output (parameters excluded: the engine saves them by reference).
+        saves_input: whether autograd keeps its input alive for the backward pass.
+        saves_output: whether autograd keeps its output alive (or the loss keeps it).
+        param_bytes: bytes of its parameters (a tied parameter counts at its first layer).
+        grad_bytes: bytes of the gradients of its trainable parameters.
+        state_bytes: bytes of optimiser state and correction buffers for its parameters.
+        undelayed: forward, backward and update seconds it adds on a stage without delay,
+            the last stage of a non-flushing pipeline, where corrections and weight stashing
+            have nothing to do; None: the same as above (flushing schedules).
+    """
+
+    name: str
+    forward_s: float
+    backward_s: float
+    update_s: float
+    output_bytes: int
+    saved_bytes: int
+    saves_input: bool
+    saves_output: bool
+    param_bytes: int
+    grad_bytes: int
+    state_bytes: int
+    undelayed: tuple[float, float, float] | None = None
+
+    def times(self, delayed: bool = True) -> tuple[float, float, float]:
+        """Forward, backward and update seconds on a delayed stage (or the undelayed one)."""
+        if delayed or self.undelayed is None:
+            return self.forward_s, self.backward_s, self.update_s
+        return self.undelayed
+
+
+@dataclasses.dataclass(frozen=True)
+class Overhead:
+    """The engine's fixed seconds per action, whatever the layers: a stage pays them once.
+
+    Measured on a pipeline of trivial layers (one scalar weight each) with the same schedule
+    and optimiser; a stage's action costs this plus what each of its layers adds.
+    """
+
+    forward_s: float
+    backward_s: float
+    update_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Per-layer costs of a model, measured at one or more microbatch sizes.
+
+    Attributes:
+        schedule: the schedule the times were measured under (its corrections cost time).
+        sizes: the microbatch sizes measured, ascending.
+        layers: per size, one :class:`LayerProfile` per layer.
+        input_bytes: per size, bytes of the model's input.
+        overhead: the engine's fixed per-action seconds on a stage other than the last.
+        joined: layer indices where no stage may start (tied weights).
+        undelayed_overhead: the fixed per-action seconds of the last stage (no delay; it also
+            hands the loss over); None: the same as ``overhead``.
+    """
+
+    schedule: str
+    sizes: tuple[int, ...]
+    layers: tuple[tuple[LayerProfile, ...], ...]
+    input_bytes: tuple[int, ...]
+    overhead: Overhead
+    joined: frozenset[int] = frozenset()
+    undelayed_overhead: Overhead | None = None
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers[0])
+
+    def at(self, microbatch_size: int) -> tuple[tuple[LayerProfile, ...], int]:
+        """The layers' costs and the input's bytes at ``microbatch_size`` samples.
+
+        A measured size is returned as measured; a size between two measured ones is
+        interpolated linearly between them (times and activations grow about linearly with
+        the samples). Sizes outside the measured range are refused, not extrapolated.
+
+        Raises:
+            ValueError: the size lies outside the measured range.
+        """
+        if microbatch_size in self.sizes:
+            j = self.sizes.index(microbatch_size)
+            return self.layers[j], self.input_bytes[j]
+        if not self.sizes[0] < microbatch_size < self.sizes[-1]:
+            raise ValueError(
+                f"the profile was measured at microbatch sizes {list(self.sizes)}, not "
+                f"{microbatch_size}; profile with microbatch_sizes=[..., {microbatch_size}] "
+                "(sizes between two measured ones are interpolated)"
+            )
+        hi = bisect.bisect_left(self.sizes, microbatch_size)
+        lo = hi - 1
+        w = (microbatch_size - self.sizes[lo]) / (self.sizes[hi] - self.sizes[lo])
+        layers = tuple(
+            _blend(a, b, w) for a, b in zip(self.layers[lo], self.layers[hi], strict=True)
+        )
+        inputs = round(_lerp(self.input_bytes[lo], self.input_bytes[hi], w))
+        return layers, max(inputs, 0)
+
+
+def _lerp(a: float, b: float, w: float) -> float:
+    return a + (b - a) * w
+
+
+def _blend(a: LayerProfile, b: LayerProfile, w: float) -> LayerProfile:
+    near = a if w < 0.5 else b
+
+    def time(x: float, y: float) -> float:
+        return max(_lerp(x, y, w), 0.0)
+
+    def size(x: int, y: int) -> int:
+        return max(round(_lerp(x, y, w)), 0)
+
+    undelayed = None
+    if a.undelayed is not None and b.undelayed is not None:
+        f, bw, u = (time(x, y) for x, y in zip(a.undelayed, b.undelayed, strict=True))
+        undelayed = (f, bw, u)
+    return dataclasses.replace(
+        near,
+        forward_s=time(a.forward_s, b.forward_s),
+        backward_s=time(a.backward_s, b.backward_s),
+        update_s=time(a.update_s, b.update_s),
+        output_bytes=size(a.output_bytes, b.output_bytes),
+        saved_bytes=size(a.saved_bytes, b.saved_bytes),
+        undelayed=undelayed,
+    )

@@ -1,0 +1,340 @@
+"""Timing stages as the engine runs them: per-layer hooks inside a real pipeline, the loss, and
+each layer's share of an update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipemare.engine.telemetry import replay_timeline
+from pipemare.model.partition import _flat, _joined, _layers, _leaf
+from pipemare.optim.config import PipeMareConfig
+from pipemare.planner.measurements import ForwardContext, OptimizerFactory
+from pipemare.planner.saved_bytes import _first_holders, _nbytes, _sum_loss
+from pipemare.schedule.actions import spec
+
+# forward, backward and update seconds of one layer (or stage), one entry per timed action
+_Samples = tuple[list[float], list[float], list[float]]
+
+
+def _empty() -> _Samples:
+    return [], [], []
+
+
+def _extend(into: _Samples, samples: _Samples) -> None:
+    for kind in range(3):
+        into[kind].extend(samples[kind])
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def _medians(samples: _Samples) -> tuple[float, float, float]:
+    f, b, u = (_median(v) for v in samples)
+    return f, b, u
+
+
+class _Runs:
+    """What the timed stage runs measured, pooled over rounds, for one microbatch size.
+
+    ``delayed`` holds the two-stage run's first stage, ``undelayed`` the one-stage run: per
+    layer its forward and backward seconds (hooks), per run-stage its action seconds.
+    """
+
+    def __init__(self, layers: int) -> None:
+        self.layers = {d: [_empty() for _ in range(layers)] for d in (True, False)}
+        self.stage = {d: _empty() for d in (True, False)}
+        self.span = {True: 0, False: layers}  # layers 0..span-1 ran in the run-stage
+        self.state = [0] * layers
+
+
+def _last_cut(seq: nn.Sequential) -> int:
+    """The last place a stage may start (tied weights joined), or 0 if none."""
+    joined = _joined(seq)
+    return max((c for c in range(1, len(seq)) if c not in joined), default=0)
+
+
+def _time_stages(
+    seq: nn.Sequential,
+    batch: Any,
+    loss: Callable[[Any, Any], torch.Tensor],
+    optimizer: OptimizerFactory,
+    schedule: str,
+    config: PipeMareConfig | None,
+    repeats: int,
+    forward_context: ForwardContext | None,
+    runs: _Runs,
+) -> None:
+    """Run a copy of ``seq`` as one stage, and (non-flushing) as two; time layers and actions."""
+    cut = _last_cut(seq)
+    layouts = [(False, [len(seq)])]
+    if not spec(schedule).flushes and cut > 0:
+        layouts.append((True, [cut, len(seq) - cut]))
+        runs.span[True] = cut
+    for delayed, balance in layouts:
+        model = copy.deepcopy(seq)
+        clock = _LayerClock(model)
+        actions, pipe = _time_engine(
+            model,
+            batch,
+            loss,
+            optimizer,
+            schedule,
+            config,
+            balance,
+            repeats,
+            forward_context,
+            clock,
+        )
+        clock.close()
+        _extend(runs.stage[delayed], actions[0])
+        for i in range(balance[0]):
+            runs.layers[delayed][i][0].extend(clock.forward[i])
+            runs.layers[delayed][i][1].extend(clock.backward[i])
+        if delayed or len(layouts) == 1:  # the delayed stage holds the corrections' buffers
+            runs.state = _state_bytes(model, pipe)
+
+
+class _LayerClock:
+    """Times each layer's forward and backward passes inside the engine's stage actions.
+
+    Forward: from the layer's pre-hook to its hook. Backward: from the moment the gradient
+    of its output exists to the last of its input's gradient and its parameters' gradient
+    accumulations. One backward pass of a layer runs at a time, so events pair up in order.
+    """
+
+    def __init__(self, seq: nn.Sequential) -> None:
+        layers = _layers(seq)
+        self.forward: list[list[float]] = [[] for _ in layers]
+        self.backward: list[list[float]] = [[] for _ in layers]
+        self._began: dict[int, float] = {}
+        self._ends: dict[int, bool] = {}  # whether this forward's backward will signal its end
+        self._open: dict[int, list[float]] = {}  # layer -> [start, end] of its backward
+        self._handles: list[Any] = []
+        self._trains = [any(p.requires_grad for p in own) for own in _first_holders(seq)]
+        for i, ((_, layer), own) in enumerate(zip(layers, _first_holders(seq), strict=True)):
+            self._handles.append(layer.register_forward_pre_hook(self._pre(i)))
+            self._handles.append(layer.register_forward_hook(self._post(i)))
+            for p in own:
+                if p.requires_grad:
+                    self._handles.append(p.register_post_accumulate_grad_hook(self._end(i)))
+
+    def reset(self) -> None:
+        """Forget what was timed so far (the warm-up)."""
+        for times in (*self.forward, *self.backward):
+            times.clear()
+        self._open.clear()
+
+    def _pre(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self._ends[i] = self._trains[i]
+            if torch.is_grad_enabled():
+                for t in _flat(args):
+                    if t.requires_grad:
+                        t.register_hook(self._end(i))
+                        self._ends[i] = True
+            self._began[i] = time.perf_counter()
+
+        return hook
+
+    def _post(self, i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self.forward[i].append(time.perf_counter() - self._began[i])
+            if torch.is_grad_enabled() and self._ends[i]:
+                for t in _flat(output):
+                    if t.requires_grad:
+                        t.register_hook(self._start(i))
+
+        return hook
+
+    def _start(self, i: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            now = time.perf_counter()
+            span = self._open.get(i)
+            if span is not None and span[1] > span[0]:  # the previous pass of this layer ended
+                self.backward[i].append(span[1] - span[0])
+                span = None
+            if span is None:  # (several outputs: the first gradient starts the pass)
+                self._open[i] = [now, now]
+
+        return hook
+
+    def _end(self, i: int) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            span = self._open.get(i)
+            if span is not None:
+                span[1] = max(span[1], time.perf_counter())
+
+        return hook
+
+    def close(self) -> None:
+        for i, span in self._open.items():
+            if span[1] > span[0]:
+                self.backward[i].append(span[1] - span[0])
+        self._open.clear()
+        for handle in self._handles:
+            handle.remove()
+
+
+def _state_bytes(seq: nn.Sequential, pipe: Any) -> list[int]:
+    """Per layer: optimiser state and correction buffers held for its own parameters."""
+    owner = {id(p): i for i, own in enumerate(_first_holders(seq)) for p in own}
+    held = [0] * len(seq)
+    for p, st in pipe.optimizer.optimizer.state.items():
+        if id(p) in owner:
+            held[owner[id(p)]] += _nbytes(list(st.values()))
+    for correction in pipe.optimizer.corrections:
+        for p, buffer in correction.buffers().items():
+            if id(p) in owner:
+                held[owner[id(p)]] += _nbytes(buffer)
+    return held
+
+
+def _time_engine(
+    model: nn.Sequential,
+    batch: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: OptimizerFactory,
+    schedule: str,
+    config: PipeMareConfig | None,
+    balance: list[int],
+    repeats: int,
+    forward_context: ForwardContext | None,
+    clock: _LayerClock | None = None,
+) -> tuple[list[_Samples], Any]:
+    """Engine seconds of each stage's forward, backward and update actions (N = 1)."""
+    from pipemare.engine.pipeline import (
+        Pipeline,
+    )  # the pipeline imports much; only profiling needs it
+    from pipemare.engine.telemetry import Probe
+
+    stages = len(balance)
+    opt = optimizer(model.parameters())
+    for group in opt.param_groups:  # the same work per step, and the copy cannot diverge
+        group["lr"] = 0.0
+    pipe = Pipeline(
+        model,
+        opt,
+        loss_fn,
+        stages=stages,
+        microbatches=1,
+        schedule=schedule,
+        balance=balance,
+        config=config,
+        forward_context=forward_context,
+        seed=0,
+        check_finite=True,  # as in training: the check costs time at every update
+    )
+    for _ in range(stages + 2):  # fill the pipeline and warm the caches up
+        pipe.step(batch)
+    if clock is not None:
+        clock.reset()
+    probe = Probe(timeline=True)
+    pipe.probe = probe
+    for _ in range(repeats):
+        pipe.step(batch)
+    pipe.probe = None
+    replayed, _ = replay_timeline(probe.take_spans(), stages)  # durations without comm
+    samples = [_empty() for _ in range(stages)]
+    for stage, name, _, start, end in replayed:
+        if name in ("F", "B", "U"):
+            samples[stage]["FBU".index(name)].append(end - start)
+    pipe.drain()
+    return samples, pipe
+
+
+def _time_loss(
+    seq: nn.Sequential,
+    sample: Any,
+    target: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    repeats: int,
+    forward_context: ForwardContext | None,
+) -> tuple[float, float]:
+    """Median seconds of the loss's forward and backward on the model's output."""
+    with torch.no_grad():
+        output = seq(sample)
+    forward, backward = [], []
+    for _ in range(repeats + 2):
+        out = _leaf(output)
+        context = forward_context() if forward_context is not None else contextlib.nullcontext()
+        start = time.perf_counter()
+        with context:
+            value = loss_fn(out, target)
+        middle = time.perf_counter()
+        if value.requires_grad:
+            value.backward()
+        forward.append(middle - start)
+        backward.append(time.perf_counter() - middle)
+    return _median(forward[2:]), _median(backward[2:])
+
+
+def _time_updates(
+    seq: nn.Sequential,
+    batch: Any,
+    loss: Callable[[Any, Any], torch.Tensor],
+    optimizer: OptimizerFactory,
+    schedule: str,
+    config: PipeMareConfig | None,
+    repeats: int,
+) -> list[list[float]]:
+    """Per layer, update seconds with each layer a stage of its own (layers sharing weights
+    together, timed on the first): how a stage update's work is shared out between its
+    layers (per parameter tensor and per byte, corrections included)."""
+    units: list[int] = []
+    joined = _joined(seq)
+    for i in range(len(seq)):
+        if i in joined and units:
+            units[-1] += 1
+        else:
+            units.append(1)
+    actions, _ = _time_engine(
+        copy.deepcopy(seq), batch, loss, optimizer, schedule, config, units, repeats, None
+    )
+    out: list[list[float]] = []
+    for unit, count in zip(actions, units, strict=True):
+        out += [unit[2]] + [[0.0] for _ in range(count - 1)]
+    return out
+
+
+class _Scalar(nn.Module):
+    """A trivial layer (one weight, one multiply): what the engine costs besides the layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def _calibrate(
+    schedule: str,
+    optimizer: OptimizerFactory,
+    config: PipeMareConfig | None,
+    repeats: int,
+    device: torch.device,
+) -> list[tuple[str, _Samples]]:
+    """The engine's fixed seconds per action: a pipeline of trivial layers, whose middle
+    stages (delayed) and last stage (no delay; it hands the loss over) do next to nothing;
+    and the middle stages again with :class:`_LayerClock`'s hooks on."""
+    model = nn.Sequential(*[_Scalar() for _ in range(5)]).to(device)
+    x = torch.ones(1, 1, device=device)
+    batch = (x, torch.zeros(1, device=device))
+    run = (batch, _sum_loss, optimizer, schedule, config, [1] * 5, max(repeats, 10), None)
+    times, _ = _time_engine(model, *run)
+    clocked = copy.deepcopy(model)
+    clock = _LayerClock(clocked)  # what the layer hooks themselves cost, to take it out
+    with_hooks, _ = _time_engine(clocked, *run, clock)
+    clock.close()
+    out = [("delayed", t) for t in times[1:4]] + [("undelayed", times[4])]
+    return out + [("hooked", t) for t in with_hooks[1:4]]
