@@ -3,18 +3,18 @@
 The modules here are written as for one device; pipemare pipelines their ``nn.Sequential``.
 """
 
-from pipemare.experiments.classifiers import DigitsCNN, ImageClassifier
-from pipemare.experiments.datamodules import (
+from pipemare.experiments.studies.summary import RunSummary
+from pipemare.experiments.tasks.classifiers import DigitsCNN, ImageClassifier
+from pipemare.experiments.tasks.datamodules import (
     CharCorpusDataModule,
     CIFAR10DataModule,
     DigitsDataModule,
     IWSLT14DataModule,
     MNISTDataModule,
 )
-from pipemare.experiments.language_models import CharTransformerLM
-from pipemare.experiments.lr_schedules import InverseSqrt, WarmupConstant, WarmupCosine
-from pipemare.experiments.summary import RunSummary
-from pipemare.experiments.translation import TranslationTransformer
+from pipemare.experiments.tasks.language_models import CharTransformerLM
+from pipemare.experiments.tasks.lr_schedules import InverseSqrt, WarmupConstant, WarmupCosine
+from pipemare.experiments.tasks.translation import TranslationTransformer
 
 __all__ = [
     "CIFAR10DataModule",

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
-from pipemare.experiments.data import digits
-from pipemare.experiments.models import residual_mlp
+from pipemare.experiments.tasks.data import digits
+from pipemare.experiments.tasks.models import residual_mlp
 from pipemare.schedule.actions import SCHEDULES
 
 

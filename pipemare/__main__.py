@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> None:
 
         cli.main([command, *rest])
     elif command == "study":
-        from pipemare.experiments import study
+        from pipemare.experiments.studies import study
 
         study.main(rest)
     elif command == "protocol":
-        from pipemare.experiments import fair
+        from pipemare.experiments.studies import fair
 
         fair.main(rest)
     elif command == "bench":

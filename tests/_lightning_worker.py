@@ -15,8 +15,8 @@ from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, Mode
 from pytorch_lightning.loggers import CSVLogger
 
 import pipemare
-from pipemare.experiments.classifiers import DigitsCNN
-from pipemare.experiments.datamodules import DigitsDataModule
+from pipemare.experiments.tasks.classifiers import DigitsCNN
+from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
 
 class ScheduledCNN(DigitsCNN):

@@ -13,7 +13,7 @@ from _faults import Exploding
 
 from pipemare import PipeMareStrategy
 from pipemare.callbacks import ConvergenceMonitor, PipelineMonitor, StalenessMonitor
-from pipemare.experiments.datamodules import DigitsDataModule
+from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
 
 def main() -> None:

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import pipemare
-from pipemare.experiments.classifiers import DigitsCNN
-from pipemare.experiments.datamodules import DigitsDataModule
+from pipemare.experiments.tasks.classifiers import DigitsCNN
+from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
 
 class DigitsMLP(pl.LightningModule):

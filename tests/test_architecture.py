@@ -200,6 +200,8 @@ def test_the_checks_find_an_upward_import_a_cycle_and_a_long_class(tmp_path) -> 
         ("pipemare.corrections", "pipemare.optim.corrections"),
         ("pipemare.corrections.stability", "pipemare.optim.stability"),
         ("pipemare.strategy", "pipemare.lightning.strategy"),
+        ("pipemare.experiments.classifiers", "pipemare.experiments.tasks.classifiers"),
+        ("pipemare.experiments.sharpness", "pipemare.experiments.studies.sharpness"),
     ],
 )
 def test_the_flat_layouts_import_paths_still_import_the_same_module(old: str, new: str) -> None:
@@ -208,3 +210,17 @@ def test_the_flat_layouts_import_paths_still_import_the_same_module(old: str, ne
     import pipemare  # noqa: F401  (installs the old names)
 
     assert importlib.import_module(old) is importlib.import_module(new)
+
+
+def test_an_old_module_path_still_runs_with_python_m() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "pipemare.experiments.sharpness", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "--delay" in out.stdout

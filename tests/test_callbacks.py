@@ -26,8 +26,8 @@ from pipemare.callbacks import (
     monitors,
     wandb_logger,
 )
-from pipemare.experiments.classifiers import DigitsCNN
-from pipemare.experiments.datamodules import DigitsDataModule
+from pipemare.experiments.tasks.classifiers import DigitsCNN
+from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
 
 def fit(strategy, callbacks, logger, epochs=2, **kwargs):

@@ -16,8 +16,8 @@ from torch import nn
 
 from pipemare import Pipeline, PipeMareStrategy
 from pipemare.experiments import dashboard
-from pipemare.experiments.study import run_study
-from pipemare.experiments.suites import SUITES
+from pipemare.experiments.studies.study import run_study
+from pipemare.experiments.studies.suites import SUITES
 
 ROOT = Path(__file__).parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -143,8 +143,8 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
 
 
 def test_default_study_runs_each_schedule_at_its_own_swept_rate(tmp_path):
-    from pipemare.experiments.study import config_for, packaged_config
-    from pipemare.experiments.suites import ASYNC_VARIANTS, DEFAULT_RATES
+    from pipemare.experiments.studies.study import config_for, packaged_config
+    from pipemare.experiments.studies.suites import ASYNC_VARIANTS, DEFAULT_RATES
 
     def rate(run):
         config = config_for(run, tmp_path / run.name, "default", wandb=False)
@@ -195,7 +195,12 @@ def test_the_pipemare_command(tmp_path):
 
 
 def test_translation_transformer_trains_through_an_async_pipeline():
-    from pipemare.experiments.translation import PAD, TranslationTransformer, encode, pad_batch
+    from pipemare.experiments.tasks.translation import (
+        PAD,
+        TranslationTransformer,
+        encode,
+        pad_batch,
+    )
 
     torch.manual_seed(0)
     model = TranslationTransformer(
@@ -226,7 +231,7 @@ def test_translation_transformer_trains_through_an_async_pipeline():
 
 
 def test_cifar_download_checks_the_archive(tmp_path):
-    from pipemare.experiments.datamodules import _download
+    from pipemare.experiments.tasks.datamodules import _download
 
     source = tmp_path / "archive.bin"
     source.write_bytes(b"not cifar")
@@ -236,7 +241,7 @@ def test_cifar_download_checks_the_archive(tmp_path):
 
 
 def test_sharpness_power_iteration_finds_the_top_hessian_eigenvalue():
-    from pipemare.experiments.sharpness import top_eigenvalue
+    from pipemare.experiments.studies.sharpness import top_eigenvalue
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 3))

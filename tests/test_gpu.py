@@ -34,8 +34,8 @@ def test_strategy_trains_on_one_gpu_with_simulated_stages():
     import pytorch_lightning as pl
 
     from pipemare import PipeMareStrategy
-    from pipemare.experiments.classifiers import DigitsCNN
-    from pipemare.experiments.datamodules import DigitsDataModule
+    from pipemare.experiments.tasks.classifiers import DigitsCNN
+    from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
     pl.seed_everything(0)
     trainer = pl.Trainer(

@@ -6,8 +6,8 @@ import dataclasses
 import json
 import math
 
-from pipemare.experiments import fair
-from pipemare.experiments.protocol import TASKS, train
+from pipemare.experiments.studies import fair
+from pipemare.experiments.studies.protocol import TASKS, train
 
 
 def test_evaluating_live_weights_leaves_the_trajectory_alone():

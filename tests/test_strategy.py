@@ -15,8 +15,8 @@ from torch.utils.data import DataLoader
 
 import pipemare
 from pipemare import PipeMareConfig, PipeMareStrategy
-from pipemare.experiments.classifiers import DigitsCNN
-from pipemare.experiments.datamodules import DigitsDataModule
+from pipemare.experiments.tasks.classifiers import DigitsCNN
+from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
 
 class Tiny(pl.LightningModule):

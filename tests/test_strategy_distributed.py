@@ -17,8 +17,8 @@ import pytest
 import torch
 from _models import quiet_trainer
 
-from pipemare.experiments.classifiers import DigitsCNN
-from pipemare.experiments.datamodules import DigitsDataModule
+from pipemare.experiments.tasks.classifiers import DigitsCNN
+from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
 pytestmark = pytest.mark.distributed
 HERE = Path(__file__).parent

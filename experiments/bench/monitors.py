@@ -1,6 +1,6 @@
 """What pipemare's monitors cost: training step time with and without them, in one process.
 
-``python -m pipemare.experiments.bench_monitors`` trains the same model through the same
+``python -m pipemare.experiments.bench.monitors`` trains the same model through the same
 simulated pipeline with no callbacks and with the three monitors at their default settings (a
 CSV logger in both), each run in a fresh process, alternating for several rounds so that drift
 on a shared machine hits both alike, and reports the median of the runs' median step times.
@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipemare import PipeMareStrategy
 from pipemare.callbacks import monitors
-from pipemare.experiments.bench import mlp
+from pipemare.experiments.bench.memory import mlp
 
 
 class _Module(pl.LightningModule):
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
             cmd = [
                 sys.executable,
                 "-m",
-                "pipemare.experiments.bench_monitors",
+                "pipemare.experiments.bench.monitors",
                 *flags,
                 f"--one={which}",
             ]

@@ -9,7 +9,7 @@ device of its own (:func:`pipemare.planner.steady_step_time`), which is the meas
 The modelled one is :func:`pipemare.planner.evaluate` on the same cut. Communication is free on
 both sides (one process). Run it alone on the machine; it takes about two minutes on two cores::
 
-    python -m pipemare.experiments.plan_study --out experiments/results/planner
+    python -m pipemare.experiments.studies.plan_study --out experiments/results/planner
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def _mlp() -> tuple[nn.Sequential, Batch, Loss]:
 
 
 def _cnn() -> tuple[nn.Sequential, Batch, Loss]:
-    from pipemare.experiments.classifiers import DigitsCNN
-    from pipemare.experiments.data import digits
+    from pipemare.experiments.tasks.classifiers import DigitsCNN
+    from pipemare.experiments.tasks.data import digits
 
     x, y, _, _ = digits()
     batch = 64
@@ -74,8 +74,8 @@ def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def _char_lm() -> tuple[nn.Sequential, Batch, Loss]:
-    from pipemare.experiments.data import stdlib_corpus
-    from pipemare.experiments.language_models import CharTransformerLM
+    from pipemare.experiments.tasks.data import stdlib_corpus
+    from pipemare.experiments.tasks.language_models import CharTransformerLM
 
     context, batch = 32, 16  # as configs/char_lm.yaml
     data = stdlib_corpus()[: batch * context + 1]
@@ -303,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=6, help="timed steps of each profile")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    command = "python -m pipemare.experiments.plan_study " + " ".join(
+    command = "python -m pipemare.experiments.studies.plan_study " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )
     before = os.getloadavg()[0]

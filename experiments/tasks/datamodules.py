@@ -12,7 +12,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from pipemare.experiments.data import digits, mnist_subset, stdlib_corpus
+from pipemare.experiments.tasks.data import digits, mnist_subset, stdlib_corpus
 
 __all__ = [
     "CIFAR10DataModule",
@@ -256,7 +256,7 @@ class IWSLT14DataModule(pl.LightningDataModule):
 
     def example_batch(self, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch shaped like the real ones (for checking a config without data)."""
-        from pipemare.experiments.translation import encode, pad_batch
+        from pipemare.experiments.tasks.translation import encode, pad_batch
 
         src = pad_batch([encode("ein kleiner Satz", self.max_length)] * n)
         tgt = pad_batch([encode("a short sentence", self.max_length)] * n)
@@ -279,7 +279,7 @@ class IWSLT14DataModule(pl.LightningDataModule):
         self.splits = {name: data[name]["translation"] for name in ("train", "validation", "test")}
 
     def _collate(self, pairs: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        from pipemare.experiments.translation import encode, pad_batch
+        from pipemare.experiments.tasks.translation import encode, pad_batch
 
         src = pad_batch([encode(p["de"], self.max_length) for p in pairs])
         tgt = pad_batch([encode(p["en"], self.max_length) for p in pairs])

@@ -1,6 +1,6 @@
 """Engine overhead benchmarks: the simulator against plain training, and 2 processes against 1.
 
-Run ``python -m pipemare.experiments.bench_engine sim`` and ``... dist``. Timings are medians
+Run ``python -m pipemare.experiments.bench.engine sim`` and ``... dist``. Timings are medians
 of repeated runs taken in one process (or one launch), so the ratios compare like with like on
 a shared machine; nothing here is asserted by tests.
 """
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
-from pipemare.experiments.bench import mlp
+from pipemare.experiments.bench.memory import mlp
 
 
 def _median_step_time(step: Callable[[], object], warmup: int, steps: int, repeats: int) -> float:
@@ -127,7 +127,7 @@ def bench_distributed(args: argparse.Namespace) -> dict:
         "--standalone",
         "--nproc-per-node=2",
         "-m",
-        "pipemare.experiments.bench_engine",
+        "pipemare.experiments.bench.engine",
         "worker",
         "--width",
         str(args.width),

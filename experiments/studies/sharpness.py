@@ -6,7 +6,7 @@ iteration (Hessian-vector products on ``--probe`` batches). Prints it next to ``
 where synchronous gradient descent stops being stable, and the bound for gradients ``tau``
 updates old (:func:`pipemare.optim.stability.delayed_gd_bound`)::
 
-    python -m pipemare.experiments.sharpness --lr 0.05 --delay 7
+    python -m pipemare.experiments.studies.sharpness --lr 0.05 --delay 7
 
 Sharpness that climbs to ``2/lr`` whatever ``lr`` is (Cohen et al., "Gradient descent on
 neural networks typically occurs at the edge of stability", ICLR 2021) is why a smaller
@@ -20,8 +20,8 @@ import argparse
 import torch
 from torch import nn
 
-from pipemare.experiments.classifiers import mnist_resnet
-from pipemare.experiments.datamodules import MNISTDataModule
+from pipemare.experiments.tasks.classifiers import mnist_resnet
+from pipemare.experiments.tasks.datamodules import MNISTDataModule
 from pipemare.optim.stability import delayed_gd_bound
 
 

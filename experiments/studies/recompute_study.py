@@ -10,7 +10,7 @@ Writes ``results.md`` and ``results.json`` to ``--out``: best and final validati
 per configuration (mean and spread over seeds), wall time, and each stage's measured peak of
 bytes held for in-flight microbatches (``Stage.peak_saved_bytes``) with and without.
 
-Run: ``python -m pipemare.experiments.recompute_study`` (about three minutes on two cores).
+Run: ``python -m pipemare.experiments.studies.recompute_study`` (about three minutes on two cores).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
-from pipemare.experiments.data import digits
-from pipemare.experiments.models import residual_mlp
+from pipemare.experiments.tasks.data import digits
+from pipemare.experiments.tasks.models import residual_mlp
 
 __all__ = ["main", "train"]
 
@@ -173,7 +173,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, command: str) -
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = argparse.ArgumentParser(
-        prog="python -m pipemare.experiments.recompute_study",
+        prog="python -m pipemare.experiments.studies.recompute_study",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         (args.out / "results.md").write_text(report(saved["runs"], settings, saved["command"]))
         return list(saved["runs"])
     command = shlex.join(
-        ["python", "-m", "pipemare.experiments.recompute_study", *(argv or sys.argv[1:])]
+        ["python", "-m", "pipemare.experiments.studies.recompute_study", *(argv or sys.argv[1:])]
     )
     torch.set_num_threads(1)
     runs = []

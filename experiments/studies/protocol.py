@@ -63,13 +63,13 @@ class Task:
 
 
 def _digits() -> tuple[torch.Tensor, ...]:
-    from pipemare.experiments.data import digits
+    from pipemare.experiments.tasks.data import digits
 
     return digits()
 
 
 def _mnist() -> tuple[torch.Tensor, ...]:
-    from pipemare.experiments.data import mnist_subset
+    from pipemare.experiments.tasks.data import mnist_subset
 
     x, y, xv, yv = mnist_subset()
     return x.flatten(1), y, xv.flatten(1), yv
@@ -79,7 +79,7 @@ _CONTEXT = 16
 
 
 def _char() -> tuple[torch.Tensor, ...]:
-    from pipemare.experiments.data import stdlib_corpus
+    from pipemare.experiments.tasks.data import stdlib_corpus
 
     data, context = stdlib_corpus(), _CONTEXT
     cut = int(len(data) * 0.9)
@@ -95,7 +95,7 @@ def _char() -> tuple[torch.Tensor, ...]:
 
 def _residual_mlp(inputs: int, width: int, blocks: int) -> Callable[[], nn.Sequential]:
     def build() -> nn.Sequential:
-        from pipemare.experiments.models import residual_mlp
+        from pipemare.experiments.tasks.models import residual_mlp
 
         return residual_mlp(inputs, 10, width=width, blocks=blocks)
 
@@ -103,7 +103,7 @@ def _residual_mlp(inputs: int, width: int, blocks: int) -> Callable[[], nn.Seque
 
 
 def _char_lm() -> nn.Sequential:
-    from pipemare.experiments.language_models import LMHead, TokenEmbedding, TransformerBlock
+    from pipemare.experiments.tasks.language_models import LMHead, TokenEmbedding, TransformerBlock
 
     d_model, context = 32, _CONTEXT
     return nn.Sequential(

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 from torchmetrics.text import Perplexity
 
-from pipemare.experiments.classifiers import TaskModule
+from pipemare.experiments.tasks.classifiers import TaskModule
 
 __all__ = ["PAD", "TranslationTransformer", "encode", "pad_batch"]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from pipemare.experiments.suites import SUITES, RunSpec
+from pipemare.experiments.studies.suites import SUITES, RunSpec
 
 __all__ = ["config_for", "main", "packaged_config", "run_study"]
 

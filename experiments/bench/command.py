@@ -1,0 +1,227 @@
+"""``pipemare bench``: one torchrun launch per process count, the table, the chart and the
+decomposition of the gap to one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipemare.experiments.bench.memory import memory_study, mlp
+from pipemare.experiments.bench.worker import _worker
+from pipemare.model import partition
+from pipemare.schedule.actions import SCHEDULES, spec
+
+_ENGINE = "pipemare.experiments.bench"
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    """Launch one torchrun job per process count; returns every JSON row."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    for p in args.processes:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={p}",
+            "-m",
+            _ENGINE,
+            "worker",
+            *_forward(args),
+        ]
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        proc = subprocess.run(
+            cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"the benchmark at P={p} failed:\n{proc.stderr[-4000:]}")
+        rows += [
+            json.loads(line) for line in (args.out / f"bench-p{p}.jsonl").read_text().splitlines()
+        ]
+    return rows
+
+
+def _forward(args: argparse.Namespace) -> list[str]:
+    return [
+        "--out", str(args.out),
+        "--width", str(args.width),
+        "--depth", str(args.depth),
+        "--batch", str(args.batch),
+        "--microbatches", str(args.microbatches),
+        "--steps", str(args.steps),
+        "--warmup", str(args.warmup),
+        "--lr", str(args.lr),
+        "--schedules", *args.schedules,
+    ]  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    """A markdown table of the JSON rows."""
+    lines = [
+        "| P | kind | schedule | samples/s | × single | × torch 1F1B | of stage bound "
+        "| utilisation per stage | bubble |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['error']} ||||||"
+            )
+            continue
+        util = " / ".join(f"{u:.2f}" for u in r["utilisation"])
+        vs_torch = f"{r['vs_torch_1f1b']:.2f}" if r.get("vs_torch_1f1b") else "-"
+        # copies of a shorter pipeline have other stages than the bound measured for P stages
+        bound = "-" if "copies" in r else f"{r.get('of_stage_bound', 1.0):.2f}"
+        lines.append(
+            f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['samples_per_s']:.0f} | "
+            f"{r['vs_single']:.2f} | {vs_torch} | {bound} | {util} | "
+            f"{r['bubble']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def chart(rows: list[dict], path: Path) -> None:
+    """Bar chart of samples/s per configuration, one group per process count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({r["processes"] for r in rows if r["kind"] != "single"})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    colours = {
+        "single": "grey",
+        "torch": "tab:orange",
+        "engine": "tab:blue",
+        "lightning": "tab:green",
+    }
+    for ax, p in zip(axes[0], groups, strict=True):
+        single = next(r for r in rows if r["kind"] == "single" and r.get("launch") == p)
+        shown = [single] + [r for r in rows if r["processes"] == p and "samples_per_s" in r]
+        labels = [f"{r['kind']}\n{r['schedule'].replace('Interleaved', 'Intl.')}" for r in shown]
+        ax.bar(range(len(shown)), [r["samples_per_s"] for r in shown],
+               color=[colours[r["kind"]] for r in shown])  # fmt: skip
+        ax.set_xticks(range(len(shown)), labels, rotation=70, fontsize=7)
+        ax.axhline(single["samples_per_s"] * min(p, os.cpu_count() or 1), ls="--", c="k", lw=0.8)
+        bound = next(r for r in shown if r["kind"] != "single")
+        if "stage_bound_vs_single" in bound:
+            ax.axhline(single["samples_per_s"] * bound["stage_bound_vs_single"], c="tab:red", lw=1)
+        ax.set_title(
+            f"P = {p} (dashed: {min(p, os.cpu_count() or 1)}× single; red: slowest stage alone)",
+            fontsize=9,
+        )
+        ax.set_ylabel("samples/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def decompose(args: argparse.Namespace, shared: bool = False) -> dict[str, float]:
+    """Where a 2-stage pipeline's gap to 2x one process goes, in milliseconds per step: the
+    whole model on the whole batch, its first half on the whole batch, the same half as N
+    microbatches, and (``shared``) that again while a twin process does the same."""
+    torch.set_num_threads(1)
+    model = mlp(args.width, args.depth)
+    half = model[: partition.balance_by_params(model, 2)[0]]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randint(0, 10, (args.batch,), generator=gen)
+
+    def whole() -> None:
+        nn.functional.cross_entropy(model(x), y).backward()
+
+    def stage(chunks: int) -> Any:
+        def run() -> None:
+            for xs in x.tensor_split(chunks):
+                out = half(xs)
+                out.backward(torch.ones_like(out))
+
+        return run
+
+    def ms(fn: Any, n: int = 15) -> float:
+        for _ in range(3):
+            fn()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return 1e3 * (time.perf_counter() - start) / n
+
+    if shared:
+        return {"half_microbatched_shared": ms(stage(args.microbatches), 30)}
+    out = {
+        "whole": ms(whole),
+        "half_whole_batch": ms(stage(1)),
+        "half_microbatched": ms(stage(args.microbatches)),
+    }
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(5):
+            stage(args.microbatches)()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
+    cmd = [sys.executable, "-m", _ENGINE, "twin", *_forward(args)]
+    twins = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [json.loads(t.communicate(timeout=600)[0].splitlines()[-1]) for t in twins]
+    out["half_microbatched_shared"] = statistics.mean(o["half_microbatched_shared"] for o in outs)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pipemare bench", description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "what",
+        nargs="?",
+        default="run",
+        choices=["run", "decompose", "worker", "twin"],
+        help="run: the benchmark; decompose: where the gap to 2x one process goes",
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"))
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
+    parser.add_argument("--memory-stages", type=int, nargs="*", default=[2, 4, 8])
+    parser.add_argument("--timeout", type=float, default=3600)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = _parser().parse_args(argv)
+    for name in args.schedules:
+        spec(name)
+    if args.what == "worker":
+        _worker(args)
+        return []
+    if args.what in ("decompose", "twin"):
+        print(json.dumps(decompose(args, shared=args.what == "twin")))
+        return []
+    rows = run(args)
+    memory = memory_study(args.memory_stages, args.width, args.depth, args.batch, args.microbatches)
+    with open(args.out / "bench.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    (args.out / "memory.json").write_text(json.dumps(memory, indent=1))
+    text = table(rows)
+    (args.out / "bench.md").write_text(text + "\n")
+    chart(rows, args.out / "bench.png")
+    print(text)
+    for m in memory:
+        print(json.dumps(m))
+    return rows

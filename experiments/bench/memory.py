@@ -1,0 +1,90 @@
+"""The benchmark's model (an MLP) and its byte counters: weights, optimiser state, saved
+activations, and the stash-against-buffers memory study.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipemare.model import partition
+
+
+def mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
+    """``depth`` blocks of Linear(width, width) + GELU, then a linear classifier (seeded)."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _optimizer_bytes(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> int:
+    return sum(_bytes(opt.state[p].values()) for p in params if p in opt.state)
+
+
+def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd saves for backward in one forward of ``module`` (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    x = x.detach().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        module(x)
+    return sum(seen.values())
+
+
+def memory_study(stages: list[int], width: int, depth: int, batch: int, n: int) -> list[dict]:
+    """Stage 0's extra weight memory: pipedream's stash against pipemare's buffers (simulated).
+
+    Analytic: pipedream keeps one stashed copy per weight version still awaited by an
+    in-flight microbatch, ``ceil((P-1)/N)`` copies of stage 0's weights at most; pipemare keeps
+    the buffers its corrections declare (a count of weight-sized tensors, times the weights).
+    """
+    from pipemare import Pipeline
+
+    rows = []
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(batch, width, generator=gen)
+    y = torch.randint(0, 10, (batch,), generator=gen)
+    for p in stages:
+        model = mlp(width, depth)
+        w0 = _bytes(model[: partition.balance_by_params(model, p)[0]].parameters())
+        row: dict[str, Any] = {"stages": p, "microbatches": n, "stage0_weights": w0}
+        for schedule in ("pipedream", "pipemare"):
+            model = mlp(width, depth)
+            opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)
+            pipe = Pipeline(
+                model,
+                opt,
+                nn.functional.cross_entropy,
+                stages=p,
+                microbatches=n,
+                schedule=schedule,
+                balance="params",
+            )
+            for _ in range(p + 2):
+                pipe.step((x, y))
+            stage = pipe.stages[0]
+            if schedule == "pipedream":
+                row["stash_measured"] = stage.peak_stashed_versions * w0
+                row["stash_analytic"] = math.ceil((p - 1) / n) * w0
+            else:
+                row["buffers_measured"] = sum(pipe.optimizer.buffer_bytes(0).values())
+                row["buffers_by_correction"] = pipe.optimizer.buffer_bytes(0)
+            pipe.drain()
+        rows.append(row)
+    return rows

@@ -1,0 +1,117 @@
+"""``pipemare compare``: the self-contained HTML page (and Markdown) over the runs' figures and
+tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import html
+import json
+from pathlib import Path
+
+from pipemare.experiments.dashboard.plots import _bars, _convergence, _memory, _staleness
+from pipemare.experiments.dashboard.runs import Run, find_runs
+from pipemare.experiments.dashboard.tables import _markdown, answer, results_table
+
+
+def _img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img src="data:image/png;base64,{data}" alt="{html.escape(path.stem)}">'
+
+
+def _claim(out: Path, paths: list[Path]) -> None:
+    """Make ``out`` this comparison's: refuse a directory that holds another one's dashboard."""
+    sources = sorted(str(p.resolve()) for p in paths)
+    record = out / "sources.json"
+    if record.exists() and json.loads(record.read_text()) != sources:
+        raise ValueError(
+            f"{out} holds the dashboard of {', '.join(json.loads(record.read_text()))}; "
+            "write this comparison elsewhere with --out DIR"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    record.write_text(json.dumps(sources))
+
+
+def default_out(paths: list[Path]) -> Path:
+    """One study: its own ``dashboard/``; several: ``compare-A-B`` beside the first of them."""
+    if len(paths) == 1:
+        return paths[0] / "dashboard"
+    return paths[0].resolve().parent / ("compare-" + "-".join(p.resolve().name for p in paths))
+
+
+def write_dashboard(paths: list[Path], out: Path) -> Path:
+    """Write ``out/index.html``, the PNGs and ``out/results.md``; return the HTML path."""
+    runs = find_runs(paths)
+    if not runs:
+        raise ValueError(
+            f"no finished runs (directories with summary.json) under {', '.join(map(str, paths))}"
+        )
+    _claim(out, paths)
+    tasks: dict[str, list[Run]] = {}
+    for run in runs:
+        tasks.setdefault(run.task, []).append(run)
+    header, rows = results_table(runs)
+    summary = "".join(f"- {line}\n" for line in answer(runs))
+    (out / "results.md").write_text(summary + "\n" + _markdown(header, rows))
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>pipemare: runs compared</title>",
+        "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;font-size:13px}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}th{background:#eee}"
+        "img{max-width:100%}"
+        ".diverged{color:#b00}</style></head><body>",
+        f"<h1>pipemare: {len(runs)} runs compared</h1>",
+        "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in answer(runs)) + "</ul>",
+        "<p>Runs ranked within each task by their best monitored value; the gap to gpipe is "
+        "best minus gpipe's best at the same stages and microbatches (for a loss, positive is "
+        "worse). Pipeline time is what P devices take: measured with a process per stage, "
+        "replayed from the measured action times for stages simulated in one process, whose "
+        "wall time is serial (its stages ran one after another) and labelled so. Utilisation of "
+        "simulated stages is replayed the same way.</p>",
+        "<h2>Results</h2><table><tr>"
+        + "".join(f"<th>{html.escape(h)}</th>" for h in header)
+        + "</tr>",
+    ]
+    for r in rows:
+        cls = ' class="diverged"' if r[-1] != "complete" else ""
+        parts.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>")
+    parts.append("</table>")
+    for task, task_runs in tasks.items():
+        parts.append(f"<h2>{html.escape(task)}</h2>")
+        charts = [
+            _convergence(task, task_runs, out),
+            _staleness(task, task_runs, out),
+            _bars(task, task_runs, out, "utilization", "utilisation", f"{task}_utilization.png"),
+            _memory(task, task_runs, out),
+        ]
+        parts += [_img(c) for c in charts if c is not None]
+        for run in task_runs:
+            if run.summary.get("divergence"):
+                parts.append(
+                    f"<p class='diverged'>{html.escape(run.variant)}: "
+                    f"{html.escape(run.summary['divergence'])}</p>"
+                )
+    parts.append("</body></html>")
+    page = out / "index.html"
+    page.write_text("\n".join(parts))
+    return page
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="pipemare compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("runs", nargs="+", type=Path, help="run or study directories")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="where to write (default: RUNS/dashboard for one study, compare-A-B beside several)",
+    )
+    args = parser.parse_args(argv)
+    try:
+        page = write_dashboard(args.runs, args.out or default_out(args.runs))
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"dashboard: {page}")

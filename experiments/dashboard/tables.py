@@ -1,0 +1,142 @@
+"""The dashboard's tables: runs ranked by their monitored value, each one's gap to gpipe, and the
+one-line answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from pipemare.experiments.dashboard.plots import _COLORS, _color, _mb
+from pipemare.experiments.dashboard.runs import Run
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and np.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def _reference(run: Run, runs: list[Run]) -> Run | None:
+    """The gpipe run ``run`` is measured against: same task, and the same stages and
+    microbatches where such a run exists (else the same stages, else any)."""
+    gpipes = [r for r in runs if r.task == run.task and _color(r) == _COLORS["gpipe"]]
+    gpipes = [r for r in gpipes if r.summary.get("best") is not None]
+
+    def same(r: Run, *keys: str) -> bool:
+        return all(r.summary.get(k) == run.summary.get(k) for k in keys)
+
+    for keys in (("stages", "microbatches"), ("stages",), ()):
+        matches = [r for r in gpipes if same(r, *keys)]
+        if matches:
+            return matches[0]
+    return None
+
+
+def ranked(runs: list[Run]) -> list[Run]:
+    """Runs by task (in order of first appearance), best first within a task; runs without a
+    best value last."""
+    order = {task: i for i, task in reversed(list(enumerate(r.task for r in runs)))}
+
+    def key(run: Run) -> tuple[int, int, float]:
+        best = run.summary.get("best")
+        if best is None:
+            return order[run.task], 1, 0.0
+        return order[run.task], 0, -best if run.mode == "max" else best
+
+    return sorted(runs, key=key)
+
+
+def gap(run: Run, reference: Run | None) -> str:
+    """``best − gpipe's best`` with its relative size, signed so that the reader sees the
+    direction of the metric (for a loss, positive is worse)."""
+    best = run.summary.get("best")
+    if reference is None or best is None:
+        return "-"
+    ref = reference.summary["best"]
+    delta = best - ref
+    relative = f" ({100 * delta / abs(ref):+.1f}%)" if ref else ""
+    return f"{delta:+.3f}{relative}"
+
+
+def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
+    """The final-quality table: one row per run, ranked within each task, with its gap to gpipe."""
+    header = [
+        "rank",
+        "task",
+        "run",
+        "stages",
+        "N",
+        "lr",
+        "best",
+        "gap to gpipe",
+        "final",
+        "steps to target",
+        "pipeline s",
+        "wall s",
+        "utilisation",
+        "stash MB",
+        "correction buffers MB",
+        "status",
+    ]
+    rows = []
+    rank, task = 0, None
+    for run in ranked(runs):
+        rank = rank + 1 if run.task == task else 1
+        task = run.task
+        s = run.summary
+        mem = s.get("memory", {}).get("stages", [])
+        util = run.last_stage_values("utilization")
+        final = s["final"].get(run.monitor)
+        wall = _fmt(s.get("wall_time_s"), 0)
+        rows.append(
+            [
+                str(rank),
+                run.task,
+                run.variant,
+                _fmt(s.get("stages")),
+                _fmt(s.get("microbatches")),
+                _fmt(run.lr, 4),
+                f"{run.monitor} {_fmt(s.get('best'))}",
+                gap(run, _reference(run, runs)),
+                _fmt(final),
+                _fmt(s.get("steps_to_target")),
+                _fmt(run.total_pipeline_time, 1),
+                f"{wall} (serial)" if run.simulated and wall != "-" else wall,
+                _fmt(float(np.nanmean(util)) if util and not all(np.isnan(util)) else None, 2),
+                _fmt(sum(m["stash_mb"] for m in mem), 2) if mem else "-",
+                _fmt(sum(_mb(m, "correction_buffers_mb") for m in mem), 2) if mem else "-",
+                s["status"],
+            ]
+        )
+    return header, rows
+
+
+def answer(runs: list[Run]) -> list[str]:
+    """One sentence per task: which run did best, and how each PipeMare run compares to gpipe."""
+    lines = []
+    tasks: dict[str, list[Run]] = {}
+    for run in ranked(runs):
+        tasks.setdefault(run.task, []).append(run)
+    for task, task_runs in tasks.items():
+        scored = [r for r in task_runs if r.summary.get("best") is not None]
+        if not scored:
+            continue
+        top = scored[0]
+        text = f"{task}: best {top.monitor} {_fmt(top.summary['best'])} by {top.variant}"
+        reference = _reference(top, runs)
+        if reference is not None:
+            text += f"; gpipe {_fmt(reference.summary['best'])}"
+            mares = [r for r in scored if "pipemare" in r.variant]
+            text += "".join(f"; {r.variant} {gap(r, _reference(r, runs))}" for r in mares)
+        lines.append(text + ".")
+    return lines
+
+
+def _markdown(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines) + "\n"

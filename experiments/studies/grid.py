@@ -1,0 +1,83 @@
+"""What the fair protocol compares: the (P, N) grid, the schedules and correction variants, one job
+and its stored result, gpipe's best-case N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from pipemare import PipeMareConfig
+from pipemare.experiments.studies.protocol import RunResult, Task
+
+#: (P, N): the practical regime (N = 4, 8 at P = 8; N = 4 at P = 16) and the fine-grained one
+#: (N = 1, one stage per layer-group).
+GRID: tuple[tuple[int, int], ...] = ((8, 1), (8, 4), (8, 8), (16, 1), (16, 4))
+
+
+_ALONE = {
+    "lr_reschedule": False,
+    "weight_prediction": False,
+    "spike_compensation": False,
+    "delay_momentum": None,
+}
+
+
+#: variant -> (schedule, config); ``pipemare`` is the schedule's default, the others take
+#: its corrections one at a time (the ablation behind the default).
+VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
+    "gpipe": ("gpipe", None),
+    "async": ("async", None),
+    "pipemare": ("pipemare", None),
+    "pipemare-T1T2": ("pipemare", PipeMareConfig.t1_t2()),
+    "pipemare-T1": ("pipemare", PipeMareConfig(**{**_ALONE, "lr_reschedule": True})),
+    "pipemare-SC": ("pipemare", PipeMareConfig(**{**_ALONE, "spike_compensation": True})),
+    "pipemare-WP": ("pipemare", PipeMareConfig(**{**_ALONE, "weight_prediction": True})),
+    "pipemare-SC-WP": (
+        "pipemare",
+        PipeMareConfig(**{**_ALONE, "spike_compensation": True, "weight_prediction": True}),
+    ),
+    # Ajanthan et al.'s Nesterov method without a stash: momentum rising with the delay, the
+    # look-ahead from weight prediction
+    "pipemare-WP-DM": (
+        "pipemare",
+        PipeMareConfig(**{**_ALONE, "weight_prediction": True, "delay_momentum": 0.99}),
+    ),
+    # the default before delay-aware momentum joined it (pipemare 0.2)
+    "pipemare-T1-SC-WP": ("pipemare", PipeMareConfig(delay_momentum=None)),
+}
+
+
+#: what the protocol compares unless told otherwise
+DEFAULT_VARIANTS = ("gpipe", "async", "pipemare", "pipemare-T1-SC-WP")
+
+
+SYNC = ("gpipe",)
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    task: str
+    variant: str
+    stages: int
+    microbatches: int
+    lr: float
+    seed: int
+    steps: int | None = None
+
+    @property
+    def key(self) -> str:
+        return (
+            f"{self.task}-{self.variant}-P{self.stages}-N{self.microbatches}"
+            f"-lr{self.lr:g}-s{self.seed}"
+        )
+
+
+def _load(out: Path, job: Job) -> RunResult:
+    return RunResult(**json.loads((out / "runs" / f"{job.key}.json").read_text()))
+
+
+def best_case_n(task: Task, stages: int) -> int:
+    """gpipe's and 1f1b's N of least bubble: 4P, or as many as the minibatch has samples."""
+    return min(4 * stages, task.batch)
