@@ -19,13 +19,13 @@ import _resume_worker as worker
 import pytest
 import pytorch_lightning as pl
 import torch
-from test_strategy_distributed import environment
+from _launch import environment
 
 from pipemare.engine.lagged import snapshot_lag
 from pipemare.schedule.actions import SCHEDULES, Op
 
-HERE = Path(__file__).parent
-WORKER = str(HERE / "_resume_worker.py")
+TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
+WORKER = str(TESTS / "_resume_worker.py")
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from pipemare import Pipeline, PipeMareConfig, PipeMareStrategy
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def trainer(strategy, **kwargs):

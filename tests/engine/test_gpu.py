@@ -59,8 +59,8 @@ def test_nccl_stages_match_gloo(tmp_path):
     import sys
     from pathlib import Path
 
-    worker = str(Path(__file__).parent / "_dist_worker.py")
-    env = {"PYTHONPATH": str(Path(__file__).parent)}
+    worker = str(Path(__file__).resolve().parents[1] / "_dist_worker.py")
+    env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     for device in ("cuda", "cpu"):
         out = tmp_path / device
         out.mkdir()

@@ -19,7 +19,7 @@ from pipemare.experiments import dashboard
 from pipemare.experiments.studies.study import run_study
 from pipemare.experiments.studies.suites import SUITES
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 CPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.precision=32-true"]
 
@@ -270,7 +270,7 @@ def test_sharpness_power_iteration_finds_the_top_hessian_eigenvalue():
 def test_readme_commands_match_ci_and_the_package():
     """The README's two top commands: CI runs the test one verbatim, the main one names a
     suite and extras that exist."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     block = (root / "README.md").read_text().split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [line for line in block.splitlines() if line and not line.startswith("#")]
     assert len(commands) == 2, commands

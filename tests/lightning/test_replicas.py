@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_strategy_distributed import environment, free_port, reports, run_all
+from _launch import environment, free_port, reports, run_all
 
 from pipemare.engine.replicas import _buckets
 from pipemare.lightning.logreplay import Record
 from pipemare.lightning.steps import merge_published
 
-HERE = Path(__file__).parent
-WORKER = str(HERE / "_replica_worker.py")
+TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
+WORKER = str(TESTS / "_replica_worker.py")
 
 
 def launch(out: Path, *args: str) -> list[str]:

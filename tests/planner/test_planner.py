@@ -21,7 +21,7 @@ from pipemare.planner import LayerProfile, Overhead, Profile
 from pipemare.planner.cost import _replay
 from pipemare.planner.streams import _streams
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FREE = Overhead(0.0, 0.0, 0.0)
 
 

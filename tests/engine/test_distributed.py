@@ -12,14 +12,14 @@ import pytest
 import torch
 
 pytestmark = pytest.mark.distributed
-HERE = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
 
 
 def torchrun(
     nproc: int, script: Path, *args: str, timeout: float = 240
 ) -> subprocess.CompletedProcess:
     """Launch ``script`` on ``nproc`` local processes; torchrun --standalone picks a free port."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(HERE))
+    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(TESTS))
     cmd = [
         sys.executable,
         "-m",
@@ -38,7 +38,7 @@ def torchrun(
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_processes_match_the_simulator(world, tmp_path, one_thread):
-    torchrun(world, HERE / "_dist_worker.py", "--out", str(tmp_path))
+    torchrun(world, TESTS / "_dist_worker.py", "--out", str(tmp_path))
     for schedule in ("async", "pipemare"):
         model, pipe = worker.train(schedule, world, "inprocess")
         moved = 0.0

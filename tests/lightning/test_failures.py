@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from test_strategy_distributed import environment
+from _launch import environment
 
 from pipemare.engine.watchdog import Peer, describe_process
 
 pytestmark = pytest.mark.distributed
-HERE = Path(__file__).parent
+TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
 
 
 def _alive(pid: int) -> bool:
@@ -30,7 +30,7 @@ def _alive(pid: int) -> bool:
 
 def _run_and_signal(tmp_path: Path, sig: int) -> tuple[int, str, float, list[int]]:
     proc = subprocess.Popen(
-        [sys.executable, str(HERE / "_stall_worker.py"), "--out", str(tmp_path)],
+        [sys.executable, str(TESTS / "_stall_worker.py"), "--out", str(tmp_path)],
         env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -7,61 +7,20 @@ rank reports what it saw; the tests compare the ranks with each other and across
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from _launch import environment, free_port, reports, run_all
 from _models import quiet_trainer
 
 from pipemare.experiments.tasks.classifiers import DigitsCNN
 from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
 pytestmark = pytest.mark.distributed
-HERE = Path(__file__).parent
-WORKER = str(HERE / "_lightning_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def environment(**extra: str) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
-    }
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore", **extra)
-    return env
-
-
-def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 300) -> None:
-    """Start every command and wait for all; show the output of failures. Kills only its own."""
-    procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd, env in commands
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outputs, strict=False):
-        assert p.returncode == 0, f"launch failed ({p.returncode}):\n{out[-6000:]}"
-
-
-def reports(out: Path, world: int) -> list[dict]:
-    return [json.loads((out / f"report-rank{r}.json").read_text()) for r in range(world)]
+TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
+WORKER = str(TESTS / "_lightning_worker.py")
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +187,7 @@ def test_monitors_over_processes_divergence_timeline_utilization(tmp_path):
     run_all(
         [
             (
-                [sys.executable, str(HERE / "_monitor_worker.py"), "--out", str(tmp_path)],
+                [sys.executable, str(TESTS / "_monitor_worker.py"), "--out", str(tmp_path)],
                 environment(),
             )
         ]
