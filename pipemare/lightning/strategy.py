@@ -329,7 +329,7 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
         schedule: ``pipemare`` (default), ``async``, ``pipedream``, ``1f1b`` or ``gpipe``.
         balance: layers per stage: ``"time"`` (measured forward+backward time of each layer on
             the first batch, default), ``"auto"`` (the planner's cut for this P and N from a
-            profile of time, memory and the engine's costs, see :mod:`pipemare.planner.planner`),
+            profile of time, memory and the engine's costs, see :mod:`pipemare.planner`),
             ``"params"``, ``"even"`` or a list of counts.
         config: :class:`~pipemare.PipeMareConfig` (T1, T2, T3); default per schedule.
         sequential: attribute path of the ``nn.Sequential`` to pipeline; found automatically

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -186,27 +187,55 @@ def balance_by_cost(costs: Sequence[float], stages: int, joined: Collection[int]
             raise ValueError(f"layer costs must be non-negative, got {c}")
         prefix.append(prefix[-1] + float(c))
 
-    # best[j][l]: (max part cost, spread) for the first l layers cut into j parts.
-    inf = (float("inf"), float("inf"))
-    best = [[inf] * (n + 1) for _ in range(stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    ideal = n / stages
-    for j in range(1, stages + 1):
-        for end in range(j, n - (stages - j) + 1):
-            for begin in range(j - 1, end):
-                prev = best[j - 1][begin]
-                if prev == inf or (begin > 0 and begin in joined):
-                    continue
-                part = prefix[end] - prefix[begin]
-                cand = (max(prev[0], part), prev[1] + abs((end - begin) - ideal))
-                if cand < best[j][end]:
-                    best[j][end], cut[j][end] = cand, begin
-    if best[stages][n] == inf:
+    balance = _min_max_cut(n, stages, lambda _, begin, end: prefix[end] - prefix[begin], joined)
+    if balance is None:
         raise ValueError(
             f"no cut of {n} layers into {stages} stages starts every stage outside {sorted(joined)}"
         )
-    balance, end = [], n
+    return balance
+
+
+def _min_max_cut(
+    num_layers: int,
+    stages: int,
+    cost: Callable[[int, int, int], float | None],
+    joined: Collection[int] = (),
+    even_first: bool = False,
+) -> list[int] | None:
+    """Contiguous cut of ``num_layers`` layers into ``stages`` minimising the largest
+    ``cost(stage, begin, end)`` of a stage's layers ``begin .. end - 1``; a cost of None
+    forbids that stage. Ties go to the most even cut (in layers per stage); ``even_first``:
+    the most even allowed cut, ties to the cheapest. No stage starts at an index in
+    ``joined`` (tied weights). None when no cut is allowed.
+
+    PipeDream's optimizer recursion: the best cut of the first ``end`` layers into ``j``
+    stages extends the best cut of the first ``begin`` layers into ``j - 1``.
+    """
+    # best[j][end]: (largest stage cost, spread) for the first end layers cut into j stages.
+    unreached = (math.inf, math.inf)
+    best = [[unreached] * (num_layers + 1) for _ in range(stages + 1)]
+    cut = [[0] * (num_layers + 1) for _ in range(stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    ideal = num_layers / stages
+
+    def order(key: tuple[float, float]) -> tuple[float, float]:
+        return (key[1], key[0]) if even_first else key
+
+    for j in range(1, stages + 1):
+        for end in range(j, num_layers - (stages - j) + 1):
+            for begin in range(j - 1, end):
+                prev = best[j - 1][begin]
+                if prev == unreached or (begin > 0 and begin in joined):
+                    continue
+                c = cost(j - 1, begin, end)
+                if c is None:
+                    continue
+                cand = (max(prev[0], c), prev[1] + abs((end - begin) - ideal))
+                if order(cand) < order(best[j][end]):
+                    best[j][end], cut[j][end] = cand, begin
+    if best[stages][num_layers] == unreached:
+        return None
+    balance, end = [], num_layers
     for j in range(stages, 0, -1):
         begin = cut[j][end]
         balance.append(end - begin)

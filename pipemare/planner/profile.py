@@ -33,6 +33,7 @@ from pipemare.planner.timing import (
     _time_loss,
     _time_stages,
     _time_updates,
+    _Training,
 )
 from pipemare.schedule.actions import spec
 
@@ -111,7 +112,9 @@ def profile(
         )
     if target is not None and batch_size(target) < sizes[-1]:
         raise ValueError(f"target has fewer samples than the largest microbatch size {sizes[-1]}")
-    loss = loss_fn or _sum_loss
+    training = _Training(
+        loss_fn or _sum_loss, optimizer, schedule, config, repeats, forward_context
+    )
     with (
         torch.inference_mode(False),
         torch.enable_grad(),
@@ -126,20 +129,17 @@ def profile(
         runs = [_Runs(len(seq)) for _ in sizes]
         updates: list[list[float]] = [[] for _ in seq]
         for _ in range(rounds):
-            for name, samples in _calibrate(schedule, optimizer, config, repeats, device):
+            for name, samples in _calibrate(training, device):
                 _extend(fixed[name], samples)
-            for i, seconds in enumerate(
-                _time_updates(seq, batches[0], loss, optimizer, schedule, config, repeats)
-            ):
+            for i, seconds in enumerate(_time_updates(seq, batches[0], training)):
                 updates[i] += seconds
             for k, batch in enumerate(batches):
-                _time_stages(seq, batch, loss, optimizer, schedule, config, repeats,
-                             forward_context, runs[k])  # fmt: skip
+                _time_stages(seq, batch, training, runs[k])
         weights = [max(_median(u) - _median(fixed["delayed"][2]), 0.0) for u in updates]
         per_size, inputs = [], []
         for k, (x, t) in enumerate(batches):
             sizes_bytes, in_bytes = _bytes_pass(seq, x, t, loss_fn, forward_context)
-            loss_times = _time_loss(seq, x, t, loss, repeats, forward_context)
+            loss_times = _time_loss(seq, x, t, training)
             per_size.append(
                 _records(seq, sizes_bytes, runs[k], fixed, weights, loss_times, schedule)
             )

@@ -36,42 +36,14 @@ def _cut(
     even_first: bool = False,
 ) -> list[int] | None:
     """Contiguous cut of ``num_layers`` layers into ``stages`` minimising the largest
-    ``cost(stage, begin, end)``; infinite costs are forbidden. Ties go to the most even cut
-    (in layers per stage); ``even_first``: the most even allowed cut, ties to the cheapest.
+    ``cost(stage, begin, end)``; infinite costs are forbidden (see
+    :func:`pipemare.model.partition._min_max_cut`). None when no cut is allowed."""
 
-    PipeDream's optimizer recursion: the best cut of the first ``end`` layers into ``j``
-    stages extends the best cut of the first ``begin`` layers into ``j - 1``.
-    """
-    inf = (math.inf, math.inf)
-    joined = set(joined)
-    best = [[inf] * (num_layers + 1) for _ in range(stages + 1)]
-    cut = [[0] * (num_layers + 1) for _ in range(stages + 1)]
-    best[0][0] = (0.0, 0.0)
-    ideal = num_layers / stages
+    def allowed(j: int, begin: int, end: int) -> float | None:
+        c = cost(j, begin, end)
+        return None if c == math.inf else c
 
-    def order(key: tuple[float, float]) -> tuple[float, float]:
-        return key[::-1] if even_first else key
-
-    for j in range(1, stages + 1):
-        for end in range(j, num_layers - (stages - j) + 1):
-            for begin in range(j - 1, end):
-                prev = best[j - 1][begin]
-                if prev[0] == math.inf or (begin > 0 and begin in joined):
-                    continue
-                c = cost(j - 1, begin, end)
-                if c == math.inf:
-                    continue
-                cand = (max(prev[0], c), prev[1] + abs((end - begin) - ideal))
-                if order(cand) < order(best[j][end]):
-                    best[j][end], cut[j][end] = cand, begin
-    if best[stages][num_layers][0] == math.inf:
-        return None
-    balance, end = [], num_layers
-    for j in range(stages, 0, -1):
-        begin = cut[j][end]
-        balance.append(end - begin)
-        end = begin
-    return balance[::-1]
+    return partition._min_max_cut(num_layers, stages, allowed, set(joined), even_first)
 
 
 def _best_layout(

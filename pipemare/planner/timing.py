@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -43,6 +44,19 @@ def _medians(samples: _Samples) -> tuple[float, float, float]:
     return f, b, u
 
 
+@dataclasses.dataclass(frozen=True)
+class _Training:
+    """How every timed run trains: the loss, the optimiser, the schedule and its corrections'
+    settings, the timed steps and the context around each forward."""
+
+    loss: Callable[[Any, Any], torch.Tensor]
+    optimizer: OptimizerFactory
+    schedule: str
+    config: PipeMareConfig | None
+    repeats: int
+    forward_context: ForwardContext | None = None
+
+
 class _Runs:
     """What the timed stage runs measured, pooled over rounds, for one microbatch size.
 
@@ -63,38 +77,17 @@ def _last_cut(seq: nn.Sequential) -> int:
     return max((c for c in range(1, len(seq)) if c not in joined), default=0)
 
 
-def _time_stages(
-    seq: nn.Sequential,
-    batch: Any,
-    loss: Callable[[Any, Any], torch.Tensor],
-    optimizer: OptimizerFactory,
-    schedule: str,
-    config: PipeMareConfig | None,
-    repeats: int,
-    forward_context: ForwardContext | None,
-    runs: _Runs,
-) -> None:
+def _time_stages(seq: nn.Sequential, batch: Any, training: _Training, runs: _Runs) -> None:
     """Run a copy of ``seq`` as one stage, and (non-flushing) as two; time layers and actions."""
     cut = _last_cut(seq)
     layouts = [(False, [len(seq)])]
-    if not spec(schedule).flushes and cut > 0:
+    if not spec(training.schedule).flushes and cut > 0:
         layouts.append((True, [cut, len(seq) - cut]))
         runs.span[True] = cut
     for delayed, balance in layouts:
         model = copy.deepcopy(seq)
         clock = _LayerClock(model)
-        actions, pipe = _time_engine(
-            model,
-            batch,
-            loss,
-            optimizer,
-            schedule,
-            config,
-            balance,
-            repeats,
-            forward_context,
-            clock,
-        )
+        actions, pipe = _time_engine(model, batch, training, balance, clock)
         clock.close()
         _extend(runs.stage[delayed], actions[0])
         for i in range(balance[0]):
@@ -202,13 +195,8 @@ def _state_bytes(seq: nn.Sequential, pipe: Any) -> list[int]:
 def _time_engine(
     model: nn.Sequential,
     batch: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    optimizer: OptimizerFactory,
-    schedule: str,
-    config: PipeMareConfig | None,
+    training: _Training,
     balance: list[int],
-    repeats: int,
-    forward_context: ForwardContext | None,
     clock: _LayerClock | None = None,
 ) -> tuple[list[_Samples], Any]:
     """Engine seconds of each stage's forward, backward and update actions (N = 1)."""
@@ -218,19 +206,19 @@ def _time_engine(
     from pipemare.engine.telemetry import Probe
 
     stages = len(balance)
-    opt = optimizer(model.parameters())
+    opt = training.optimizer(model.parameters())
     for group in opt.param_groups:  # the same work per step, and the copy cannot diverge
         group["lr"] = 0.0
     pipe = Pipeline(
         model,
         opt,
-        loss_fn,
+        training.loss,
         stages=stages,
         microbatches=1,
-        schedule=schedule,
+        schedule=training.schedule,
         balance=balance,
-        config=config,
-        forward_context=forward_context,
+        config=training.config,
+        forward_context=training.forward_context,
         seed=0,
         check_finite=True,  # as in training: the check costs time at every update
     )
@@ -240,7 +228,7 @@ def _time_engine(
         clock.reset()
     probe = Probe(timeline=True)
     pipe.probe = probe
-    for _ in range(repeats):
+    for _ in range(training.repeats):
         pipe.step(batch)
     pipe.probe = None
     replayed, _ = replay_timeline(probe.take_spans(), stages)  # durations without comm
@@ -253,23 +241,19 @@ def _time_engine(
 
 
 def _time_loss(
-    seq: nn.Sequential,
-    sample: Any,
-    target: Any,
-    loss_fn: Callable[[Any, Any], torch.Tensor],
-    repeats: int,
-    forward_context: ForwardContext | None,
+    seq: nn.Sequential, sample: Any, target: Any, training: _Training
 ) -> tuple[float, float]:
     """Median seconds of the loss's forward and backward on the model's output."""
     with torch.no_grad():
         output = seq(sample)
     forward, backward = [], []
-    for _ in range(repeats + 2):
+    enter = training.forward_context
+    for _ in range(training.repeats + 2):
         out = _leaf(output)
-        context = forward_context() if forward_context is not None else contextlib.nullcontext()
+        context = enter() if enter is not None else contextlib.nullcontext()
         start = time.perf_counter()
         with context:
-            value = loss_fn(out, target)
+            value = training.loss(out, target)
         middle = time.perf_counter()
         if value.requires_grad:
             value.backward()
@@ -278,15 +262,7 @@ def _time_loss(
     return _median(forward[2:]), _median(backward[2:])
 
 
-def _time_updates(
-    seq: nn.Sequential,
-    batch: Any,
-    loss: Callable[[Any, Any], torch.Tensor],
-    optimizer: OptimizerFactory,
-    schedule: str,
-    config: PipeMareConfig | None,
-    repeats: int,
-) -> list[list[float]]:
+def _time_updates(seq: nn.Sequential, batch: Any, training: _Training) -> list[list[float]]:
     """Per layer, update seconds with each layer a stage of its own (layers sharing weights
     together, timed on the first): how a stage update's work is shared out between its
     layers (per parameter tensor and per byte, corrections included)."""
@@ -297,9 +273,8 @@ def _time_updates(
             units[-1] += 1
         else:
             units.append(1)
-    actions, _ = _time_engine(
-        copy.deepcopy(seq), batch, loss, optimizer, schedule, config, units, repeats, None
-    )
+    plain = dataclasses.replace(training, forward_context=None)
+    actions, _ = _time_engine(copy.deepcopy(seq), batch, plain, units)
     out: list[list[float]] = []
     for unit, count in zip(actions, units, strict=True):
         out += [unit[2]] + [[0.0] for _ in range(count - 1)]
@@ -317,24 +292,20 @@ class _Scalar(nn.Module):
         return x * self.weight
 
 
-def _calibrate(
-    schedule: str,
-    optimizer: OptimizerFactory,
-    config: PipeMareConfig | None,
-    repeats: int,
-    device: torch.device,
-) -> list[tuple[str, _Samples]]:
+def _calibrate(training: _Training, device: torch.device) -> list[tuple[str, _Samples]]:
     """The engine's fixed seconds per action: a pipeline of trivial layers, whose middle
     stages (delayed) and last stage (no delay; it hands the loss over) do next to nothing;
     and the middle stages again with :class:`_LayerClock`'s hooks on."""
     model = nn.Sequential(*[_Scalar() for _ in range(5)]).to(device)
     x = torch.ones(1, 1, device=device)
     batch = (x, torch.zeros(1, device=device))
-    run = (batch, _sum_loss, optimizer, schedule, config, [1] * 5, max(repeats, 10), None)
-    times, _ = _time_engine(model, *run)
+    trivial = dataclasses.replace(
+        training, loss=_sum_loss, repeats=max(training.repeats, 10), forward_context=None
+    )
+    times, _ = _time_engine(model, batch, trivial, [1] * 5)
     clocked = copy.deepcopy(model)
     clock = _LayerClock(clocked)  # what the layer hooks themselves cost, to take it out
-    with_hooks, _ = _time_engine(clocked, *run, clock)
+    with_hooks, _ = _time_engine(clocked, batch, trivial, [1] * 5, clock)
     clock.close()
     out = [("delayed", t) for t in times[1:4]] + [("undelayed", times[4])]
     return out + [("hooked", t) for t in with_hooks[1:4]]
