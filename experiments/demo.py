@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
+from pipemare.experiments._commands import command_parser
 from pipemare.experiments.tasks.data import digits
 from pipemare.experiments.tasks.models import residual_mlp
 from pipemare.schedule.actions import SCHEDULES
@@ -63,11 +64,7 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(
-        prog="pipemare demo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("pipemare demo", __doc__)
     parser.add_argument(
         "--schedules",
         nargs="+",

@@ -5,8 +5,10 @@ print the plan.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -14,10 +16,9 @@ import torch
 from torch import nn
 
 from pipemare.engine.microbatch import batch_size as rows_of
+from pipemare.planner import Plan, parse_bytes, plan, profile
 from pipemare.planner.measurements import OptimizerFactory
-from pipemare.planner.profile import profile
-from pipemare.planner.report import Plan, parse_bytes
-from pipemare.planner.search import DEFAULT_MICROBATCHES, plan
+from pipemare.planner.search import DEFAULT_MICROBATCHES
 from pipemare.schedule.actions import spec
 
 
@@ -104,8 +105,6 @@ def main(argv: list[str] | None = None) -> Plan:
             spec(args.schedule)
         except ValueError as err:
             raise _fail(str(err)) from None
-    import os
-
     if not os.path.isfile(args.config):
         raise _fail(f"no config file at {args.config!r}; pass e.g. --config configs/mnist.yaml")
     setup = _from_config(args.config)
@@ -165,8 +164,6 @@ def _sizes_needed(devices: int, batch: int, microbatches: Sequence[int], layers:
 
 def _from_config(path: str) -> dict[str, Any]:
     """The config's Sequential, its input for one training batch, loss, optimiser, strategy."""
-    import warnings
-
     from pipemare.experiments.cli import PipeMareCLI
     from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
     from pipemare.model.cuts import find_sequential

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
 
         fair.main(rest)
     elif command == "bench":
-        from pipemare.experiments import bench
+        from pipemare.experiments.bench import command as bench
 
         bench.main(rest)
     elif command == "plan":
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
 
         plan_command.main(rest)
     elif command == "compare":
-        from pipemare.experiments import dashboard
+        from pipemare.experiments.dashboard import page as dashboard
 
         dashboard.main(rest)
     else:

@@ -1,5 +1,22 @@
-"""``pipemare bench``: one torchrun launch per process count, the table, the chart and the
-decomposition of the gap to one process.
+"""``pipemare bench``: throughput and memory of pipemare's pipelines against the alternatives.
+
+One invocation launches, for each process count P, one ``torchrun`` job (gloo, one thread per
+process) that trains the same model, batch and optimiser (SGD, momentum 0.9) in turn as:
+
+- ``single``: the whole model in one process (rank 0; the others wait in a barrier);
+- ``torch``: ``torch.distributed.pipelining``'s GPipe, 1F1B, Interleaved1F1B and
+  InterleavedZeroBubble with hand-split stages (:mod:`~pipemare.experiments.bench.torch_peer`);
+- ``engine``: pipemare's :class:`~pipemare.Pipeline` with every schedule;
+- ``lightning``: ``Trainer(strategy=PipeMareStrategy(...))`` with every schedule;
+
+so every ratio compares runs of one launch. Each configuration is one JSON line: samples/s,
+per-stage utilisation (compute over wall) and communication seconds, the bubble (mean idle
+fraction), memory per stage (weights, optimiser state, stashed weights, correction buffers,
+activations) and ratios against single-process training and torch's 1F1B. Then a table and a
+bar chart. A separate in-process pass measures stage 0's weight memory under ``pipedream``'s
+stash and ``pipemare``'s correction buffers at several P against their analytic values.
+
+Run it alone on the machine: anything else running turns the figures into noise.
 """
 
 from __future__ import annotations
@@ -17,8 +34,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipemare.experiments.bench.launch import add_model_options, flags, torchrun
 from pipemare.experiments.bench.memory import memory_study, mlp
-from pipemare.experiments.bench.worker import _worker
+from pipemare.experiments.bench.worker import run_worker
 from pipemare.model import partition
 from pipemare.schedule.actions import SCHEDULES, spec
 
@@ -30,23 +48,8 @@ def run(args: argparse.Namespace) -> list[dict]:
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     for p in args.processes:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={p}",
-            "-m",
-            _ENGINE,
-            "worker",
-            *_forward(args),
-        ]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        proc = subprocess.run(
-            cmd, env=env, capture_output=True, text=True, timeout=args.timeout, check=False
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"the benchmark at P={p} failed:\n{proc.stderr[-4000:]}")
+        failure = f"the benchmark at P={p} failed"
+        torchrun(_ENGINE, p, _forward(args), args.timeout, failure, PYTHONWARNINGS="ignore")
         rows += [
             json.loads(line) for line in (args.out / f"bench-p{p}.jsonl").read_text().splitlines()
         ]
@@ -54,17 +57,8 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
-    return [
-        "--out", str(args.out),
-        "--width", str(args.width),
-        "--depth", str(args.depth),
-        "--batch", str(args.batch),
-        "--microbatches", str(args.microbatches),
-        "--steps", str(args.steps),
-        "--warmup", str(args.warmup),
-        "--lr", str(args.lr),
-        "--schedules", *args.schedules,
-    ]  # fmt: skip
+    names = ("out", "width", "depth", "batch", "microbatches", "steps", "warmup", "lr", "schedules")
+    return flags(args, *names)
 
 
 def table(rows: list[dict]) -> str:
@@ -189,9 +183,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--batch", type=int, default=256)
+    add_model_options(parser, width=1024, depth=8, batch=256)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -207,7 +199,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in args.schedules:
         spec(name)
     if args.what == "worker":
-        _worker(args)
+        run_worker(args)
         return []
     if args.what in ("decompose", "twin"):
         print(json.dumps(decompose(args, shared=args.what == "twin")))

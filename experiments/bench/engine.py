@@ -11,8 +11,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 
@@ -20,6 +18,7 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
+from pipemare.experiments.bench.launch import add_model_options, flags, torchrun
 from pipemare.experiments.bench.memory import mlp
 
 
@@ -120,34 +119,9 @@ def _dist_worker(args: argparse.Namespace) -> None:
 
 def bench_distributed(args: argparse.Namespace) -> dict:
     """Samples/s of a 2-process pipeline over one process training the whole model (one launch)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node=2",
-        "-m",
-        "pipemare.experiments.bench.engine",
-        "worker",
-        "--width",
-        str(args.width),
-        "--depth",
-        str(args.depth),
-        "--batch",
-        str(args.batch),
-        "--microbatches",
-        str(args.microbatches),
-        "--schedule",
-        args.schedule,
-        "--steps",
-        str(args.steps),
-        "--balance",
-        args.balance,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"benchmark launch failed:\n{proc.stderr[-4000:]}")
+    names = ("width", "depth", "batch", "microbatches", "schedule", "steps", "balance")
+    failure = "benchmark launch failed"
+    proc = torchrun("pipemare.experiments.bench.engine", 2, flags(args, *names), 1800, failure)
     rates = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
     return {
         "benchmark": "distributed",
@@ -166,9 +140,7 @@ def bench_distributed(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("what", choices=["sim", "dist", "worker"])
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--depth", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=64)
+    add_model_options(parser, width=None, depth=16, batch=64)
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--schedule", default=None)

@@ -22,12 +22,14 @@ def mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
-def _bytes(tensors: Any) -> int:
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the tensors among ``tensors`` (an iterable; other items are skipped)."""
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _optimizer_bytes(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> int:
-    return sum(_bytes(opt.state[p].values()) for p in params if p in opt.state)
+def optimizer_bytes(opt: torch.optim.Optimizer, params: list[nn.Parameter]) -> int:
+    """Bytes of ``opt``'s state (momentum, ...) for ``params``."""
+    return sum(tensor_bytes(opt.state[p].values()) for p in params if p in opt.state)
 
 
 def saved_bytes(module: nn.Module, x: torch.Tensor) -> int:
@@ -62,7 +64,7 @@ def memory_study(stages: list[int], width: int, depth: int, batch: int, n: int) 
     y = torch.randint(0, 10, (batch,), generator=gen)
     for p in stages:
         model = mlp(width, depth)
-        w0 = _bytes(model[: partition.balance_by_params(model, p)[0]].parameters())
+        w0 = tensor_bytes(model[: partition.balance_by_params(model, p)[0]].parameters())
         row: dict[str, Any] = {"stages": p, "microbatches": n, "stage0_weights": w0}
         for schedule in ("pipedream", "pipemare"):
             model = mlp(width, depth)

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipemare import PipeMareStrategy
 from pipemare.callbacks import monitors
+from pipemare.experiments.bench.launch import add_model_options
 from pipemare.experiments.bench.memory import mlp
 
 
@@ -82,9 +83,7 @@ def run(monitored: bool, args: argparse.Namespace, logdir: str) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=16)
-    parser.add_argument("--batch", type=int, default=64)
+    add_model_options(parser, width=512, depth=16, batch=64)
     parser.add_argument("--stages", type=int, default=8)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=150)

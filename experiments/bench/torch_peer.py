@@ -28,6 +28,8 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.pipelining import schedules as _torch_schedules
 
+from pipemare.experiments.bench.memory import optimizer_bytes, tensor_bytes
+
 TORCH_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble")
 
 # name -> (schedule class, virtual stages held by each rank)
@@ -238,14 +240,6 @@ class _P2PWatch:
             _torch_schedules._batch_p2p, _torch_schedules._wait_batch_p2p = saved
 
 
-def _tensor_bytes(tensors: Iterator[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-def _optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return _tensor_bytes(v for state in optimizer.state.values() for v in state.values())
-
-
 def _sync(device: torch.device) -> None:
     # CPU kernels finish before they return; an accelerator's queue must drain before a
     # timestamp means anything.
@@ -392,8 +386,8 @@ def torch_pipeline_run(
         "busy_s": busy.seconds,
         "utilisation": busy.seconds / wall if wall > 0 else 0.0,
         "comm_s": comm.seconds,
-        "weights_bytes": _tensor_bytes(iter(params)),
-        "optimizer_bytes": _optimizer_bytes(optimizer),
+        "weights_bytes": tensor_bytes(params),
+        "optimizer_bytes": optimizer_bytes(optimizer, params),
         "activation_peak_bytes": saved.peak,
         "losses": [float(loss) for loss in losses if loss is not None],
     }

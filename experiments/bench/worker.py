@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare.experiments.bench.memory import _bytes, _optimizer_bytes, mlp, saved_bytes
+from pipemare.experiments.bench.memory import mlp, optimizer_bytes, saved_bytes, tensor_bytes
 from pipemare.model import partition
 
 
@@ -49,8 +49,8 @@ def _single(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> dict[
     dist.barrier()
     params = list(model.parameters())
     memory = {
-        "weights": _bytes(params),
-        "optimizer": _optimizer_bytes(opt, params),
+        "weights": tensor_bytes(params),
+        "optimizer": optimizer_bytes(opt, params),
         "stash": 0,
         "buffers": 0,
         "activations": saved_bytes(model, x),
@@ -66,14 +66,14 @@ def _stage_memory(
     (i,) = pipe.local_stages
     stage = pipe.stages[0]
     params = list(pipe.stage_modules[i].parameters())
-    weights = _bytes(params)
+    weights = tensor_bytes(params)
     with torch.no_grad():  # this stage's input on one microbatch: the earlier layers' output
         inputs = mlp(args.width, args.depth)[: sum(pipe.balance[:i])](
             x[: math.ceil(len(x) / args.microbatches)]
         )
     return {
         "weights": weights,
-        "optimizer": _optimizer_bytes(opt, params),
+        "optimizer": optimizer_bytes(opt, params),
         "stash": stage.peak_stashed_versions * weights,
         "buffers": sum(pipe.optimizer.buffer_bytes(i).values()),
         "activations": saved_bytes(copy.deepcopy(pipe.stage_modules[i]), inputs)
@@ -275,7 +275,8 @@ def _row(
     return row
 
 
-def _worker(args: argparse.Namespace) -> None:
+def run_worker(args: argparse.Namespace) -> None:
+    """One rank of a launch: every kind and schedule in turn; rank 0 writes the JSON rows."""
     from pipemare.experiments.bench.torch_peer import TORCH_SCHEDULES, torch_pipeline_run
 
     torch.set_num_threads(1)

@@ -1,18 +1,30 @@
-"""``pipemare compare``: the self-contained HTML page (and Markdown) over the runs' figures and
-tables.
+"""``pipemare compare RUN_DIR...``: one self-contained HTML page (and PNGs) comparing runs.
+
+It finds every run (a directory with ``summary.json``) under the given directories and shows,
+per task: the runs ranked by their best monitored value with each one's gap to gpipe, the
+monitored metric and the training loss against steps and against pipeline time (what P
+devices take; replayed from measured action times for stages simulated in one process, whose
+own serial wall time is shown apart and labelled as such), the delays per stage (derived and
+measured), utilisation per stage, and memory (weights, optimiser state, PipeDream's stash,
+correction buffers, activations held).
 """
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import json
 from pathlib import Path
 
-from pipemare.experiments.dashboard.plots import _bars, _convergence, _memory, _staleness
+from pipemare.experiments._commands import command_parser
+from pipemare.experiments.dashboard.plots import (
+    bars_plot,
+    convergence_plot,
+    memory_plot,
+    staleness_plot,
+)
 from pipemare.experiments.dashboard.runs import Run, find_runs
-from pipemare.experiments.dashboard.tables import _markdown, answer, results_table
+from pipemare.experiments.dashboard.tables import answer, markdown, results_table
 
 
 def _img(path: Path) -> str:
@@ -53,7 +65,7 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
         tasks.setdefault(run.task, []).append(run)
     header, rows = results_table(runs)
     summary = "".join(f"- {line}\n" for line in answer(runs))
-    (out / "results.md").write_text(summary + "\n" + _markdown(header, rows))
+    (out / "results.md").write_text(summary + "\n" + markdown(header, rows))
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>pipemare: runs compared</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;font-size:13px}"
@@ -79,10 +91,12 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
     for task, task_runs in tasks.items():
         parts.append(f"<h2>{html.escape(task)}</h2>")
         charts = [
-            _convergence(task, task_runs, out),
-            _staleness(task, task_runs, out),
-            _bars(task, task_runs, out, "utilization", "utilisation", f"{task}_utilization.png"),
-            _memory(task, task_runs, out),
+            convergence_plot(task, task_runs, out),
+            staleness_plot(task, task_runs, out),
+            bars_plot(
+                task, task_runs, out, "utilization", "utilisation", f"{task}_utilization.png"
+            ),
+            memory_plot(task, task_runs, out),
         ]
         parts += [_img(c) for c in charts if c is not None]
         for run in task_runs:
@@ -98,11 +112,7 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="pipemare compare",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("pipemare compare", __doc__)
     parser.add_argument("runs", nargs="+", type=Path, help="run or study directories")
     parser.add_argument(
         "--out",

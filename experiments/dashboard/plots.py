@@ -13,25 +13,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
 
-from pipemare.experiments.dashboard.runs import Run
+from pipemare.experiments.dashboard.runs import BASE_VARIANTS, Run, memory_mb
 
-_COLORS = {
-    "gpipe": "#1f77b4",
-    "1f1b": "#17becf",
-    "pipedream": "#9467bd",
-    "async": "#d62728",
-    "pipemare": "#000000",
-    "pipemare-T1T2": "#ff7f0e",
-    "pipemare-T1T2T3": "#2ca02c",
-}
+#: a colour per variant, in the order of :data:`BASE_VARIANTS`
+_COLORS = dict(
+    zip(
+        BASE_VARIANTS,
+        ("#1f77b4", "#17becf", "#9467bd", "#d62728", "#000000", "#ff7f0e", "#2ca02c"),
+        strict=True,
+    )
+)
 
 
 def _color(run: Run) -> str | None:
-    base = run.variant.split("-P")[0].split("-lr")[0].split("-N")[0]
-    for key in sorted(_COLORS, key=len, reverse=True):
-        if base.endswith(key):
-            return _COLORS[key]
-    return None
+    return None if run.base_variant is None else _COLORS[run.base_variant]
 
 
 def _smooth(values: np.ndarray, weight: float = 0.9) -> np.ndarray:
@@ -65,7 +60,7 @@ def _time_axis(runs: list[Run]) -> tuple[Any, str]:
     return (lambda run, steps: run.wall_time(steps)), label
 
 
-def _convergence(task: str, runs: list[Run], out: Path) -> Path:
+def convergence_plot(task: str, runs: list[Run], out: Path) -> Path:
     monitor = runs[0].monitor
     clock, time_label = _time_axis(runs)
     fig, axes = plt.subplots(2, 2, figsize=(12, 8))
@@ -109,7 +104,7 @@ def _convergence(task: str, runs: list[Run], out: Path) -> Path:
     return _save(fig, out / f"{task}_convergence.png", layout=False)
 
 
-def _staleness(task: str, runs: list[Run], out: Path) -> Path | None:
+def staleness_plot(task: str, runs: list[Run], out: Path) -> Path | None:
     runs = [r for r in runs if r.summary.get("tau_fwd")]
     if not runs:
         return None
@@ -128,7 +123,9 @@ def _staleness(task: str, runs: list[Run], out: Path) -> Path | None:
     return _save(fig, out / f"{task}_staleness.png")
 
 
-def _bars(task: str, runs: list[Run], out: Path, metric: str, label: str, file: str) -> Path | None:
+def bars_plot(
+    task: str, runs: list[Run], out: Path, metric: str, label: str, file: str
+) -> Path | None:
     values = [(run, run.last_stage_values(metric)) for run in runs]
     values = [(r, v) for r, v in values if v and not all(np.isnan(v))]
     if not values:
@@ -151,14 +148,7 @@ def _bars(task: str, runs: list[Run], out: Path, metric: str, label: str, file: 
     return _save(fig, out / file)
 
 
-def _mb(stage: dict[str, Any], part: str) -> float:
-    # summaries before pipemare 0.2 called the correction buffers "velocity_mb" (T2's only)
-    if part == "correction_buffers_mb" and part not in stage:
-        return float(stage.get("velocity_mb", 0.0))
-    return float(stage[part])
-
-
-def _memory(task: str, runs: list[Run], out: Path) -> Path | None:
+def memory_plot(task: str, runs: list[Run], out: Path) -> Path | None:
     rows = [(run, run.summary.get("memory", {}).get("stages", [])) for run in runs]
     rows = [(r, s) for r, s in rows if s]
     if not rows:
@@ -167,7 +157,7 @@ def _memory(task: str, runs: list[Run], out: Path) -> Path | None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(13, 4))
     bottom = np.zeros(len(rows))
     for part in parts:
-        values = np.array([sum(_mb(s, part) for s in stages) for _, stages in rows])
+        values = np.array([sum(memory_mb(s, part) for s in stages) for _, stages in rows])
         ax.bar(
             range(len(rows)),
             values,

@@ -13,6 +13,17 @@ from typing import Any
 import numpy as np
 import yaml
 
+#: the schedules and PipeMare variants the studies run, as run names end
+BASE_VARIANTS = (
+    "gpipe",
+    "1f1b",
+    "pipedream",
+    "async",
+    "pipemare",
+    "pipemare-T1T2",
+    "pipemare-T1T2T3",
+)
+
 
 @dataclasses.dataclass
 class Run:
@@ -44,6 +55,16 @@ class Run:
         if len(s) == 0:
             return steps * self.summary["wall_time_s"] / max(self.summary["global_step"], 1)
         return np.interp(steps, np.concatenate([[0.0], s]), np.concatenate([[0.0], t]))
+
+    @property
+    def base_variant(self) -> str | None:
+        """Which of :data:`BASE_VARIANTS` the run is (its variant without a study's ``-P``,
+        ``-lr`` or ``-N`` tag); None for another."""
+        base = self.variant.split("-P")[0].split("-lr")[0].split("-N")[0]
+        for name in sorted(BASE_VARIANTS, key=len, reverse=True):
+            if base.endswith(name):
+                return name
+        return None
 
     @property
     def simulated(self) -> bool:
@@ -84,6 +105,14 @@ class Run:
             _, v = self.series(f"pipemare/stage{i}/{name}")
             values.append(float(v[-1]) if len(v) else float("nan"))
         return values
+
+
+def memory_mb(stage: dict[str, Any], part: str) -> float:
+    """One stage's ``part`` of its memory summary, in MB."""
+    # summaries before pipemare 0.2 called the correction buffers "velocity_mb" (T2's only)
+    if part == "correction_buffers_mb" and part not in stage:
+        return float(stage.get("velocity_mb", 0.0))
+    return float(stage[part])
 
 
 def find_runs(paths: list[Path]) -> list[Run]:

@@ -8,8 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from pipemare.experiments.dashboard.plots import _COLORS, _color, _mb
-from pipemare.experiments.dashboard.runs import Run
+from pipemare.experiments.dashboard.runs import Run, memory_mb
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -23,7 +22,7 @@ def _fmt(value: Any, digits: int = 3) -> str:
 def _reference(run: Run, runs: list[Run]) -> Run | None:
     """The gpipe run ``run`` is measured against: same task, and the same stages and
     microbatches where such a run exists (else the same stages, else any)."""
-    gpipes = [r for r in runs if r.task == run.task and _color(r) == _COLORS["gpipe"]]
+    gpipes = [r for r in runs if r.task == run.task and r.base_variant == "gpipe"]
     gpipes = [r for r in gpipes if r.summary.get("best") is not None]
 
     def same(r: Run, *keys: str) -> bool:
@@ -108,7 +107,7 @@ def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
                 f"{wall} (serial)" if run.simulated and wall != "-" else wall,
                 _fmt(float(np.nanmean(util)) if util and not all(np.isnan(util)) else None, 2),
                 _fmt(sum(m["stash_mb"] for m in mem), 2) if mem else "-",
-                _fmt(sum(_mb(m, "correction_buffers_mb") for m in mem), 2) if mem else "-",
+                _fmt(sum(memory_mb(m, "correction_buffers_mb") for m in mem), 2) if mem else "-",
                 s["status"],
             ]
         )
@@ -136,7 +135,8 @@ def answer(runs: list[Run]) -> list[str]:
     return lines
 
 
-def _markdown(header: list[str], rows: list[list[str]]) -> str:
+def markdown(header: list[str], rows: list[list[str]]) -> str:
+    """A Markdown table."""
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines) + "\n"

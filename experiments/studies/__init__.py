@@ -1,2 +1,1 @@
-"""Studies: named suites of runs, the fair protocol and its report, focused studies (sharpness,
-recomputation, the planner)."""
+"""Studies: suites of runs, the fair protocol and its report, and focused studies."""

@@ -1,10 +1,17 @@
-"""``pipemare protocol``: the fair comparison of schedules, each at its own best rate from a sweep,
-with seeds, at every (P, N) of the grid.
+"""``pipemare protocol``: the fair comparison of schedules, as every published table is built.
+
+For each task and each (P, N) of the grid, each schedule runs at its own best learning rate
+from a sweep (seed 0), then at that rate with more seeds. gpipe and 1f1b compute exactly what
+single-device training of the minibatch computes (the transparency tests check it), so their
+quality is run once per task; their pipeline time is measured at every N, and at N = 4P, their
+best-case bubble. Then, measured alone on the machine, each configuration's pipeline time per
+step (:func:`pipemare.experiments.studies.protocol.step_time`). Outputs in ``OUT``:
+``runs/*.json`` (one per run; a re-run skips those present), ``step_times.json``,
+``results.json``, ``results.md`` and plots of quality against steps and against pipeline time.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -13,8 +20,16 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pipemare.experiments.studies.fair_report import _markdown, _plot, _step_times, _tabulate
-from pipemare.experiments.studies.grid import DEFAULT_VARIANTS, GRID, SYNC, VARIANTS, Job, _load
+from pipemare.experiments._commands import command_parser
+from pipemare.experiments.studies.fair_report import markdown, measure_step_times, plot, tabulate
+from pipemare.experiments.studies.grid import (
+    DEFAULT_VARIANTS,
+    GRID,
+    SYNC,
+    VARIANTS,
+    Job,
+    load_result,
+)
 from pipemare.experiments.studies.protocol import TASKS, Task
 
 
@@ -75,7 +90,7 @@ def next_rate(lr: float, up: bool) -> float:
 
 
 def _best_lr(out: Path, task: Task, jobs: list[Job]) -> float:
-    scores = [(_load(out, j).best(task.higher_is_better), j.lr) for j in jobs]
+    scores = [(load_result(out, j).best(task.higher_is_better), j.lr) for j in jobs]
     sign = 1 if task.higher_is_better else -1
     return max(scores, key=lambda s: (sign * s[0], -s[1]))[1]
 
@@ -102,7 +117,7 @@ def run_protocol(
     """
     out.mkdir(parents=True, exist_ok=True)
     if phase == "times":
-        return {"step_times": _step_times(out, tasks, variants, grid, time_steps)}
+        return {"step_times": measure_step_times(out, tasks, variants, grid, time_steps)}
     sweep = {
         (t, v, p, n): [
             Job(t, v, p, n, lr, 0, steps) for lr in (lrs if lrs is not None else TASKS[t].lrs)
@@ -133,20 +148,16 @@ def run_protocol(
         path = out / "step_times.json"
         times = json.loads(path.read_text()) if path.exists() else {}
     else:
-        times = _step_times(out, tasks, variants, grid, time_steps)
-    results = _tabulate(out, tasks, variants, grid, seeded, times)
+        times = measure_step_times(out, tasks, variants, grid, time_steps)
+    results = tabulate(out, tasks, variants, grid, seeded, times)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(_markdown(results))
-    _plot(out, results, seeded)
+    (out / "results.md").write_text(markdown(results))
+    plot(out, results, seeded)
     return results
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="pipemare protocol",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("pipemare protocol", __doc__)
     parser.add_argument("--out", type=Path, default=Path("runs/protocol"))
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=sorted(TASKS))
     parser.add_argument(

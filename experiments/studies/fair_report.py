@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pipemare.experiments.studies.grid import SYNC, VARIANTS, Job, _load, best_case_n
+from pipemare.experiments.studies.grid import SYNC, VARIANTS, Job, best_case_n, load_result
 from pipemare.experiments.studies.protocol import TASKS, RunResult, Task
 
 _COLORS = {
@@ -39,7 +39,7 @@ def _time_keys(
     return list(dict.fromkeys(keys))
 
 
-def _step_times(
+def measure_step_times(
     out: Path, tasks: list[str], variants: list[str], grid: tuple[tuple[int, int], ...], steps: int
 ) -> dict[str, float]:
     """Pipeline seconds per step of every (task, schedule, P, N), measured one at a time."""
@@ -92,7 +92,7 @@ def _plateau(runs: list[RunResult], higher: bool) -> float:
     return statistics.fmean(gains) if gains else math.nan
 
 
-def _tabulate(
+def tabulate(
     out: Path,
     tasks: list[str],
     variants: list[str],
@@ -100,12 +100,13 @@ def _tabulate(
     seeded: dict[tuple[str, str, int, int], list[Job]],
     times: dict[str, float],
 ) -> dict[str, Any]:
+    """Per task and (P, N): each schedule's rate, quality over seeds, gap and time to gpipe."""
     results: dict[str, Any] = {"grid": grid, "tasks": {}}
     for t in tasks:
         task = TASKS[t]
         higher = task.higher_is_better
         sync_key = next(k for k in seeded if k[0] == t and k[1] in SYNC)
-        sync_runs = [_load(out, j) for j in seeded[sync_key]]
+        sync_runs = [load_result(out, j) for j in seeded[sync_key]]
         sync_best = [r.best(higher) for r in sync_runs]
         # gpipe's final quality: the level every gpipe seed reached (the weaker seed's best)
         target = min(sync_best) if higher else max(sync_best)
@@ -116,7 +117,7 @@ def _tabulate(
                 key = next(
                     k for k in seeded if k[0] == t and k[1] == v and (v in SYNC or k[2:] == (p, n))
                 )
-                runs = [_load(out, j) for j in seeded[key]]
+                runs = [load_result(out, j) for j in seeded[key]]
                 best = [r.best(higher) for r in runs]
                 reach = [_first_reach(r, target, higher) for r in runs]
                 steps_to = statistics.fmean(reach)
@@ -208,7 +209,8 @@ def _compact(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _markdown(results: dict[str, Any]) -> str:
+def markdown(results: dict[str, Any]) -> str:
+    """``results.md``: the table over tasks, then one table per task."""
     lines = ["### All tasks", "", *_compact(results), ""]
     for t, r in results["tasks"].items():
         tuned = "" if r["tuned"] else " (no default was tuned on this task)"
@@ -242,9 +244,10 @@ def _markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _plot(
+def plot(
     out: Path, results: dict[str, Any], seeded: dict[tuple[str, str, int, int], list[Job]]
 ) -> None:
+    """One PNG per task: quality against steps and against pipeline time, per (P, N)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -260,7 +263,7 @@ def _plot(
             for key, jobs in seeded.items():
                 if key[0] != t or (key[1] not in SYNC and key[2:] != (p, n)):
                     continue
-                runs = [_load(out, j) for j in jobs]
+                runs = [load_result(out, j) for j in jobs]
                 steps = runs[0].steps
                 mean = [statistics.fmean(v) for v in zip(*(r.metric for r in runs), strict=False)]
                 per_step = times.get(f"{t}-{key[1]}-P{p}-N{n}", math.nan)

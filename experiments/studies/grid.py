@@ -74,7 +74,8 @@ class Job:
         )
 
 
-def _load(out: Path, job: Job) -> RunResult:
+def load_result(out: Path, job: Job) -> RunResult:
+    """The result ``job`` stored under ``out/runs``."""
     return RunResult(**json.loads((out / "runs" / f"{job.key}.json").read_text()))
 
 

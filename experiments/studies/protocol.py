@@ -79,17 +79,12 @@ _CONTEXT = 16
 
 
 def _char() -> tuple[torch.Tensor, ...]:
-    from pipemare.experiments.tasks.data import stdlib_corpus
+    from pipemare.experiments.tasks.data import next_byte_windows, stdlib_corpus
 
-    data, context = stdlib_corpus(), _CONTEXT
+    data = stdlib_corpus()
     cut = int(len(data) * 0.9)
-
-    def windows(d: torch.Tensor, limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        n = (len(d) - 1) // context if limit is None else min((len(d) - 1) // context, limit)
-        return d[: n * context].view(n, context), d[1 : n * context + 1].view(n, context)
-
-    x, y = windows(data[:cut], None)
-    xv, yv = windows(data[cut:], 512)
+    x, y = next_byte_windows(data[:cut], _CONTEXT)
+    xv, yv = next_byte_windows(data[cut:], _CONTEXT, 512)
     return x, y, xv, yv
 
 
@@ -103,55 +98,38 @@ def _residual_mlp(inputs: int, width: int, blocks: int) -> Callable[[], nn.Seque
 
 
 def _char_lm() -> nn.Sequential:
-    from pipemare.experiments.tasks.language_models import LMHead, TokenEmbedding, TransformerBlock
+    from pipemare.experiments.tasks.language_models import char_transformer
 
-    d_model, context = 32, _CONTEXT
-    return nn.Sequential(
-        TokenEmbedding(256, d_model, context),
-        *[TransformerBlock(d_model, 4) for _ in range(14)],
-        LMHead(d_model, 256),
-    )
+    return char_transformer(256, 32, 4, 14, _CONTEXT)
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    from pipemare.experiments.tasks.language_models import next_token_loss
+
+    return next_token_loss(logits, targets)
+
+
+_LRS = (3e-4, 1e-3, 3e-3)
+
+
+def _digits_task(
+    name: str,
+    inputs: int,
+    data: Callable[[], tuple[torch.Tensor, ...]],
+    batch: int,
+    tuned: bool = True,
+) -> Task:
+    """Ten digit classes through a residual MLP of 14 blocks."""
+    build, loss = _residual_mlp(inputs, 64, 14), nn.functional.cross_entropy
+    return Task(name, build, data, loss, "acc", batch, 1200, eval_every=50, lrs=_LRS, tuned=tuned)
 
 
 TASKS: dict[str, Task] = {
-    "mnist": Task(
-        "mnist",
-        _residual_mlp(784, 64, 14),
-        _mnist,
-        nn.functional.cross_entropy,
-        "acc",
-        batch=64,
-        steps=1200,
-        eval_every=50,
-        lrs=(3e-4, 1e-3, 3e-3),
-    ),
+    "mnist": _digits_task("mnist", 784, _mnist, batch=64),
     "char_lm": Task(
-        "char_lm",
-        _char_lm,
-        _char,
-        _lm_loss,
-        "loss",
-        batch=16,
-        steps=800,
-        eval_every=50,
-        lrs=(3e-4, 1e-3, 3e-3),
+        "char_lm", _char_lm, _char, _lm_loss, "loss", batch=16, steps=800, eval_every=50, lrs=_LRS
     ),
-    "digits": Task(
-        "digits",
-        _residual_mlp(64, 64, 14),
-        _digits,
-        nn.functional.cross_entropy,
-        "acc",
-        batch=32,
-        steps=1200,
-        eval_every=50,
-        lrs=(3e-4, 1e-3, 3e-3),
-        tuned=False,
-    ),
+    "digits": _digits_task("digits", 64, _digits, batch=32, tuned=False),
 }
 
 

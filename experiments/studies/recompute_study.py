@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
+from pipemare.experiments._commands import command_parser
 from pipemare.experiments.tasks.data import digits
 from pipemare.experiments.tasks.models import residual_mlp
 
@@ -172,11 +173,7 @@ def report(runs: list[dict[str, Any]], args: argparse.Namespace, command: str) -
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    parser = argparse.ArgumentParser(
-        prog="python -m pipemare.experiments.studies.recompute_study",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("python -m pipemare.experiments.studies.recompute_study", __doc__)
     parser.add_argument("--schedules", nargs="+", default=["async", "pipemare"])
     parser.add_argument("--microbatches", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])

@@ -9,7 +9,6 @@ runs on several devices start ``pipemare fit`` as a subprocess (Lightning launch
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib.resources
 import json
@@ -22,6 +21,7 @@ from typing import Any
 
 import yaml
 
+from pipemare.experiments._commands import command_parser
 from pipemare.experiments.studies.suites import SUITES, RunSpec
 
 __all__ = ["config_for", "main", "packaged_config", "run_study"]
@@ -165,11 +165,7 @@ def run_study(suite: str, out: Path, wandb: bool = True, only: list[str] | None 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="pipemare study",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = command_parser("pipemare study", __doc__)
     parser.add_argument("suite", nargs="?", default="default", choices=sorted(SUITES))
     parser.add_argument(
         "--out", type=Path, default=Path("runs"), help="where studies go (default: runs)"
@@ -180,6 +176,6 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     study_dir = run_study(args.suite, args.out, wandb=not args.no_wandb, only=args.only)
     if args.dashboard:
-        from pipemare.experiments import dashboard
+        from pipemare.experiments.dashboard import page
 
-        dashboard.main([str(study_dir)])
+        page.main([str(study_dir)])

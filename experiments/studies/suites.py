@@ -9,6 +9,9 @@ from typing import Any
 __all__ = ["SUITES", "RunSpec", "schedule_variants"]
 
 STRATEGY = "trainer.strategy.init_args"
+LR = "model.init_args.optimizer.init_args.lr"
+#: the synchronous, the asynchronous and the PipeMare pipeline: what most suites compare
+BASELINES = ["gpipe", "async", "pipemare"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,46 +106,34 @@ def default() -> list[RunSpec]:
         task, variant = run.name.split("-", 1)
         lr = DEFAULT_RATES.get((task, variant))
         if lr is not None:
-            run = dataclasses.replace(
-                run, overrides={**run.overrides, "model.init_args.optimizer.init_args.lr": lr}
-            )
+            run = dataclasses.replace(run, overrides={**run.overrides, LR: lr})
         runs.append(run)
+    return runs
+
+
+def _sweep(
+    key: str, values: tuple[float, ...], tag: str, variants: list[str] = BASELINES
+) -> list[RunSpec]:
+    """Both tasks' ``variants`` once per value of the dotted ``key``, named ``-{tag}{value}``."""
+    runs = []
+    for value in values:
+        runs += _grid(["mnist", "char_lm"], variants, {key: value}, f"-{tag}{value:g}")
     return runs
 
 
 def stages() -> list[RunSpec]:
     """2, 4 and 8 stages (one microbatch): how staleness grows with the pipeline's depth."""
-    runs = []
-    for p in (2, 4, 8):
-        runs += _grid(
-            ["mnist", "char_lm"],
-            ["gpipe", "async", "pipemare"],
-            {f"{STRATEGY}.stages": p},
-            f"-P{p}",
-        )
-    return runs
+    return _sweep(f"{STRATEGY}.stages", (2, 4, 8), "P")
 
 
 def learning_rates() -> list[RunSpec]:
     """Three learning rates for the synchronous, asynchronous and PipeMare pipelines."""
-    runs = []
-    for lr in (1e-3, 3e-3, 1e-2):
-        extra = {"model.init_args.optimizer.init_args.lr": lr}
-        runs += _grid(["mnist", "char_lm"], ["gpipe", "async", "pipemare"], extra, f"-lr{lr:g}")
-    return runs
+    return _sweep(LR, (1e-3, 3e-3, 1e-2), "lr")
 
 
 def microbatches() -> list[RunSpec]:
     """N = 1, 2, 4 microbatches per minibatch: the delays shrink as 1/N."""
-    runs = []
-    for n in (1, 2, 4):
-        runs += _grid(
-            ["mnist", "char_lm"],
-            ["gpipe", "async", "pipemare"],
-            {f"{STRATEGY}.microbatches": n},
-            f"-N{n}",
-        )
-    return runs
+    return _sweep(f"{STRATEGY}.microbatches", (1, 2, 4), "N")
 
 
 #: variants the default study runs below the packaged configs' rate (3e-3, gpipe's best)
@@ -152,11 +143,7 @@ ASYNC_VARIANTS = ["pipedream", "async", "pipemare", "pipemare-T1T2", "pipemare-T
 def default_sweep() -> list[RunSpec]:
     """The non-flushing schedules of the default study at 3e-4 and 1e-3 (the default study
     itself runs 3e-3): where each one's own rate for :func:`default` comes from."""
-    runs = []
-    for lr in (3e-4, 1e-3):
-        extra = {"model.init_args.optimizer.init_args.lr": lr}
-        runs += _grid(["mnist", "char_lm"], ASYNC_VARIANTS, extra, f"-lr{lr:g}")
-    return runs
+    return _sweep(LR, (3e-4, 1e-3), "lr", ASYNC_VARIANTS)
 
 
 def quick() -> list[RunSpec]:
@@ -169,7 +156,7 @@ def quick() -> list[RunSpec]:
         "trainer.val_check_interval": 6,
         "trainer.log_every_n_steps": 2,
     }
-    return _grid(["mnist", "char_lm"], ["gpipe", "async", "pipemare"], short)
+    return _grid(["mnist", "char_lm"], BASELINES, short)
 
 
 SUITES: dict[str, Callable[[], list[RunSpec]]] = {

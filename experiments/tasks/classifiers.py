@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import pytorch_lightning as pl
 import torch
@@ -17,10 +17,28 @@ __all__ = ["ARCHITECTURES", "DigitsCNN", "ImageClassifier", "TaskModule"]
 
 
 class TaskModule(pl.LightningModule):
-    """Optimiser and LR schedule given as callables, so configs choose them (LightningCLI style)."""
+    """Optimiser and LR schedule given as callables, so configs choose them (LightningCLI style).
+
+    A subclass builds ``self.net`` (what pipemare pipelines) and says what a batch feeds it
+    (:meth:`_outputs`) and how its output is scored (:meth:`_loss`); the steps here log
+    ``{stage}_loss`` and, for the stages named in :attr:`metric_options`, the torchmetrics
+    module ``self.{stage}_{metric}`` updated with the batch.
+    """
+
+    net: nn.Module
+    #: the metric's name: its modules are ``self.train_{metric}``, ``self.val_{metric}``, ...
+    metric = ""
+    #: the stages whose metric is logged, with their ``self.log`` options
+    metric_options: ClassVar[dict[str, dict[str, Any]]] = {
+        "train": {"on_step": False, "on_epoch": True},
+        "val": {"prog_bar": True},
+    }
 
     def __init__(self, optimizer: OptimizerCallable, scheduler: LRSchedulerCallable | None) -> None:
         super().__init__()
+        # Lightning collects the arguments of every __init__ up the call, the subclass's too;
+        # the callables are no hyperparameters a checkpoint could hold
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self._optimizer, self._scheduler = optimizer, scheduler
 
     def configure_optimizers(self) -> Any:
@@ -31,6 +49,32 @@ class TaskModule(pl.LightningModule):
             "optimizer": opt,
             "lr_scheduler": {"scheduler": self._scheduler(opt), "interval": "step"},
         }
+
+    def _outputs(self, batch: Any) -> tuple[Any, torch.Tensor]:
+        """``self.net``'s output on a batch, and the targets it is scored against."""
+        x, y = batch
+        return self.net(x), y
+
+    def _loss(self, output: Any, targets: torch.Tensor, stage: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _step(self, stage: str, batch: Any) -> torch.Tensor:
+        output, targets = self._outputs(batch)
+        loss = self._loss(output, targets, stage)
+        name = f"{stage}_{self.metric}"
+        metric = getattr(self, name) if stage in self.metric_options else None
+        if metric is not None:
+            metric(output, targets)
+        self.log(f"{stage}_loss", loss, prog_bar=stage != "test")
+        if metric is not None:
+            self.log(name, metric, **self.metric_options[stage])
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self._step("train", batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._step("val", batch)
 
 
 def _block(cin: int, cout: int, pool: nn.Module | None = None) -> nn.Sequential:
@@ -157,6 +201,9 @@ class ImageClassifier(TaskModule):
         label_smoothing: for the cross-entropy loss.
     """
 
+    metric = "acc"
+    metric_options: ClassVar[dict[str, dict[str, Any]]] = {**TaskModule.metric_options, "test": {}}
+
     def __init__(
         self,
         arch: str = "mnist_cnn",
@@ -165,10 +212,9 @@ class ImageClassifier(TaskModule):
         scheduler: LRSchedulerCallable | None = None,
         label_smoothing: float = 0.0,
     ) -> None:
-        super().__init__(optimizer, scheduler)
         if arch not in ARCHITECTURES:
             raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
+        super().__init__(optimizer, scheduler)
         self.net = ARCHITECTURES[arch](num_classes=num_classes)
         self.label_smoothing = label_smoothing
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
@@ -178,30 +224,12 @@ class ImageClassifier(TaskModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        x, y = batch
-        logits = self.net(x)
-        loss = F.cross_entropy(logits, y, label_smoothing=self.label_smoothing)
-        self.train_acc(logits, y)
-        self.log("train_loss", loss, prog_bar=True)
-        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        logits = self.net(x)
-        self.val_acc(logits, y)
-        self.log("val_loss", F.cross_entropy(logits, y), prog_bar=True)
-        self.log("val_acc", self.val_acc, prog_bar=True)
+    def _loss(self, logits: torch.Tensor, y: torch.Tensor, stage: str) -> torch.Tensor:
+        smoothing = self.label_smoothing if stage == "train" else 0.0
+        return F.cross_entropy(logits, y, label_smoothing=smoothing)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        logits = self.net(x)
-        self.test_acc(logits, y)
-        self.log("test_loss", F.cross_entropy(logits, y))
-        self.log("test_acc", self.test_acc)
+        self._step("test", batch)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x = batch[0] if isinstance(batch, (tuple, list)) else batch

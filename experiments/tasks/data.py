@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["digits"]
+__all__ = ["digits", "mnist_subset", "next_byte_windows", "stdlib_corpus"]
 
 
 def digits(test_fraction: float = 1 / 6, seed: int = 0) -> tuple[torch.Tensor, ...]:
@@ -78,3 +78,14 @@ def stdlib_corpus(modules: tuple[str, ...] = STDLIB_MODULES) -> torch.Tensor:
     root = Path(sysconfig.get_paths()["stdlib"])
     text = b"".join((root / f"{name}.py").read_bytes() for name in modules)
     return torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+
+
+def next_byte_windows(
+    data: torch.Tensor, context: int, limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Non-overlapping windows of ``context`` tokens (at most ``limit``) and, for each, the
+    window one token later: every position's next token."""
+    n = (len(data) - 1) // context
+    if limit is not None:
+        n = min(n, limit)
+    return data[: n * context].view(n, context), data[1 : n * context + 1].view(n, context)

