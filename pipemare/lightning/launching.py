@@ -11,7 +11,7 @@ import contextlib
 import datetime
 import importlib
 import signal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -19,10 +19,16 @@ import torch.distributed as dist
 
 from pipemare.lightning.checkpoint_io import AtomicCheckpointIO, LightningAtomicCheckpointIO
 
+if TYPE_CHECKING:  # the strategy's mixins join a Lightning ParallelStrategy at run time
+    from pytorch_lightning.strategies import ParallelStrategy as StrategyBase
+else:
+    StrategyBase = object
+
 __all__ = [
     "START_METHODS",
     "LightningAPI",
     "SigtermRelay",
+    "StrategyBase",
     "connect",
     "end_launched_processes",
     "make_launcher",

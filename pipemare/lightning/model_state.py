@@ -16,20 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 from pipemare.engine.pipeline import Pipeline
 from pipemare.lightning import checkpointing
-from pipemare.lightning.launching import LightningAPI
+from pipemare.lightning.launching import LightningAPI, StrategyBase
 from pipemare.lightning.module_adapter import ModuleAdapter
 from pipemare.lightning.saving import SaveQueue
 from pipemare.lightning.training import TrainingReports
 
 __all__ = ["ModelStateHooks"]
 
-if TYPE_CHECKING:  # the mixin is combined with a Lightning ParallelStrategy at run time
-    from pytorch_lightning.strategies import ParallelStrategy as _Base
-else:
-    _Base = object
 
-
-class ModelStateHooks(_Base):
+class ModelStateHooks(StrategyBase):
     """Lightning's hooks for a model whose stages may live in other processes."""
 
     pipeline: Pipeline | None

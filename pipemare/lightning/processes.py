@@ -8,24 +8,19 @@ the launch itself is :mod:`~pipemare.lightning.launching`.
 from __future__ import annotations
 
 import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from pipemare.engine.layout import RankLayout
 from pipemare.lightning import checks, launching
-from pipemare.lightning.launching import LightningAPI
+from pipemare.lightning.launching import LightningAPI, StrategyBase
 
 __all__ = ["ProcessesMixin"]
 
-if TYPE_CHECKING:  # the mixin is combined with a Lightning ParallelStrategy at run time
-    from pytorch_lightning.strategies import ParallelStrategy as _Base
-else:
-    _Base = object
 
-
-class ProcessesMixin(_Base):
+class ProcessesMixin(StrategyBase):
     """Devices, ranks, the pipeline's stages and copies over the processes, collectives."""
 
     stages: int | None
