@@ -1,10 +1,21 @@
-"""A long 3-process Lightning run for the failure tests: every rank writes its PID at the start,
-rank 1 writes "ready" after a few steps, and the test then kills or stops rank 1 by PID."""
+"""A Lightning run over 2 processes for the failure tests. Every rank writes its PID at the
+start; rank 1, at step 5, writes "ready" and then, by ``--mode``:
+
+- ``signal``: trains on; the test kills or stops it by PID;
+- ``native``: calls libc's ``sleep`` through ``ctypes.PyDLL`` (which keeps the interpreter
+  lock), as a native call that hangs would: its heartbeat stops with it;
+- ``slow``: one forward takes ``--slow`` seconds (a Python sleep, as a long kernel would: the
+  lock is free), longer than ``heartbeat_timeout``; the run must end normally.
+
+``stall_timeout`` is left at its default unless given.
+"""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import time
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -16,10 +27,25 @@ from torch.utils.data import DataLoader, TensorDataset
 import pipemare
 
 
-class Small(pl.LightningModule):
-    def __init__(self) -> None:
+class Slow(nn.Module):
+    """Identity, but its forward sleeps once, at a given call on rank 1."""
+
+    def __init__(self, at_call: int, seconds: float) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Linear(32, 2))
+        self.at_call, self.seconds, self.calls = at_call, seconds, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == self.at_call and self.seconds:
+            time.sleep(self.seconds)
+        return x
+
+
+class Small(pl.LightningModule):
+    def __init__(self, slow: float) -> None:
+        super().__init__()
+        # with balance="even" over 2 stages, Slow is the first layer of stage 1
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), Slow(3, slow), nn.Linear(32, 2))
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -30,8 +56,8 @@ class Small(pl.LightningModule):
 
 
 class Pids(pl.Callback):
-    def __init__(self, out: Path) -> None:
-        self.out = out
+    def __init__(self, out: Path, mode: str) -> None:
+        self.out, self.mode = out, mode
 
     def on_train_start(self, trainer, pl_module):
         (self.out / f"pid-rank{trainer.global_rank}").write_text(str(os.getpid()))
@@ -39,24 +65,31 @@ class Pids(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_rank == 1 and trainer.global_step == 5:
             (self.out / "ready").write_text(str(os.getpid()))
+            if self.mode == "native":
+                ctypes.PyDLL(None).sleep(600)  # holds the interpreter lock throughout
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--stall-timeout", type=float, default=10.0)
+    parser.add_argument("--mode", choices=["signal", "native", "slow"], default="signal")
+    parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
+    parser.add_argument("--slow", type=float, default=0.0)
+    parser.add_argument("--max-steps", type=int, default=-1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     pl.seed_everything(0)
     x = torch.randn(4096, 8)
     data = DataLoader(TensorDataset(x, (x[:, 0] > 0).long()), batch_size=8)
     trainer = quiet_trainer(
-        pipemare.PipeMareStrategy(stall_timeout=args.stall_timeout, balance="even"),
-        devices=3,
+        pipemare.PipeMareStrategy(heartbeat_timeout=args.heartbeat_timeout, balance="even"),
+        devices=2,
         max_epochs=1000,
-        callbacks=[Pids(args.out)],
+        max_steps=args.max_steps,
+        callbacks=[Pids(args.out, args.mode)],
     )
-    trainer.fit(Small(), data)
+    trainer.fit(Small(args.slow if args.mode == "slow" else 0.0), data)
+    (args.out / f"finished-rank{trainer.global_rank}").write_text("1")
 
 
 if __name__ == "__main__":

@@ -141,6 +141,9 @@ class DistributedTransport(Transport):
         depth: messages posted ahead per neighbour and channel.
         stall_timeout: seconds any wait for another stage may take before this process
             fails, naming that stage (see :mod:`pipemare.engine.watchdog`).
+        heartbeat_timeout: seconds without a heartbeat after which another process is named
+            as lost (killed, stopped or unreachable) however long a step takes (see
+            :mod:`pipemare.engine.heartbeat`); None: no heartbeat, ``stall_timeout`` alone.
     """
 
     def __init__(
@@ -151,6 +154,7 @@ class DistributedTransport(Transport):
         depth: int = 2,
         stall_timeout: float = 300.0,
         layout: RankLayout | None = None,
+        heartbeat_timeout: float | None = 30.0,
     ) -> None:
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -186,6 +190,11 @@ class DistributedTransport(Transport):
             raise ValueError(
                 f"stall_timeout must be a positive number of seconds, got {stall_timeout}"
             )
+        if heartbeat_timeout is not None and not heartbeat_timeout > 0:
+            raise ValueError(
+                "heartbeat_timeout must be a positive number of seconds or None, got "
+                f"{heartbeat_timeout}"
+            )
         self.num_stages = stages
         #: D, the copies of the pipeline; this process runs stage ``me`` of copy ``replica``
         self.replicas = layout.replicas if layout is not None else 1
@@ -198,6 +207,8 @@ class DistributedTransport(Transport):
         dist.all_gather_object(peers, this_process(rank, me))  # once: who runs where
         #: deadlines on every wait, and errors naming the stage that failed
         self.watchdog = Watchdog(peers, peers[rank], datetime.timedelta(seconds=stall_timeout))
+        if heartbeat_timeout is not None:
+            self.watchdog.start_heartbeat(heartbeat_timeout)
         # per channel: headers, payloads in the expected shapes, payloads in new shapes
         groups = {
             ch: tuple(dist.new_group(backend=backend) for _ in range(3)) for ch in (ACT, GRAD)
@@ -256,3 +267,8 @@ class DistributedTransport(Transport):
         for work, _, peer in self._sent:
             self.watchdog.wait(work, peer, "receipt of what this stage sent")
         self._sent.clear()
+
+    def finish(self) -> None:
+        """This process's run ended normally: its heartbeat stops and the others stop
+        watching it (call it once no other process waits on this one)."""
+        self.watchdog.finish()

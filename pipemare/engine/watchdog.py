@@ -7,6 +7,10 @@ exit closes their connections, so the failure reaches every process. Both a time
 connection the peer closed (it was killed, or crashed) become :class:`StageFailedError`, which
 names the peer's stage, rank, host and PID, the last microbatch heard from it, and, when the
 peer runs on this host, what its process is doing now (gone, or stopped).
+
+Liveness is watched apart from progress (:mod:`pipemare.engine.heartbeat`): a peer whose
+heartbeat stops for ``heartbeat_timeout`` is named at once, so ``stall_timeout`` is left for
+the different case of a live process that makes no progress, and says so.
 """
 
 from __future__ import annotations
@@ -15,7 +19,10 @@ import dataclasses
 import datetime
 import os
 import socket
+import time
 from typing import Any
+
+from pipemare.engine.heartbeat import FatalReporter, Heartbeat, store_address
 
 __all__ = ["Peer", "StageFailedError", "Watchdog", "describe_process"]
 
@@ -34,20 +41,33 @@ def this_process(rank: int, stage: int) -> Peer:
     return Peer(rank, stage, socket.gethostname(), os.getpid())
 
 
-def describe_process(peer: Peer) -> str:
-    """What the peer's process is doing, where this host can tell (same host only)."""
+def _state(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def describe_process(peer: Peer, settle: float = 0.0) -> str:
+    """What the peer's process is doing, where this host can tell (same host only).
+
+    ``settle``: seconds to follow a process that still reads as running until it reads as
+    gone or stopped. A killed process closes its connections while it exits, before it reads
+    as a zombie, so a peer that saw the connection close can otherwise catch it "running".
+    """
     if peer.host != socket.gethostname():
         return "is on another host"
-    try:
-        with open(f"/proc/{peer.pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "is gone (killed or crashed)"
-    if state in ("T", "t"):
-        return "is stopped (SIGSTOP or a debugger)"
-    if state == "Z":  # exited, not yet reaped by its parent
-        return "is gone (killed or crashed)"
-    return "is running but did not answer"
+    deadline = time.monotonic() + settle
+    while True:
+        state = _state(peer.pid)
+        if state is None or state == "Z":  # Z: exited, not yet reaped by its parent
+            return "is gone (killed or crashed)"
+        if state in ("T", "t"):
+            return "is stopped (SIGSTOP or a debugger)"
+        if time.monotonic() >= deadline:
+            return "is running but did not answer"
+        time.sleep(0.02)
 
 
 class StageFailedError(RuntimeError):
@@ -64,11 +84,12 @@ class StageFailedError(RuntimeError):
         self,
         peer: Peer,
         me: Peer,
-        what: str,
+        what: str | None,
         last_microbatch: int | None,
         microbatches: int,
         cause: str,
         completed: int | None = None,
+        state: str | None = None,
     ) -> None:
         self.peer, self.last_microbatch = peer, last_microbatch
         self.completed_steps = completed
@@ -80,10 +101,11 @@ class StageFailedError(RuntimeError):
         )
         if completed is not None and last_microbatch is not None:
             heard += f", when it had completed {completed} steps (its updates)"
+        doing = f"was waiting for its {what}" if what else "was computing, not waiting on it"
         super().__init__(
             f"pipemare: stage {peer.stage} (rank {peer.rank}, host {peer.host}, pid {peer.pid}) "
-            f"failed or stopped responding: its process {describe_process(peer)}; stage "
-            f"{me.stage} (rank {me.rank}, pid {me.pid}) was waiting for its {what}; {heard}. "
+            f"failed or stopped responding: its process {state or describe_process(peer)}; stage "
+            f"{me.stage} (rank {me.rank}, pid {me.pid}) {doing}; {heard}. "
             f"Cause: {cause.splitlines()[0] if cause else 'unknown'}"
         )
 
@@ -94,7 +116,7 @@ class Watchdog:
     Args:
         peers: every rank's :class:`Peer`, indexed by rank.
         me: this process.
-        timeout: the longest a single wait may take.
+        timeout: the longest a single wait may take (``stall_timeout``).
     """
 
     def __init__(self, peers: list[Peer], me: Peer, timeout: datetime.timedelta) -> None:
@@ -102,6 +124,21 @@ class Watchdog:
         self.microbatches = 1
         self._heard: dict[int, int] = {}
         self._completed: dict[int, int] = {}
+        #: what the heartbeat found, handed to the main thread (or fatal when it is blocked)
+        self.reporter = FatalReporter()
+        self.heartbeat: Heartbeat | None = None
+
+    def start_heartbeat(self, timeout: float) -> None:
+        """Beat, and watch every other rank's beat (see :mod:`pipemare.engine.heartbeat`);
+        nothing runs where the job has no TCPStore."""
+        address = store_address()
+        if address is not None and len(self.peers) > 1:
+            self.heartbeat = Heartbeat(address, self.me.rank, len(self.peers), timeout, self._lost)
+
+    def finish(self) -> None:
+        """This process's run ended normally: stop beating, and say so to the others."""
+        if self.heartbeat is not None:
+            self.heartbeat.finish()
 
     def heard(self, rank: int, microbatch: int, completed: int | None = None) -> None:
         """A message of ``microbatch`` arrived from ``rank``, whose stage had then completed
@@ -111,10 +148,16 @@ class Watchdog:
             self._completed[rank] = completed
 
     def wait(self, work: Any, rank: int, what: str) -> None:
+        lost = self.reporter.take()
+        if lost is not None:
+            raise lost
+        self.reporter.waiting = what
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as err:
             raise self.failure(rank, what, err) from err
+        finally:
+            self.reporter.waiting = None
 
     def culprit(self) -> int | None:
         """A rank whose process this host can see is gone or stopped, if any."""
@@ -126,12 +169,59 @@ class Watchdog:
         return None
 
     def failure(self, rank: int, what: str, err: BaseException) -> StageFailedError:
+        peer = self.peers[rank]
+        state = describe_process(peer, settle=5.0)
+        silence = self.heartbeat.silence(rank) if self.heartbeat is not None else None
+        if silence is not None and silence < self.heartbeat.timeout:  # type: ignore[union-attr]
+            if "timed out" in str(err).lower():
+                state = (
+                    f"is alive (it beat {silence:.0f} s ago) but sent nothing within "
+                    f"stall_timeout ({self.timeout}): no progress, e.g. a deadlock or a wait "
+                    "in user code, not a dead process"
+                )
+            elif state.startswith("is on another host"):
+                state = f"closed its connection; it beat {silence:.0f} s ago"
         return StageFailedError(
-            self.peers[rank],
+            peer,
             self.me,
             what,
             self._heard.get(rank),
             self.microbatches,
             str(err),
             self._completed.get(rank),
+            state,
         )
+
+    def _lost(self, rank: int | None, silence: float, cause: str) -> None:
+        """Called in the heartbeat thread: ``rank`` stopped beating, or (None) the store is
+        unreachable."""
+        waiting = self.reporter.waiting
+        doing = f"waiting for {waiting}" if waiting else "computing"
+        timeout = self.heartbeat.timeout if self.heartbeat is not None else 0.0
+        if rank is None:
+            error: BaseException = RuntimeError(
+                f"pipemare: the job's rendezvous store cannot be reached from stage "
+                f"{self.me.stage} (rank {self.me.rank}, pid {self.me.pid}) "
+                f"({doing}): the process that hosts it (rank 0 under Lightning's launcher, the "
+                f"agent under torchrun) is gone, stopped or unreachable. Cause: {cause}"
+            )
+        else:
+            state = describe_process(self.peers[rank], settle=1.0)
+            if state.startswith("is running"):
+                state = (
+                    "is running but does not beat: stuck in a native call that holds the "
+                    "interpreter lock, or starved"
+                )
+            elif state.startswith("is on another host"):
+                state = "is on another host: killed, stopped, or its host is unreachable"
+            error = StageFailedError(
+                self.peers[rank],
+                self.me,
+                waiting,
+                self._heard.get(rank),
+                self.microbatches,
+                f"no heartbeat from it for {silence:.0f} s (heartbeat_timeout {timeout:g} s)",
+                self._completed.get(rank),
+                state,
+            )
+        self.reporter.report(error)

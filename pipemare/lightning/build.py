@@ -19,6 +19,7 @@ from pipemare.engine.microbatch import scatter
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 from pipemare.engine.transport import DistributedTransport
+from pipemare.lightning import launching
 from pipemare.lightning.steps import merge_published
 from pipemare.model import partition
 
@@ -184,12 +185,16 @@ def pipeline(strategy: Any) -> Pipeline:
 def _transport(strategy: Any) -> Any:
     if not strategy.distributed:
         return "inprocess"
-    return DistributedTransport(
+    transport = DistributedTransport(
         strategy.num_stages,
         strategy.root_device,
         stall_timeout=strategy.stall_timeout,
         layout=strategy.rank_layout,
+        heartbeat_timeout=strategy.heartbeat_timeout,
     )
+    # a process ended by its heartbeat thread first ends those it launched, as after an error
+    transport.watchdog.reporter.on_fatal(lambda: launching.end_launched_processes(strategy))
+    return transport
 
 
 def results(strategy: Any, start: int) -> Results:

@@ -43,6 +43,7 @@ def check_arguments(
     timeout: Any,
     stall_timeout: Any,
     recompute: Any,
+    heartbeat_timeout: Any = 30.0,
 ) -> None:
     """Refuse a bad constructor argument of the strategy, naming what it takes instead."""
     spec(schedule)  # a clear error for an unknown name, before anything runs
@@ -81,6 +82,15 @@ def check_arguments(
     ):
         raise ValueError(
             f"stall_timeout must be a positive, finite number of seconds, got {stall_timeout!r}"
+        )
+    if heartbeat_timeout is not None and (
+        isinstance(heartbeat_timeout, bool)
+        or not isinstance(heartbeat_timeout, (int, float))
+        or not 0 < heartbeat_timeout < math.inf
+    ):
+        raise ValueError(
+            "heartbeat_timeout must be a positive, finite number of seconds or None (no "
+            f"heartbeat), got {heartbeat_timeout!r}"
         )
     if not isinstance(recompute, bool):
         raise ValueError(

@@ -144,6 +144,10 @@ class SigtermRelay:
         if watchdog is None:
             work.wait()
             return
+        lost = watchdog.reporter.take()  # the heartbeat found a process gone or stopped
+        if lost is not None:
+            raise lost
+        watchdog.reporter.waiting = "step's SIGTERM check"
         try:
             work.wait(timeout=watchdog.timeout)
         except RuntimeError as err:
@@ -154,6 +158,8 @@ class SigtermRelay:
                     f"stall_timeout ({watchdog.timeout}); see the other processes' errors"
                 ) from err
             raise watchdog.failure(culprit, "step's SIGTERM check", err) from err
+        finally:
+            watchdog.reporter.waiting = None
 
     def install(self) -> None:
         """Replace the training loop's own check for this trainer."""

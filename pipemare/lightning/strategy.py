@@ -36,6 +36,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
+from pipemare.engine.heartbeat import Heartbeat
 from pipemare.engine.lagged import result_lag
 from pipemare.engine.pipeline import Pipeline
 from pipemare.lightning import build, checks, launching, registry
@@ -77,6 +78,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         stall_timeout: float = 300.0,
         recompute: bool = False,
+        heartbeat_timeout: float | None = 30.0,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -103,6 +105,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
             timeout=timeout,
             stall_timeout=stall_timeout,
             recompute=recompute,
+            heartbeat_timeout=heartbeat_timeout,
         )
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self.balance: Sequence[int] | str = balance
@@ -112,7 +115,9 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         self.sequential, self.recompute = sequential, recompute
         self._start_method, self._timeout = start_method, timeout
         self.stall_timeout = float(stall_timeout)
+        self.heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
         self._num_nodes = 1
+        self._failed = False
         self.pipeline: Pipeline | None = None
         self._adapter: ModuleAdapter | None = None
         self._steps: UserSteps | None = None
@@ -307,11 +312,17 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         self._consolidate()
 
     def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        # this process is failing: no report from its heartbeat now, and its silence tells the
+        # others (no "finished" is posted)
+        Heartbeat.finish_current(finished=False)
         self._saves.abandon(warn=self._lightning.rank_zero_warn)
         launching.end_launched_processes(self)
 
     def teardown(self) -> None:
         self._grads.restore()
+        if not self._failed:  # a normal end: the other processes stop watching this one
+            Heartbeat.finish_current()
         super().teardown()
 
     @classmethod
@@ -337,7 +348,12 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
         start_method: how Lightning starts processes: ``popen`` (default), ``spawn``, ``fork``.
         stall_timeout: seconds a process waits for another stage before it fails, naming that
             stage, its rank, host and PID (default 300; raise it if one rank can be busy that
-            long alone, e.g. writing a very large checkpoint).
+            long alone, e.g. writing a very large checkpoint). A live process that makes no
+            progress (a deadlock) is found this way; a dead or stopped one by its heartbeat.
+        heartbeat_timeout: seconds without a heartbeat from another process after which it is
+            named as lost (killed, stopped, hung in a native call, unreachable) and every
+            process exits non-zero, however long a step takes (default 30; None: off). See
+            :mod:`pipemare.engine.heartbeat`.
         recompute: activation recomputation: every stage but the last keeps only its input
             per in-flight microbatch and reruns its forward at backward time, with the weights
             its backward uses (under ``async``/``pipemare`` those are backward-time weights,

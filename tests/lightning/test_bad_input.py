@@ -132,6 +132,14 @@ def refuse(match, strategy, model=None, error=ValueError, batches=0, **kwargs):
             (dict(stall_timeout=bad), ValueError, "stall_timeout must be a positive, finite number")
             for bad in (0, -5, "5", math.nan, math.inf)
         ],
+        *[
+            (
+                dict(heartbeat_timeout=bad),
+                ValueError,
+                r"heartbeat_timeout must be a positive, finite number of seconds or None \(no",
+            )
+            for bad in (0, -1.0, "30", True, math.nan, math.inf)
+        ],
     ],
 )
 def test_bad_strategy_arguments_are_refused_when_it_is_built(kwargs, error, message):
@@ -141,7 +149,8 @@ def test_bad_strategy_arguments_are_refused_when_it_is_built(kwargs, error, mess
 
 def test_good_strategy_arguments_pass():
     s = PipeMareStrategy(stages=2, balance=(3, 2), timeout=datetime.timedelta(seconds=5))
-    assert s.balance == (3, 2) and s.stall_timeout == 300.0
+    assert s.balance == (3, 2) and s.stall_timeout == 300.0 and s.heartbeat_timeout == 30.0
+    assert PipeMareStrategy(heartbeat_timeout=None).heartbeat_timeout is None
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,7 @@
-"""A stage killed (SIGKILL) or stopped (SIGSTOP) mid-epoch: every process exits non-zero within
-60 s, and the error names the stage, its rank and PID. Real processes, signals sent by PID."""
+"""A stage killed (SIGKILL), stopped (SIGSTOP) or hung in a native call mid-epoch: every
+process exits non-zero within 60 s, and the error names the stage, its rank, host and PID and
+what its process is doing; a stage that is only slow is never reported. Real processes,
+signals sent by PID."""
 
 from __future__ import annotations
 
@@ -28,32 +30,35 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _run_and_signal(tmp_path: Path, sig: int) -> tuple[int, str, float, list[int]]:
-    proc = subprocess.Popen(
-        [sys.executable, str(TESTS / "_stall_worker.py"), "--out", str(tmp_path)],
+def _start(tmp_path: Path, *flags: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(TESTS / "_stall_worker.py"), "--out", str(tmp_path), *flags],
         env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    pids: list[int] = []
+
+
+def _ready(proc: subprocess.Popen, tmp_path: Path) -> list[int]:
+    """Wait until rank 1 reached step 5; the two ranks' PIDs."""
+    deadline = time.monotonic() + 240
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.2)
+    pids = [int((tmp_path / f"pid-rank{r}").read_text()) for r in range(2)]
+    assert int((tmp_path / "ready").read_text()) == pids[1]
+    return pids
+
+
+def _end(proc: subprocess.Popen, pids: list[int], start: float) -> tuple[int, str, float, list]:
+    """Wait for the run to end: its exit code, output, the seconds from ``start`` until every
+    process was gone, and those still alive after 90 s."""
     try:
-        deadline = time.monotonic() + 240
-        while not (tmp_path / "ready").exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
-            time.sleep(0.2)
-        pids = [int((tmp_path / f"pid-rank{r}").read_text()) for r in range(3)]
-        victim = int((tmp_path / "ready").read_text())
-        assert victim == pids[1]
-        start = time.monotonic()
-        os.kill(victim, sig)
         out, _ = proc.communicate(timeout=120)
-        elapsed = time.monotonic() - start
         while any(_alive(p) for p in pids) and time.monotonic() - start < 90:
             time.sleep(0.5)
-        elapsed_all = time.monotonic() - start
-        left = [p for p in pids if _alive(p)]
-        return proc.returncode, out, max(elapsed, elapsed_all), left
+        return proc.returncode, out, time.monotonic() - start, [p for p in pids if _alive(p)]
     finally:
         for pid in [proc.pid, *pids]:  # only processes this test started
             if _alive(pid):
@@ -61,18 +66,73 @@ def _run_and_signal(tmp_path: Path, sig: int) -> tuple[int, str, float, list[int
         proc.wait(timeout=60)
 
 
+def _names_stage_1(out: str, pid: int) -> bool:
+    return f"stage 1 (rank 1, host {os.uname().nodename}, pid {pid})" in out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_a_stage_killed_or_stopped_ends_every_process_naming_it(tmp_path, sig):
-    code, out, elapsed, left = _run_and_signal(tmp_path, sig)
+    """stall_timeout at its default (300 s): a stopped stage is found by its heartbeat."""
+    proc = _start(tmp_path)
+    pids = _ready(proc, tmp_path)
+    start = time.monotonic()
+    os.kill(pids[1], sig)
+    code, out, elapsed, left = _end(proc, pids, start)
     assert code != 0, out[-3000:]
     assert not left and elapsed < 60, (elapsed, left, out[-3000:])
-    pid = int((tmp_path / "pid-rank1").read_text())
-    assert "stage 1 (rank 1, host " in out and f"pid {pid})" in out, out[-4000:]
-    want = "is gone" if sig == signal.SIGKILL else "is stopped"
+    assert _names_stage_1(out, pids[1]), out[-4000:]
+    want = "is gone (killed" if sig == signal.SIGKILL else "is stopped (SIGSTOP"
     assert want in out, out[-4000:]
     # how far the failed stage got: it was signalled after step 5 (its own report)
     completed = [int(n) for n in re.findall(r"when it had completed (\d+) steps", out)]
     assert completed and min(completed) >= 3, out[-4000:]
+
+
+def test_a_stage_hung_in_a_native_call_is_named_when_its_heartbeat_stops(tmp_path):
+    """A native call that keeps the interpreter lock stops the heartbeat: the peer names the
+    stage once it has been silent for heartbeat_timeout (10 s here), not before, and long
+    before stall_timeout (300 s)."""
+    proc = _start(tmp_path, "--mode", "native")
+    pids = _ready(proc, tmp_path)  # rank 1 wrote "ready", then entered the call
+    code, out, elapsed, left = _end(proc, pids, time.monotonic())
+    assert code != 0, out[-3000:]
+    assert not left and elapsed < 60, (elapsed, left, out[-3000:])
+    assert _names_stage_1(out, pids[1]), out[-4000:]
+    assert "is running but does not beat" in out, out[-4000:]
+    silence = [int(s) for s in re.findall(r"no heartbeat from it for (\d+) s", out)]
+    assert silence and min(silence) >= 10, out[-4000:]
+
+
+def test_a_healthy_stage_slower_than_the_heartbeat_timeout_is_never_reported(tmp_path):
+    """One forward of stage 1 takes 8 s, with heartbeat_timeout=4 s: the run ends normally."""
+    proc = _start(tmp_path, "--mode", "slow", "--slow", "8", "--heartbeat-timeout", "4",
+                  "--max-steps", "8")  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    assert "pipemare: stage" not in out, out[-4000:]
+    assert all((tmp_path / f"finished-rank{r}").exists() for r in range(2)), out[-4000:]
+
+
+def test_a_killed_process_is_named_gone_every_time():
+    """The race behind a flake: a killed process closes its connections while it exits,
+    before /proc reads it as a zombie. 20 kills in a row (a worker process forks its
+    victims): each time the connection closed, the process is described as gone."""
+    proc = subprocess.run(
+        [sys.executable, str(TESTS / "_kill_loop_worker.py"), "20"],
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    states = [ln for ln in proc.stdout.splitlines() if ln.startswith("settled: ")]
+    assert len(states) == 20, proc.stdout
+    assert all(s == "settled: is gone (killed or crashed)" for s in states), proc.stdout
 
 
 def test_describe_process_tells_gone_from_running():
