@@ -284,8 +284,9 @@ def auto_balance(
 
     Example:
         >>> seq = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-        >>> auto_balance(seq, torch.randn(4, 16), stages=2, microbatches=2, repeats=2)
-        [2, 2]
+        >>> balance = auto_balance(seq, torch.randn(4, 16), stages=2, microbatches=2, repeats=2)
+        >>> len(balance), sum(balance)  # the cut itself follows measured times
+        (2, 4)
     """
     partition.check_sequential(seq)
     partition.even_balance(len(seq), stages)  # refuses impossible stage counts
