@@ -1,5 +1,7 @@
 """Runs for the checkpoint tests: the same training with and without checkpoints, killed and
-resumed mid-epoch, or drained at one step (what a resume from that step promises).
+resumed mid-epoch, or drained at one step (what a resume from that step promises); under
+torchrun with restarts, killed once after its first checkpoint and resumed by
+``fit(ckpt_path="last")`` in the restarted processes.
 
 Every run trains the same small model (BatchNorm and dropout, so buffers and random streams
 matter) on a shuffled resumable DataLoader and writes its final weights and, per step, the
@@ -63,13 +65,28 @@ class Model(pl.LightningModule):
 
 
 class Act(pl.Callback):
-    """Drain the pipeline, or SIGKILL this process, right after a given step."""
+    """Drain the pipeline, or SIGKILL this process, right after a given step, or (in torchrun's
+    first attempt only) ``kill_after_save`` steps after ``last.ckpt`` appeared on disk."""
 
     def __init__(
-        self, drain_at: int | None, kill_at: int | None, kill_rank: int, out: Path
+        self,
+        drain_at: int | None,
+        kill_at: int | None,
+        kill_rank: int,
+        out: Path,
+        kill_after_save: int | None = None,
     ) -> None:
         self.drain_at, self.kill_at, self.kill_rank = drain_at, kill_at, kill_rank
-        self.out = out
+        self.out, self.kill_after_save = out, kill_after_save
+        self.saved_at: int | None = None  # the step at whose end last.ckpt was first seen
+
+    def on_train_start(self, trainer, pl_module):
+        if trainer.global_rank == 0:  # where each attempt started (a resume: the checkpoint)
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "none")
+            self.out.mkdir(parents=True, exist_ok=True)
+            path = trainer.ckpt_path
+            record = {"global_step": trainer.global_step, "ckpt_path": path and str(path)}
+            (self.out / f"attempt-{attempt}.json").write_text(json.dumps(record))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.drain_at:
@@ -83,6 +100,17 @@ class Act(pl.Callback):
                 torch.save(state, self.out / "drained.pt")
         if trainer.global_step == self.kill_at and trainer.global_rank == self.kill_rank:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self._first_attempt(trainer) and self.kill_after_save is not None:
+            if self.saved_at is None and (self.out / "ckpt" / "last.ckpt").exists():
+                self.saved_at = trainer.global_step  # complete: the file is renamed into place
+            if self.saved_at is not None and trainer.global_step >= (
+                self.saved_at + self.kill_after_save
+            ):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _first_attempt(self, trainer) -> bool:
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        return restarts == "0" and trainer.global_rank == self.kill_rank
 
 
 def run(
@@ -94,7 +122,8 @@ def run(
     drain_at: int | None = None,
     kill_at: int | None = None,
     kill_rank: int = 0,
-    resume: Path | None = None,
+    kill_after_save: int | None = None,
+    resume: Path | str | None = None,
 ) -> pl.Trainer:
     """Train; write ``final.pt`` (weights) and ``seen.json`` (sample indices per step)."""
     pl.seed_everything(0)
@@ -104,7 +133,7 @@ def run(
     # workers, which would make the shuffle of the epochs after a resume differ
     sampler = RandomSampler(data, generator=torch.Generator().manual_seed(1))
     loader = StatefulDataLoader(data, batch_size=12, sampler=sampler)
-    callbacks: list[pl.Callback] = [Act(drain_at, kill_at, kill_rank, out)]
+    callbacks: list[pl.Callback] = [Act(drain_at, kill_at, kill_rank, out, kill_after_save)]
     if every:
         callbacks.append(
             pl.callbacks.ModelCheckpoint(
@@ -153,7 +182,12 @@ def main() -> None:
     parser.add_argument("--drain-at", type=int)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--kill-rank", type=int, default=0)
-    parser.add_argument("--resume", type=Path)
+    parser.add_argument(
+        "--kill-after-save",
+        type=int,
+        help="in torchrun's first attempt, kill --kill-rank this many steps after last.ckpt exists",
+    )
+    parser.add_argument("--resume", help='a checkpoint, or "last" (the newest last.ckpt, if any)')
     args = parser.parse_args()
     torch.set_num_threads(1)
     run(**{k.replace("-", "_"): v for k, v in vars(args).items()})

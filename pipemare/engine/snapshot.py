@@ -172,7 +172,12 @@ class Snapshot:
                 buffers[name].update(values)
         return {
             # every setting recorded up to minibatch t has been used by then
-            "optimizer": {"buffers": buffers, "hparams": {}, "waiting": {}},
+            "optimizer": {
+                "buffers": buffers,
+                "hparams": {},
+                "waiting": {},
+                "run": self.pipe.optimizer.run_state(),
+            },
             "pipeline": {
                 "minibatches": self.minibatch + 1,
                 "rng": {i: parts.rng for i, parts in self._parts.items()},

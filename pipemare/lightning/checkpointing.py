@@ -28,6 +28,7 @@ __all__ = [
     "module_state",
     "optimizer_state",
     "warn_layout_changes",
+    "warn_run_changes",
 ]
 
 
@@ -137,13 +138,15 @@ def layout(pipe: Pipeline) -> dict[str, Any]:
     }
 
 
-def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> list[str]:
+def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> tuple[list[str], list[str]]:
     """Restore what :func:`optimizer_state` saved under "pipemare" (this process's part).
 
     A checkpoint from another partition, stage count or schedule still loads: the weights and
-    the user's optimiser state are the whole model's either way. Returns what does not carry
-    over (for the caller to announce): each stage's random stream when the stages hold other
-    layers, the buffers of corrections the new configuration does not run.
+    the user's optimiser state are the whole model's either way. Returns, for the caller to
+    announce, what does not carry over (each stage's random stream when the stages hold other
+    layers, the buffers of corrections the new configuration does not run), and where this run
+    differs from what the saved run derived from its length (T1's horizon is kept unless the
+    config changed it: :mod:`pipemare.optim.run_length`).
     """
     saved = state.get("layout")
     now = layout(pipe)
@@ -169,9 +172,9 @@ def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> list[str]:
         for key in ("schedule", "microbatches"):
             if saved[key] != now[key]:
                 notes.append(f"{key} changes from {saved[key]!r} to {now[key]!r}")
-    pipe.optimizer.load_state_dict(optimizer_state)
+    run_notes = pipe.optimizer.load_state_dict(optimizer_state)
     pipe.load_state_dict(pipeline_state)
-    return notes
+    return notes, run_notes
 
 
 def warn_layout_changes(notes: list[str], warn: Callable[[str], Any]) -> None:
@@ -181,6 +184,13 @@ def warn_layout_changes(notes: list[str], warn: Callable[[str], Any]) -> None:
             "pipemare: resuming a checkpoint saved with another layout; the weights, the "
             "optimiser's state and the step count carry over; " + "; ".join(notes)
         )
+
+
+def warn_run_changes(notes: list[str], warn: Callable[[str], Any]) -> None:
+    """Say through ``warn`` where the resumed run differs from the checkpointed run's derived
+    settings (:func:`load_pipemare_state`'s second list), if anywhere."""
+    if notes:
+        warn("pipemare: resuming continues the checkpointed run; " + "; ".join(notes))
 
 
 def load_optimizer_states(optimizers: Sequence[Any], states: Sequence[Any]) -> Any:

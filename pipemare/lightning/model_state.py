@@ -130,6 +130,7 @@ class ModelStateHooks(StrategyBase):
         if self._pending_state is None:
             return
         assert self.pipeline is not None
-        notes = checkpointing.load_pipemare_state(self.pipeline, self._pending_state)
+        notes, run_notes = checkpointing.load_pipemare_state(self.pipeline, self._pending_state)
         self._pending_state = None
         checkpointing.warn_layout_changes(notes, self._lightning.rank_zero_warn)
+        checkpointing.warn_run_changes(run_notes, self._lightning.rank_zero_warn)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipemare.optim import run_length
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.corrections import Correction, DiscrepancyCorrection, StageView
 from pipemare.optim.corrections.base import group_momentum, set_group_momentum
@@ -95,6 +96,10 @@ class PipeMareOptimizer:
             momentum=self.momentum,
         )
         self.corrections: list[Correction] = self.config.build(total_steps, steps_per_epoch)
+        # what T1's horizon was derived from; a resume may keep the checkpointed run's instead
+        self._run = run_length.run_state(
+            self.config, self.corrections, total_steps, steps_per_epoch
+        )
         for c in self.corrections:
             c.bind(view)
         self._t2 = next((c for c in self.corrections if isinstance(c, DiscrepancyCorrection)), None)
@@ -237,7 +242,8 @@ class PipeMareOptimizer:
         Buffers are keyed by correction name, then by the parameter's position in the
         optimiser's param groups, as ``torch.optim`` keys its own state.
         ``include_optimizer=False`` leaves out the user's optimiser (for callers that save it
-        themselves, like Lightning).
+        themselves, like Lightning). "run" holds what was derived from the run's length (T1's
+        horizon, :mod:`~pipemare.optim.run_length`), which a resume keeps.
         """
         ids = {id(p): i for i, p in self._index().items()}
         state = {
@@ -246,12 +252,24 @@ class PipeMareOptimizer:
             },
             "hparams": {k: [dict(h) for h in hs] for k, hs in self._hparams.items()},
             "waiting": {k: sorted(s) for k, s in self._waiting.items()},
+            "run": self.run_state(),
         }
         if include_optimizer:
             state["optimizer"] = self.optimizer.state_dict()
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def run_state(self) -> dict[str, Any]:
+        """What this run derived from its length (:func:`~pipemare.optim.run_length.run_state`)."""
+        return dict(self._run)
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
+        """Restore :meth:`state_dict`; T1's horizon is the saved run's unless the config's
+        settings for it changed (:func:`~pipemare.optim.run_length.keep_horizon`).
+
+        Returns:
+            What differs from the saved run's derived settings (old and new value), for the
+            caller to announce; empty when nothing does.
+        """
         if "optimizer" in state:
             self.optimizer.load_state_dict(state["optimizer"])
         index = self._index()
@@ -269,3 +287,7 @@ class PipeMareOptimizer:
             )
         self._hparams = {int(k): [dict(h) for h in hs] for k, hs in state["hparams"].items()}
         self._waiting = {int(k): set(s) for k, s in state["waiting"].items()}
+        if "run" not in state:  # an older checkpoint, without the derived settings
+            return []
+        self._run, notes = run_length.keep_horizon(self.corrections, state["run"], self._run)
+        return notes

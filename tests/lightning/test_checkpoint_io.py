@@ -72,3 +72,26 @@ def test_the_strategy_saves_through_it_by_default(other_fs):
         strategy.checkpoint_io.load_checkpoint(other_fs / "x.ckpt")["state_dict"]["a"],
         torch.ones(2),
     )
+
+
+def test_ckpt_path_last_never_picks_what_a_killed_save_left(other_fs):
+    """Where the filesystem lacks O_TMPFILE, a writer killed mid-save leaves a hidden
+    ``.last.ckpt.pipemare-*.tmp`` (swept by the next save). ``fit(ckpt_path="last")``, which an
+    automatic restart resumes with, resolves to the newest *complete* ``last*.ckpt`` all the
+    same: Lightning's lookup (checked here as fit calls it) matches ``last`` names ending in
+    ``.ckpt`` only, so a partial file is never loaded."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.trainer.states import TrainerFn
+
+    atomic_save({"w": torch.zeros(10)}, other_fs / "last.ckpt")
+    partial = other_fs / ".last.ckpt.pipemare-1234-5678.tmp"
+    partial.write_bytes(b"PK\x03\x04 half a checkpoint")  # newer than last.ckpt
+    os.utime(partial, (os.path.getmtime(other_fs / "last.ckpt") + 60,) * 2)
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=other_fs, save_last=True)
+    trainer = pl.Trainer(callbacks=[ckpt], logger=False, enable_progress_bar=False)
+    trainer.state.fn = TrainerFn.FITTING
+    resolved = trainer._checkpoint_connector._parse_ckpt_path(
+        TrainerFn.FITTING, "last", model_provided=True, model_connected=False
+    )
+    assert resolved == str(other_fs / "last.ckpt")
+    assert torch.equal(torch.load(resolved)["w"], torch.zeros(10))

@@ -14,12 +14,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import _resume_worker as worker
 import pytest
 import pytorch_lightning as pl
 import torch
-from _launch import environment
+from _launch import environment, free_port
 
 from pipemare.engine.lagged import snapshot_lag
 from pipemare.schedule.actions import SCHEDULES, Op
@@ -135,6 +136,51 @@ def test_two_processes_rank_killed_resumed_equals_the_drained_run(tmp_path):
     _resumed_equals_drained(tmp_path, devices=2, stages=2)
 
 
+def _torchrun_with_restarts(out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The worker on 2 processes under torchrun with one restart allowed.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torch's default (the agent's store shared with the
+    workers, kept across restarts) leaves the first attempt's addresses in the store, and the
+    restarted processes' gloo setup then fails about half the time connecting to the dead ones
+    (measured on torch 2.13; pytorch/pytorch#135712). Unshared, each attempt has its own store.
+    """
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
+        "--max-restarts=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        WORKER, "--out", str(out), "--devices", "2", "--stages", "2", *args,
+    ]  # fmt: skip
+    env = environment(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, check=False)
+
+
+@pytest.mark.distributed
+def test_torchrun_restarts_a_killed_stage_and_resumes_from_the_last_checkpoint(tmp_path):
+    """``fit(ckpt_path="last")`` under ``torchrun --max-restarts=1``: the first attempt finds no
+    checkpoint and starts afresh; stage 1 is SIGKILLed two steps after the checkpoint of step 5
+    is on disk; the agent restarts both processes, which resume from it and finish with exit
+    0 and the weights of the uninterrupted run drained after step 5."""
+    out = tmp_path / "job"
+    proc = _torchrun_with_restarts(
+        out, "--every", "5", "--kill-after-save", "2", "--kill-rank", "1", "--resume", "last"
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-6000:]
+    assert "exitcode: -9" in log  # the agent saw stage 1 killed, and restarted the job
+    first = json.loads((out / "attempt-0.json").read_text())
+    second = json.loads((out / "attempt-1.json").read_text())
+    assert first == {"global_step": 0, "ckpt_path": None}  # "last" with nothing there yet
+    assert second == {"global_step": 5, "ckpt_path": str(out / "ckpt" / "last.ckpt")}
+    names = sorted(p.name for p in (out / "ckpt").iterdir())
+    assert names == sorted(["last.ckpt", *(f"step={k}.ckpt" for k in range(5, 31, 5))])
+    worker.run(tmp_path / "drained", stages=2, drain_at=5)  # the reference, in one process
+    diff = _max_diff(_weights(out / "final.pt"), _weights(tmp_path / "drained" / "final.pt"))
+    print(f"\nrestarted by torchrun vs drained at the checkpoint: {diff:.2e}")
+    assert diff < 1e-6
+    seen = json.loads((out / "seen.json").read_text())
+    ref = json.loads((tmp_path / "drained" / "seen.json").read_text())
+    assert seen["first"] == 5 and seen["seen"] == ref["seen"][5:]  # mid-epoch: the same data
+
+
 @pytest.mark.distributed
 def test_two_processes_checkpointing_changes_nothing(tmp_path):
     _launch(tmp_path / "every", "--devices", "2", "--every", "3")
@@ -144,7 +190,7 @@ def test_two_processes_checkpointing_changes_nothing(tmp_path):
     assert len(list((every / "ckpt").glob("step=*.ckpt"))) == 10
 
 
-def _saved(tmp_path: Path, **strategy: object) -> Path:
+def _saved(tmp_path: Path, max_steps: int = 6, **strategy: object) -> Path:
     from test_strategy import Tiny, tiny_data, trainer
 
     import pipemare
@@ -152,25 +198,31 @@ def _saved(tmp_path: Path, **strategy: object) -> Path:
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
     pl.seed_everything(0)
     t = trainer(
-        pipemare.PipeMareStrategy(**strategy), max_steps=6, enable_checkpointing=True,
+        pipemare.PipeMareStrategy(**strategy), max_steps=max_steps, enable_checkpointing=True,
         callbacks=[ckpt],
     )  # fmt: skip
     t.fit(Tiny(), tiny_data())
     return Path(ckpt.last_model_path)
 
 
-def _resume(path: Path, **strategy: object) -> tuple[pl.Trainer, list[str]]:
+def _resume(
+    path: Path,
+    max_steps: int = 8,
+    about: str = "a checkpoint saved with another layout",
+    **strategy: object,
+) -> tuple[pl.Trainer, list[str]]:
+    """Resume ``path``; returns the trainer and pipemare's resume warnings ``about`` that."""
     import warnings
 
     from test_strategy import Tiny, tiny_data, trainer
 
     import pipemare
 
-    t = trainer(pipemare.PipeMareStrategy(**strategy), max_steps=8)
+    t = trainer(pipemare.PipeMareStrategy(**strategy), max_steps=max_steps)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t.fit(Tiny(), tiny_data(), ckpt_path=path)
-    return t, [str(w.message) for w in caught if "pipemare: resuming" in str(w.message)]
+    return t, [str(w.message) for w in caught if f"pipemare: resuming {about}" in str(w.message)]
 
 
 def test_a_resume_with_an_automatic_balance_cuts_as_the_checkpointed_run(tmp_path):
@@ -190,3 +242,61 @@ def test_a_resume_into_another_layout_says_what_carries_over_and_what_is_reset(t
     assert "the buffers of weight_prediction are dropped" in note
     assert "schedule changes from 'pipemare' to 'async'" in note
     assert "microbatches changes from 2 to 4" in note
+
+
+def _horizon(trainer: pl.Trainer) -> Any:
+    """The run's T1 correction (its ``horizon``, its ``lr_factor``)."""
+    from pipemare.optim.corrections import LRReschedule
+
+    pipe = trainer.strategy.pipeline
+    return next(c for c in pipe.optimizer.corrections if isinstance(c, LRReschedule))
+
+
+def test_a_resume_with_another_max_steps_keeps_the_checkpointed_runs_horizon(tmp_path):
+    """T1's horizon is 0.13 of the run's steps: 4 of 30. Resumed at step 2 with max_steps=60
+    (which alone would give 8) the run keeps 4, and a warning names both."""
+    import warnings
+
+    from pipemare.optim.corrections import lr_factor
+
+    worker.run(tmp_path / "first", steps=30, every=2)  # 4 stages, N=2
+    path = tmp_path / "first" / "ckpt" / "step=2.ckpt"
+    saved = torch.load(path, weights_only=False)["optimizer_states"][0]["pipemare"]
+    assert saved["optimizer"]["run"]["horizon"] == 4
+    assert saved["optimizer"]["run"]["total_steps"] == 30
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t = worker.run(tmp_path / "resumed", steps=60, resume=path)
+    assert t.global_step == 60 and _horizon(t).horizon == 4
+    # stage 0's rate factor at step 3, inside the horizon: the kept horizon's, not the new one's
+    delay = t.strategy.pipeline.delays[0].forward
+    assert delay == 1.5
+    assert _horizon(t).lr_factor(0, 3) == lr_factor(delay, 3, 4) != lr_factor(delay, 3, 8)
+    notes = [str(w.message) for w in caught if "continues the checkpointed run" in str(w.message)]
+    assert len(notes) == 1, notes
+    note = notes[0]
+    assert "T1's horizon stays 4 steps" in note and "(0.13 of the run's 30 steps)" in note
+    assert "(0.13 of the run's 60 steps) would give 8" in note
+    assert "reschedule_steps=8" in note  # how to change it instead
+    # what the resumed run's own checkpoints store, so a second resume keeps it too
+    run = t.strategy.pipeline.optimizer.run_state()
+    assert run["horizon"] == 4 and run["total_steps"] == 30
+
+
+def test_a_resume_whose_config_sets_another_horizon_uses_it_and_says_so(tmp_path):
+    from pipemare import PipeMareConfig
+
+    path = _saved(tmp_path, max_steps=30, stages=3, microbatches=2)  # horizon 4
+    config = PipeMareConfig(reschedule_steps=10)
+    t, notes = _resume(
+        path,
+        max_steps=40,
+        about="continues the checkpointed run",
+        stages=3,
+        microbatches=2,
+        config=config,
+    )
+    assert _horizon(t).horizon == 10 and t.global_step == 40
+    assert len(notes) == 1, notes
+    assert "T1's horizon changes from 4 steps (0.13 of the run's 30 steps) to 10 steps" in notes[0]
+    assert "reschedule_steps from None to 10" in notes[0]
