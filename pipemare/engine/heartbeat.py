@@ -69,6 +69,7 @@ class Heartbeat:
         timeout: seconds without a beat after which a peer is lost.
         on_lost: called in the heartbeat thread with the lost rank and the seconds it has
             been silent (``None`` when the store itself cannot be reached).
+        run: a name of this attempt of the job that every rank gives alike.
     """
 
     def __init__(
@@ -78,13 +79,15 @@ class Heartbeat:
         world: int,
         timeout: float,
         on_lost: Callable[[int | None, float, str], None],
+        run: str = "",
     ) -> None:
         self.rank, self.world, self.timeout = rank, world, float(timeout)
         self.interval = max(min(self.timeout / 10, 5.0), 0.05)
         self._on_lost = on_lost
         Heartbeat.finish_current()
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        self._prefix = f"pipemare/heartbeat/{restart}/"
+        # keys of this attempt only (a store kept across torchrun restarts holds older ones);
+        # ``run`` is the same on every rank, e.g. rank 0's host and PID
+        self._prefix = f"pipemare/heartbeat/{run}/"
         self._store = dist.TCPStore(
             address[0],
             address[1],

@@ -133,7 +133,15 @@ class Watchdog:
         nothing runs where the job has no TCPStore."""
         address = store_address()
         if address is not None and len(self.peers) > 1:
-            self.heartbeat = Heartbeat(address, self.me.rank, len(self.peers), timeout, self._lost)
+            first = self.peers[0]
+            self.heartbeat = Heartbeat(
+                address,
+                self.me.rank,
+                len(self.peers),
+                timeout,
+                self._lost,
+                f"{first.host}-{first.pid}",
+            )
 
     def finish(self) -> None:
         """This process's run ended normally: stop beating, and say so to the others."""

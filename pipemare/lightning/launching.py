@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import importlib
+import os
 import signal
 from typing import TYPE_CHECKING, Any
 
@@ -105,6 +106,21 @@ def connect(strategy: Any, timeout: Any) -> None:
     set_world_ranks(strategy)
     backend = api.backend_for_device(strategy.root_device)
     api.init_dist_connection(strategy.cluster_environment, backend, timeout=timeout)
+    if restarts_share_the_store():
+        api.rank_zero_warn(
+            "pipemare: torchrun may restart this job (--max-restarts), and its workers share the "
+            "agent's store, which keeps the first attempt's addresses: a restart's gloo setup "
+            "then often fails connecting to the dead processes (pytorch/pytorch#135712). Start "
+            "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment."
+        )
+
+
+def restarts_share_the_store(env: Any = None) -> bool:
+    """Whether torchrun may restart this job with its workers on the agent's shared store."""
+    env = os.environ if env is None else env
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    return shared and restarts.isdigit() and int(restarts) > 0
 
 
 class SigtermRelay:

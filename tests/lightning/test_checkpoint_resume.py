@@ -300,3 +300,13 @@ def test_a_resume_whose_config_sets_another_horizon_uses_it_and_says_so(tmp_path
     assert len(notes) == 1, notes
     assert "T1's horizon changes from 4 steps (0.13 of the run's 30 steps) to 10 steps" in notes[0]
     assert "reschedule_steps from None to 10" in notes[0]
+
+
+def test_a_restartable_torchrun_job_on_the_shared_store_is_warned():
+    from pipemare.lightning.launching import restarts_share_the_store
+
+    shared = {"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert restarts_share_the_store(shared)
+    assert not restarts_share_the_store({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"})
+    assert not restarts_share_the_store({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    assert not restarts_share_the_store({})
