@@ -26,7 +26,7 @@ def environment(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 300) -> None:
+def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 900) -> None:
     """Start every command and wait for all; show the output of failures. Kills only its own."""
     procs = [
         subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

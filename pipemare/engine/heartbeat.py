@@ -35,7 +35,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Heartbeat", "store_address"]
+__all__ = ["FatalReporter", "Heartbeat", "announce", "store_address"]
 
 #: how long the heartbeat thread leaves the main thread to raise a detected loss itself
 GRACE_S = 2.0
@@ -172,6 +172,14 @@ class Heartbeat:
         return None
 
 
+def announce(error: BaseException) -> None:
+    """Print a failure where and when it is found (stderr, flushed): a process can be ended
+    from outside before its traceback prints (Lightning's launcher ends rank 0 within 5 s
+    of a child's failed exit)."""
+    with contextlib.suppress(Exception):
+        print(f"\n{error}\n", file=sys.stderr, flush=True)
+
+
 class FatalReporter:
     """Turns a lost peer found by the heartbeat thread into an error for the main thread, or,
     when the main thread cannot take it (blocked in a wait), into a printed error and exit 1."""
@@ -192,11 +200,14 @@ class FatalReporter:
             self._taken.set()
         return self.error
 
-    def report(self, error: BaseException) -> None:
+    def report(self, error: BaseException, exit_unless_waiting: bool = True) -> None:
+        """Hand ``error`` to the main thread. When the main thread is blocked in a wait, or
+        does not take it within :data:`GRACE_S` and ``exit_unless_waiting``, print it, run
+        the hooks and end the process with exit code 1."""
         self.error = error
-        if self.waiting is None and self._taken.wait(GRACE_S):
+        if self.waiting is None and (not exit_unless_waiting or self._taken.wait(GRACE_S)):
             return  # the main thread raises it
-        print(f"\n{error}\n", file=sys.stderr, flush=True)
+        announce(error)
         for hook in self._hooks:
             with contextlib.suppress(Exception):
                 hook()

@@ -22,7 +22,7 @@ import socket
 import time
 from typing import Any
 
-from pipemare.engine.heartbeat import FatalReporter, Heartbeat, store_address
+from pipemare.engine.heartbeat import FatalReporter, Heartbeat, announce, store_address
 
 __all__ = ["Peer", "StageFailedError", "Watchdog", "describe_process"]
 
@@ -167,14 +167,19 @@ class Watchdog:
         finally:
             self.reporter.waiting = None
 
-    def culprit(self) -> int | None:
-        """A rank whose process this host can see is gone or stopped, if any."""
-        for peer in self.peers:
-            if peer.rank != self.me.rank and describe_process(peer).startswith(
-                ("is gone", "is stopped")
-            ):
-                return peer.rank
-        return None
+    def culprit(self, settle: float = 2.0) -> int | None:
+        """A rank whose process this host can see is gone or stopped, if any, looking again
+        for ``settle`` seconds (a killed process reads as running for a moment)."""
+        deadline = time.monotonic() + settle
+        while True:
+            for peer in self.peers:
+                if peer.rank != self.me.rank and describe_process(peer).startswith(
+                    ("is gone", "is stopped")
+                ):
+                    return peer.rank
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def failure(self, rank: int, what: str, err: BaseException) -> StageFailedError:
         peer = self.peers[rank]
@@ -189,7 +194,7 @@ class Watchdog:
                 )
             elif state.startswith("is on another host"):
                 state = f"closed its connection; it beat {silence:.0f} s ago"
-        return StageFailedError(
+        error = StageFailedError(
             peer,
             self.me,
             what,
@@ -199,6 +204,8 @@ class Watchdog:
             self._completed.get(rank),
             state,
         )
+        announce(error)
+        return error
 
     def _lost(self, rank: int | None, silence: float, cause: str) -> None:
         """Called in the heartbeat thread: ``rank`` stopped beating, or (None) the store is
@@ -232,4 +239,6 @@ class Watchdog:
                 self._completed.get(rank),
                 state,
             )
-        self.reporter.report(error)
+        # a lost store while this process computes may be the normal end of the process
+        # that hosts it: then only a wait that follows fails
+        self.reporter.report(error, exit_unless_waiting=rank is not None)

@@ -18,6 +18,7 @@ import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
+from pipemare.engine.heartbeat import announce
 from pipemare.lightning.checkpoint_io import AtomicCheckpointIO, LightningAtomicCheckpointIO
 
 if TYPE_CHECKING:  # the strategy's mixins join a Lightning ParallelStrategy at run time
@@ -182,11 +183,16 @@ class SigtermRelay:
         self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self
 
 
-def end_launched_processes(strategy: Any) -> None:
+def end_launched_processes(strategy: Any, error: BaseException | None = None) -> None:
     """After an error in the process that launched the others (``start_method="popen"``), end
     them as Lightning does after Ctrl-C: a stage left waiting, or stopped, would hold its
     device until its own deadline, or forever. torchrun's agent and ``srun
-    --kill-on-bad-exit`` do the same for the jobs they start."""
+    --kill-on-bad-exit`` do the same for the jobs they start.
+
+    ``error`` is printed first: Lightning's launcher ends this process within seconds of a
+    child's failed exit, which can come before this process's traceback is printed."""
     launcher = getattr(strategy, "_launcher", None)
     if isinstance(launcher, strategy._lightning.SubprocessScriptLauncher) and launcher.procs:
+        if error is not None:
+            announce(error)
         launcher.kill(signal.SIGKILL)

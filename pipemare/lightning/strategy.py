@@ -317,7 +317,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         # others (no "finished" is posted)
         Heartbeat.finish_current(finished=False)
         self._saves.abandon(warn=self._lightning.rank_zero_warn)
-        launching.end_launched_processes(self)
+        launching.end_launched_processes(self, exception)
 
     def teardown(self) -> None:
         self._grads.restore()

@@ -49,7 +49,7 @@ def column(table, name):
 
 def test_measured_staleness_equals_derived_delays(tmp_path):
     logger = pl.loggers.CSVLogger(tmp_path)
-    strategy = PipeMareStrategy(stages=5, microbatches=2)
+    strategy = PipeMareStrategy(balance="params", stages=5, microbatches=2)
     fit(strategy, [StalenessMonitor(log_every_n_steps=10)], logger, epochs=1, log_every_n_steps=10)
     table = rows(logger)
     derived = strategy.delays
@@ -68,7 +68,7 @@ def test_measured_staleness_equals_derived_delays(tmp_path):
 @pytest.mark.parametrize("schedule", ["pipedream", "async"])
 def test_measured_backward_delay_follows_the_schedule(tmp_path, schedule):
     logger = pl.loggers.CSVLogger(tmp_path)
-    strategy = PipeMareStrategy(stages=3, microbatches=1, schedule=schedule)
+    strategy = PipeMareStrategy(balance="params", stages=3, microbatches=1, schedule=schedule)
     fit(strategy, [StalenessMonitor(log_every_n_steps=10)], logger, epochs=1, log_every_n_steps=10)
     bkwd = [v for _, v in column(rows(logger), "pipemare/stage0/tau_bkwd_measured")]
     assert bkwd[-1] == pytest.approx(2.0 if schedule == "pipedream" else 0.0)
@@ -82,7 +82,7 @@ def test_t2_and_prediction_make_the_discrepancy_smaller(tmp_path):
         ("off", PipeMareConfig.off()),
     ]:
         logger = pl.loggers.CSVLogger(tmp_path / name)
-        strategy = PipeMareStrategy(stages=5, microbatches=1, config=cfg)
+        strategy = PipeMareStrategy(balance="params", stages=5, microbatches=1, config=cfg)
         fit(
             strategy,
             [StalenessMonitor(log_every_n_steps=20, discrepancy_every_n_steps=5)],
@@ -137,7 +137,9 @@ def test_utilization_is_reported_per_stage(tmp_path):
         f"\nreplayed utilisation, 4 stages, N=4: gpipe {results['gpipe']:.2f}, "
         f"pipemare {results['pipemare']:.2f}"
     )
-    assert results["pipemare"] > results["gpipe"]  # no flush, no bubble
+    # which schedule uses the stages better is asserted with durations fixed by construction
+    # (engine/test_pipeline: test_replayed_timeline_overlaps_stages_and_respects_dependencies):
+    # here they are measured, and one stall on a busy machine can reverse the order
 
 
 @pytest.mark.parametrize("schedule", ["pipemare", "1f1b"])
@@ -173,7 +175,7 @@ def test_a_non_finite_loss_stops_training_without_any_monitor(tmp_path):
 def test_loss_blowup_is_divergence_too(tmp_path):
     monitor = ConvergenceMonitor(blowup=3.0, warmup_steps=5, on_divergence="stop")
     fit(
-        PipeMareStrategy(stages=3, schedule="async"),
+        PipeMareStrategy(balance="params", stages=3, schedule="async"),
         [monitor],
         False,
         epochs=3,
@@ -186,7 +188,7 @@ def test_loss_blowup_is_divergence_too(tmp_path):
 def test_target_metric_steps_and_time(tmp_path):
     logger = pl.loggers.CSVLogger(tmp_path)
     monitor = ConvergenceMonitor(target=("val_acc", 0.8, "max"))
-    fit(PipeMareStrategy(stages=3, microbatches=2), [monitor], logger, epochs=4)
+    fit(PipeMareStrategy(balance="params", stages=3, microbatches=2), [monitor], logger, epochs=4)
     assert monitor.steps_to_target is not None and monitor.steps_to_target % 46 == 0
     assert column(rows(logger), "pipemare/steps_to_target")[0][1] == monitor.steps_to_target
     assert monitor.time_to_target > 0
@@ -195,7 +197,7 @@ def test_target_metric_steps_and_time(tmp_path):
 def test_timeline_is_a_chrome_trace_with_a_track_per_stage(tmp_path):
     path = tmp_path / "trace.json"
     fit(
-        PipeMareStrategy(stages=4, microbatches=2),
+        PipeMareStrategy(balance="params", stages=4, microbatches=2),
         [PipelineMonitor(trace_path=path, trace_steps=(3, 6))],
         False,
         epochs=1,
@@ -225,7 +227,7 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, monkeypatch):
     logger = wandb_logger(project="pipemare-test", group="unit", save_dir=tmp_path)
     assert os.environ["WANDB_MODE"] == "offline"
     fit(
-        PipeMareStrategy(stages=3, microbatches=2),
+        PipeMareStrategy(balance="params", stages=3, microbatches=2),
         monitors(),
         logger,
         epochs=2,
@@ -291,7 +293,7 @@ def test_monitors_work_without_validation(tmp_path):
     data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randint(0, 2, (64,))), batch_size=8)
     pl.seed_everything(0)
     t = pl.Trainer(
-        strategy=PipeMareStrategy(stages=3),
+        strategy=PipeMareStrategy(balance="params", stages=3),
         accelerator="cpu",
         devices=1,
         max_epochs=2,

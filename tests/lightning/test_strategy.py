@@ -97,7 +97,7 @@ def test_eight_simulated_stages_train_the_cnn_close_to_one_device():
     results = {}
     for name, strategy in [
         ("single", "auto"),
-        ("pipemare-8", PipeMareStrategy(stages=8, microbatches=2)),
+        ("pipemare-8", PipeMareStrategy(stages=8, microbatches=2, balance="params")),
     ]:
         pl.seed_everything(0)
         model = DigitsCNN(lr=2e-3)
@@ -148,6 +148,7 @@ def test_resume_continues_as_the_uninterrupted_run(tmp_path, schedule):
             stages=5,
             microbatches=2,
             schedule=schedule,
+            balance="params",  # a cut from measured times may differ between the two runs
             config=PipeMareConfig.t1_t2(reschedule_steps=60) if schedule == "pipemare" else None,
         )
 

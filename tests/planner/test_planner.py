@@ -325,7 +325,7 @@ def test_the_cli_plans_the_mnist_config():
             sys.executable, "-m", "pipemare", "plan", "--config", "configs/mnist.yaml",
             "--devices", "2", "--microbatches", "1,2", "--repeats", "2", "--memory-limit", "1GiB",
         ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
     assert "choice: P=" in result.stdout and "modelled step time" in result.stdout
