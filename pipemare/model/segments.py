@@ -1,0 +1,363 @@
+"""Any module as an ``nn.Sequential`` of segments cut at its block boundaries, each reading the
+user's own parameters and buffers (the same tensors, so ties and names survive)."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.export import Dim, ExportedProgram
+from torch.nn.modules.module import register_module_buffer_registration_hook
+from torch.utils import _pytree as pytree
+
+from pipemare.model.blocks import Cut, as_cuts, block_cuts, pp_plan_cuts
+from pipemare.model.graph_split import SegmentProgram, UncuttableModelError, split_program
+
+__all__ = [
+    "Segment",
+    "SegmentedModule",
+    "UncuttableModelError",
+    "export_module",
+    "segment_module",
+    "source_names",
+    "tied_parameters",
+]
+
+
+class Segment(nn.Module):
+    """One piece of a cut model. ``forward(values)`` takes the tuple of values live at its
+    input cut (the first segment: the user's input tensors, flattened) and returns the tuple
+    live at its output cut (the last: the model's own output structure).
+
+    Its parameters and buffers are the user's own tensor objects, registered under the user's
+    names; the train and eval graphs (traced separately) read them by those names at call time,
+    so ``.to()`` and ``load_state_dict`` reach both.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        programs: dict[bool, SegmentProgram],
+        tensors: dict[tuple[str, str], tuple[torch.Tensor, bool]],
+        out_spec: pytree.TreeSpec | None,
+        range_constraints: dict[bool, dict[Any, Any]] | None,
+    ) -> None:
+        super().__init__()
+        self.index = index
+        self._programs = programs
+        self._out_spec = out_spec
+        self._range_constraints = range_constraints
+        for key in sorted({key for p in programs.values() for key in p.state}):
+            tensor, persistent = tensors[key]
+            kind, name = key
+            owner, attr = self._holder(name if kind != "constant" else _constant_name(name))
+            if kind == "parameter":
+                owner.register_parameter(attr, tensor)  # type: ignore[arg-type]
+            elif not hasattr(owner, attr):
+                owner.register_buffer(attr, tensor, persistent=persistent and kind == "buffer")
+        self._slots = {
+            mode: [self._holder(n if k != "constant" else _constant_name(n)) for k, n in p.state]
+            for mode, p in programs.items()
+        }
+
+    def _holder(self, name: str) -> tuple[nn.Module, str]:
+        """The module that holds ``name`` (created on first use) and the attribute name."""
+        owner: nn.Module = self
+        *path, attr = name.split(".")
+        for part in path:
+            if part not in owner._modules:
+                owner.add_module(part, nn.Module())
+            owner = owner._modules[part]  # type: ignore[assignment]
+        return owner, attr
+
+    def forward(self, values: Any) -> Any:
+        program = self._programs[self.training]
+        values = (values,) if isinstance(values, torch.Tensor) else tuple(values)
+        if len(values) != len(program.inputs):
+            raise ValueError(
+                f"segment {self.index} takes {len(program.inputs)} values "
+                f"({', '.join(program.inputs)}), got {len(values)}"
+            )
+        if self._range_constraints is not None:
+            _check_shapes(program, values, self._range_constraints[self.training])
+        state = [getattr(owner, attr) for owner, attr in self._slots[self.training]]
+        out = program.graph_module(*state, *values)
+        if self._out_spec is not None:
+            return pytree.tree_unflatten(list(out), self._out_spec)
+        return tuple(out)
+
+    def extra_repr(self) -> str:
+        program = self._programs[self.training]
+        return f"index={self.index}, inputs={program.inputs}, outputs={program.outputs}"
+
+
+def _constant_name(name: str) -> str:
+    return "_constants." + name.replace(".", "_")
+
+
+def _check_shapes(program: SegmentProgram, values: tuple, constraints: dict[Any, Any]) -> None:
+    """The first segment refuses inputs whose shapes the trace does not cover (else a shape the
+    model branches on could silently take the traced branch)."""
+    from torch._export.utils import _check_input_constraints_for_graph
+
+    flat: list[Any] = [((pytree.SequenceKey(i),), v) for i, v in enumerate(values)]
+    try:
+        _check_input_constraints_for_graph(program.input_nodes, flat, constraints)
+    except RuntimeError as err:
+        raise ValueError(
+            f"the model was cut for inputs of other shapes: {err}. Cut it again "
+            "(segment_module) with example inputs of the shapes it will see"
+        ) from err
+
+
+class SegmentedModule(nn.Sequential):
+    """A module cut into segments; ``self(self.flatten_inputs(*args, **kwargs))`` equals
+    ``module(*args, **kwargs)``. Attributes: ``cuts`` (the cuts taken, in order), ``tied``
+    (see :func:`tied_parameters`)."""
+
+    def __init__(
+        self,
+        segments: list[Segment],
+        cuts: list[Cut],
+        in_spec: pytree.TreeSpec,
+        constants: list[Any],
+        tied: list[tuple[str, list[int]]],
+        signature: tuple[list[str], int],
+    ) -> None:
+        super().__init__(*segments)
+        self._positional, self._num_args = signature  # parameter names; how many came by position
+        self.cuts = cuts
+        self.tied = tied
+        self._in_spec = in_spec
+        self._constants = constants  # the non-tensor inputs the trace baked in (None: a tensor)
+
+    def _as_traced(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Arguments passed positionally or by keyword as the example passed them."""
+        given, kwargs, names = list(args), dict(kwargs), self._positional
+        while len(given) > self._num_args and len(given) <= len(names):
+            name = names[len(given) - 1]
+            kwargs[name] = given.pop()
+        while len(given) < min(self._num_args, len(names)) and names[len(given)] in kwargs:
+            given.append(kwargs.pop(names[len(given)]))
+        return tuple(given), kwargs
+
+    def flatten_inputs(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        """The user's call arguments as the first segment's input: their tensors, flattened.
+
+        Raises:
+            ValueError: the arguments differ in structure, or in a non-tensor value, from the
+                example the model was cut with.
+        """
+        from torch.export._tree_utils import reorder_kwargs
+
+        args, kwargs = self._as_traced(args, kwargs)
+        with contextlib.suppress(ValueError):  # the spec check below says what differs
+            kwargs = reorder_kwargs(kwargs, self._in_spec)
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if spec != self._in_spec:
+            raise ValueError(
+                f"the segments were cut for arguments shaped {self._in_spec}, got {spec}; "
+                "cut the model again with example arguments like the ones you pass"
+            )
+        for leaf, baked in zip(leaves, self._constants, strict=True):
+            if baked is not None and not isinstance(leaf, torch.Tensor) and leaf != baked:
+                raise ValueError(
+                    f"argument value {leaf!r} differs from {baked!r}, which the segments were "
+                    "cut with (non-tensor arguments are baked into the traced graph); cut the "
+                    "model again with this value, or pass it as a tensor"
+                )
+        return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
+
+
+def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """Every dimension of every tensor argument dynamic (``Dim.AUTO``): microbatches differ in
+    size from the example batch."""
+    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+
+    def spec(x: Any) -> Any:
+        return {d: Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None
+
+    return {name: pytree.tree_map(spec, value) for name, value in bound.items()}
+
+
+def export_module(
+    module: nn.Module, args: tuple, kwargs: dict | None = None, *, training: bool = True
+) -> ExportedProgram:
+    """Trace ``module`` in train or eval mode with ``torch.export`` (non-strict, sizes dynamic
+    where the model allows, else the example's sizes).
+
+    Raises:
+        UncuttableModelError: the forward cannot be traced into one graph; the message names
+            the construct and the user's line.
+    """
+    kwargs = dict(kwargs or {})
+    was_training = module.training
+    module.train(training)
+    names = {id(m): name for name, m in module.named_modules()}
+    assigned: list[str] = []
+
+    def traced_assignment(owner: nn.Module, name: str, value: Any) -> None:
+        # A traced value set as a buffer: the forward runs `self.buf = ...`, which the exported
+        # graph drops (measured on torch 2.13); in-place updates are kept.
+        if isinstance(value, FakeTensor) and id(owner) in names:
+            assigned.append(".".join(filter(None, (names[id(owner)], name))))
+
+    hook = register_module_buffer_registration_hook(traced_assignment)
+    try:
+        try:
+            dynamic = _dynamic_shapes(module, args, kwargs)
+            ep = torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=dynamic)
+        except Exception:
+            assigned.clear()
+            ep = torch.export.export(module, args, kwargs, strict=False)
+    except Exception as err:
+        raise UncuttableModelError(_explain(err, module)) from err
+    finally:
+        hook.remove()
+        module.train(was_training)
+    if assigned:
+        raise UncuttableModelError(
+            f"{type(module).__name__}'s forward assigns a new tensor to buffer "
+            f"{', '.join(sorted(set(assigned)))} (`self.buf = ...`), an update a traced graph "
+            "loses. Update the buffer in place instead: `self.buf.copy_(...)` or "
+            "`self.buf.mul_(m).add_(...)` under torch.no_grad()"
+        )
+    return ep
+
+
+def _explain(err: Exception, module: nn.Module) -> str:
+    text = str(err)
+    found = re.search(r"The following call raised this error:\n(.*?)\n\n", text, re.S)
+    where = " ".join(found.group(1).split()) if found else text.strip().splitlines()[0][:300]
+    data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__
+    construct = (
+        "data-dependent control flow (a Python branch, loop or .item() on a tensor's values)"
+        if data_dependent
+        else f"a construct torch.export cannot capture ({type(err).__name__})"
+    )
+    return (
+        f"cannot cut {type(module).__name__} into segments: its forward has {construct} at "
+        f"{where}. pipemare traces the forward into one graph to cut it. Express it with "
+        "tensor operations (torch.where, torch.cond), make it depend on shapes only, or move "
+        "it out of the pipelined module into the step before or after the call"
+    )
+
+
+def _tensors(module: nn.Module, eps: list[ExportedProgram]) -> dict[tuple[str, str], Any]:
+    """The user's own tensor behind every state name the traced graphs read."""
+    found: dict[tuple[str, str], Any] = {}
+    for ep in eps:
+        for kind, name in {k for p in ep.graph_signature.input_specs for k in [_key(p)] if k}:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            tensor = getattr(owner, attr, None)
+            if kind == "constant" and not isinstance(tensor, torch.Tensor):
+                tensor = ep.constants[name]
+            persistent = attr not in getattr(owner, "_non_persistent_buffers_set", set())
+            found[(kind, name)] = (tensor, persistent)
+    return found
+
+
+def _key(spec: Any) -> tuple[str, str] | None:
+    kinds = {"PARAMETER": "parameter", "BUFFER": "buffer", "CONSTANT_TENSOR": "constant"}
+    return (kinds[spec.kind.name], spec.target) if spec.kind.name in kinds else None
+
+
+def tied_parameters(segments: nn.Sequential, module: nn.Module) -> list[tuple[str, list[int]]]:
+    """Parameters that several segments hold (tied weights such as GPT's token embedding and
+    output head), each once under its name in ``module`` (the first, as ``named_parameters``
+    gives it) with the indices of the segments that hold it, e.g.
+    ``[("transformer.wte.weight", [0, 5])]``."""
+    canonical = {id(p): name for name, p in module.named_parameters()}
+    holders: dict[int, list[int]] = {}
+    for i, segment in enumerate(segments):
+        for p in segment.parameters():
+            holders.setdefault(id(p), []).append(i)
+    return [
+        (canonical[pid], idx) for pid, idx in holders.items() if len(idx) > 1 and pid in canonical
+    ]
+
+
+def source_names(segments: nn.Sequential) -> dict[str, str]:
+    """Each parameter's and persistent buffer's key in ``segments.state_dict()`` mapped to its
+    key in the user module's own ``state_dict()`` (``"3.transformer.h.2.ln_1.weight"`` to
+    ``"transformer.h.2.ln_1.weight"``); a tied tensor appears once per segment holding it."""
+    out = {}
+    for key in segments.state_dict(keep_vars=True):
+        name = key.partition(".")[2]
+        if not name.startswith("_constants."):
+            out[key] = name
+    return out
+
+
+def segment_module(
+    module: nn.Module,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    *,
+    split_points: Sequence[str | Cut] | None = None,
+) -> SegmentedModule:
+    """Cut ``module`` into segments at its block boundaries (or before the named modules).
+
+    Args:
+        module: any module whose forward ``torch.export`` can trace; it is not changed.
+        args, kwargs: example arguments for ``module(*args, **kwargs)``: a batch of at least 2.
+        split_points: module names, each a cut before that module (``"transformer.h.2"``), or
+            :class:`Cut`s. By default, the model's own pipeline plan (Hugging Face
+            ``_pp_plan``) where it ships one, else around each of its repeated blocks.
+
+    Returns:
+        A :class:`SegmentedModule` whose segments share the module's parameters and buffers.
+
+    Raises:
+        UncuttableModelError: the forward cannot be traced, or cut where asked.
+
+    Example:
+        >>> seg = segment_module(gpt, (idx,))  # doctest: +SKIP
+        >>> logits, loss = seg(seg.flatten_inputs(idx))  # doctest: +SKIP
+    """
+    # Fresh copies: export traces an input passed twice (or a view of another) as one value, and
+    # the graph would then read the wrong argument once they differ.
+    args, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone(), (tuple(args), dict(kwargs or {}))
+    )
+    if split_points is None:
+        cuts = pp_plan_cuts(module) or block_cuts(module)
+    else:
+        cuts = as_cuts(split_points)
+    eps = {mode: export_module(module, args, kwargs, training=mode) for mode in (True, False)}
+    programs = {mode: split_program(ep, cuts) for mode, ep in eps.items()}
+    if len(programs[True]) != len(programs[False]):
+        raise UncuttableModelError(
+            f"the cuts give {len(programs[True])} segments in train mode but "
+            f"{len(programs[False])} in eval mode; choose split points whose modules run in both"
+        )
+    tensors = _tensors(module, list(eps.values()))
+    n = len(programs[True])
+    segments = [
+        Segment(
+            i,
+            {mode: programs[mode][i] for mode in (True, False)},
+            tensors,
+            eps[True].call_spec.out_spec if i == n - 1 else None,
+            {mode: ep.range_constraints for mode, ep in eps.items()} if i == 0 else None,
+        )
+        for i in range(n)
+    ]
+    from torch.export._tree_utils import reorder_kwargs
+
+    in_spec = eps[True].call_spec.in_spec
+    leaves = pytree.tree_leaves((args, reorder_kwargs(kwargs, in_spec)))
+    baked = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+    seq = nn.Sequential(*segments)
+    ties = tied_parameters(seq, module)
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    params = inspect.signature(module.forward).parameters.values()
+    signature = ([p.name for p in params if p.kind in kinds], len(args))
+    return SegmentedModule(segments, cuts, in_spec, baked, ties, signature)

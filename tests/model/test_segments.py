@@ -1,0 +1,333 @@
+"""Models as people write them, cut into segments: running the segments in a row is the model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipemare.model.blocks import Cut, block_cuts
+from pipemare.model.segments import (
+    UncuttableModelError,
+    segment_module,
+    source_names,
+)
+from tests._real_models import GPT, GPTConfig, resnet18
+
+
+def run(segments, *args, **kwargs):
+    return segments(segments.flatten_inputs(*args, **kwargs))
+
+
+def grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad(set_to_none=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def gpt_cut():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=3))
+    idx = torch.randint(0, 37, (4, 8))
+    return gpt, segment_module(gpt, (idx,), {"targets": idx})
+
+
+@pytest.fixture(scope="module")
+def resnet_cut():
+    torch.manual_seed(0)
+    net = resnet18()
+    return net, segment_module(net, (torch.randn(4, 3, 32, 32),))
+
+
+def test_gpt_is_cut_around_each_block_with_its_tie_reported_once(gpt_cut):
+    gpt, seg = gpt_cut
+    assert len(seg) == 3 + 2  # embeddings, 3 blocks, ln_f + lm_head
+    assert seg.tied == [("transformer.wte.weight", [0, 4])]
+    own = gpt.state_dict(keep_vars=True)
+    for key, name in source_names(seg).items():
+        assert seg.state_dict(keep_vars=True)[key] is own[name]  # the user's tensor, no copy
+    held = {id(own[name]) for name in source_names(seg).values()}
+    assert held >= {id(p) for p in gpt.parameters()}  # every parameter, under one of its names
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_gpt_segments_reproduce_forward_and_gradients(gpt_cut, training):
+    gpt, seg = gpt_cut
+    gpt.train(training), seg.train(training)
+    idx, targets = torch.randint(0, 37, (2, 6)), torch.randint(0, 37, (2, 6))  # not the example's
+    torch.manual_seed(7)
+    logits, loss = gpt(idx, targets)
+    loss.backward()
+    expected = grads(gpt)
+    torch.manual_seed(7)
+    seg_logits, seg_loss = run(seg, idx, targets=targets)
+    seg_loss.backward()
+    assert torch.equal(seg_logits, logits) and torch.equal(seg_loss, loss)
+    got = grads(gpt)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)
+
+
+def test_dropout_stays_random_in_train_mode(gpt_cut):
+    _, seg = gpt_cut
+    seg.train()
+    idx = torch.randint(0, 37, (2, 6))
+    first, second = run(seg, idx, idx)[0], run(seg, idx, idx)[0]
+    assert not torch.equal(first, second)
+    seg.eval()
+    assert torch.equal(run(seg, idx, idx)[0], run(seg, idx, idx)[0])
+
+
+def test_named_split_points_are_honoured():
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=4, dropout=0.0))
+    idx = torch.randint(0, 37, (3, 8))
+    seg = segment_module(gpt, (idx,), split_points=["transformer.h.2"])
+    assert len(seg) == 2
+    names = [{n for n, _ in s.named_parameters()} for s in seg]
+    assert "transformer.h.1.ln_1.weight" in names[0] and "transformer.h.2.ln_1.weight" in names[1]
+    assert not any(n.startswith("transformer.h.2") for n in names[0])
+    assert seg.tied == [("transformer.wte.weight", [0, 1])]
+    torch.testing.assert_close(run(seg, idx)[0], gpt(idx)[0], rtol=0, atol=0)
+    after = segment_module(gpt, (idx,), split_points=[Cut("transformer.h.3", after=True)])
+    head = {n for n, _ in after[1].named_parameters()}
+    assert len(after) == 2 and head == {
+        "lm_head.weight",
+        "transformer.ln_f.weight",
+        "transformer.ln_f.bias",
+    }
+
+
+def test_resnet_is_cut_at_stem_each_basic_block_and_head(resnet_cut):
+    net, seg = resnet_cut
+    assert [c.module for c in block_cuts(net)][:3] == ["layer1.0", "layer1.1", "layer2.0"]
+    assert len(seg) == 1 + 8 + 1
+    assert {n.rpartition(".")[0] for n, _ in seg[-1].named_parameters()} == {"fc"}
+    assert any(n.startswith("layer2.0.downsample") for n, _ in seg[3].named_parameters())
+    assert seg.tied == []
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_resnet_segments_reproduce_output_gradients_and_batchnorm_stats(resnet_cut, training):
+    net, seg = resnet_cut
+    twin = copy.deepcopy(net)
+    net.train(training), seg.train(training), twin.train(training)
+    x = torch.randn(2, 3, 24, 24)  # other batch and image size than the example's
+    expected = twin(x)
+    expected.square().mean().backward()
+    out = run(seg, x)
+    out.square().mean().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    got, want = grads(net), grads(twin)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
+    for (name, buf), (_, ref) in zip(net.named_buffers(), twin.named_buffers(), strict=True):
+        torch.testing.assert_close(buf, ref, rtol=1e-6, atol=1e-7, msg=name)
+    if training:
+        assert int(net.layer4[1].bn2.num_batches_tracked) >= 1
+
+
+class Skip(nn.Module):
+    """A skip over every block (U-Net style), an int argument and an optional mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(6, 8)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x, scale: int = 2, mask=None):
+        first = self.stem(x)
+        h = first
+        for block in self.blocks:
+            h = block(h)
+        if mask is not None:
+            h = h * mask
+        return {"out": self.head(h + first) * scale, "width": x.shape[1]}
+
+
+def test_skip_connections_constants_and_dict_outputs_cross_cuts():
+    torch.manual_seed(0)
+    model = Skip()
+    x = torch.randn(4, 6)
+    seg = segment_module(model, (x,), {"scale": 3})
+    assert len(seg) == 5
+    inputs = seg[2]._programs[True].inputs
+    assert "linear" in inputs and "x" not in inputs  # the skip travels, the input does not
+    got = run(seg, x[:3], scale=3)
+    assert got["width"] == 6
+    torch.testing.assert_close(got["out"], model(x[:3], scale=3)["out"], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="baked into the traced graph"):
+        seg.flatten_inputs(x, scale=4)
+
+
+class SizeAfterCut(nn.Module):
+    """A size read before the blocks and used after them, where no tensor crossing has it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        n = x.shape[1]
+        h = x.mean(1)
+        for block in self.blocks:
+            h = block(h)
+        return h.unsqueeze(1).expand(-1, n, -1) * 1.0
+
+
+def test_a_symbolic_size_travels_as_a_tensor():
+    model = SizeAfterCut()
+    seg = segment_module(model, (torch.randn(3, 5, 4),))
+    x = torch.randn(2, 7, 4)
+    assert all(isinstance(v, torch.Tensor) for v in seg[0](seg.flatten_inputs(x)))
+    torch.testing.assert_close(run(seg, x), model(x), rtol=0, atol=0)
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        if x.sum() > 0:  # the line the error must point at
+            x = x * 2
+        return self.blocks[1](x)
+
+
+class Reused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.blocks[0](x)  # block 0 again, after the cut before block 2
+
+
+def test_uncuttable_models_get_an_error_that_says_what_and_where():
+    x = torch.randn(3, 4)
+    with pytest.raises(UncuttableModelError, match="data-dependent control flow") as err:
+        segment_module(DataDependent(), (x,))
+    assert "test_segments.py" in str(err.value) and "x.sum() > 0" in str(err.value)
+    with pytest.raises(UncuttableModelError, match=r"'blocks\.0' is called more than once"):
+        segment_module(Reused(), (x,))
+    with pytest.raises(UncuttableModelError, match=r"'blocks\.7' names no module"):
+        segment_module(Reused(), (x,), split_points=["blocks.7"])
+
+
+def test_shapes_the_trace_does_not_cover_are_refused(gpt_cut):
+    _, seg = gpt_cut
+    too_long = torch.randint(0, 37, (2, 17))  # beyond block_size: the traced slice would be wrong
+    with pytest.raises(ValueError, match="cut for inputs of other shapes"):
+        run(seg, too_long, targets=too_long)
+    with pytest.raises(ValueError, match="cut for arguments shaped"):
+        run(seg, too_long)  # cut with targets= given
+
+
+def _hf_gpt2():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=50,
+        n_positions=32,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.GPT2LMHeadModel(config), "transformer.wte.weight"
+
+
+def _hf_llama():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=50,
+        tie_word_embeddings=True,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config), "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("build", [_hf_gpt2, _hf_llama], ids=["gpt2", "llama"])
+def test_hugging_face_models_reproduce_loss_and_gradients(build):
+    torch.manual_seed(0)
+    model, embedding = build()
+    ids = torch.randint(0, 50, (4, 8))
+    mask = torch.ones_like(ids)
+    seg = segment_module(model, (), {"input_ids": ids, "attention_mask": mask, "labels": ids})
+    assert len(seg) == 2 + 2 and seg.tied == [(embedding, [0, 3])]
+    if build is _hf_llama:
+        assert [c.module for c in seg.cuts] == [
+            "model.layers.0",
+            "model.layers.1",
+            "model.layers.1",
+        ]
+    model.train()
+    ids = torch.randint(0, 50, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # left padding: the mask crosses every cut
+    torch.manual_seed(3)
+    out = model(input_ids=ids, attention_mask=mask, labels=ids)
+    out.loss.backward()
+    expected = grads(model)
+    torch.manual_seed(3)
+    got_out = run(seg, input_ids=ids, attention_mask=mask, labels=ids)
+    got_out.loss.backward()
+    assert type(got_out) is type(out)
+    torch.testing.assert_close(got_out.logits, out.logits, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_out.loss, out.loss, rtol=1e-6, atol=1e-6)
+    got = grads(model)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
+
+
+class Tracker(nn.Module):
+    """A block that tracks its input's mean in a buffer, in place or by reassigning it."""
+
+    def __init__(self, in_place: bool = True) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("mean", torch.zeros(4))
+        self.in_place = in_place
+
+    def forward(self, x):
+        if self.training and self.in_place:
+            with torch.no_grad():
+                self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        elif self.training:
+            self.mean = 0.9 * self.mean + 0.1 * x.detach().mean(0)
+        return self.lin(x) + self.mean
+
+
+def test_buffers_updated_in_place_stay_the_users_and_reassigned_ones_are_refused():
+    model = nn.Sequential(Tracker(), Tracker(), Tracker())
+    seg = segment_module(model, (torch.randn(3, 4),))
+    assert len(seg) == 3
+    twin = copy.deepcopy(model)
+    buffer = model[1].mean
+    for x in (torch.randn(2, 4), torch.randn(5, 4)):
+        torch.testing.assert_close(run(seg, x), twin(x), rtol=0, atol=0)
+    assert model[1].mean is buffer and not torch.equal(buffer, torch.zeros(4))
+    for i in range(3):
+        torch.testing.assert_close(model[i].mean, twin[i].mean, rtol=0, atol=0)
+    seg.eval(), twin.eval()
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(run(seg, x), twin(x), rtol=0, atol=0)
+    with pytest.raises(UncuttableModelError, match=r"assigns a new tensor to buffer 1\.mean"):
+        segment_module(nn.Sequential(Tracker(), Tracker(in_place=False)), (torch.randn(3, 4),))
