@@ -4,6 +4,7 @@ user's own parameters and buffers (the same tensors, so ties and names survive).
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import re
 from collections.abc import Sequence
@@ -65,6 +66,17 @@ class Segment(nn.Module):
             mode: [self._holder(n if k != "constant" else _constant_name(n)) for k, n in p.state]
             for mode, p in programs.items()
         }
+
+    #: what a copy shares with the original: the traced graphs (immutable once built; they
+    #: hold fake tensors that cannot be copied) read the copy's own tensors through its slots
+    _SHARED = ("_programs", "_out_spec", "_range_constraints")
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Segment:
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if key in self._SHARED else copy.deepcopy(value, memo)
+        return new
 
     def _holder(self, name: str) -> tuple[nn.Module, str]:
         """The module that holds ``name`` (created on first use) and the attribute name."""

@@ -331,3 +331,24 @@ def test_buffers_updated_in_place_stay_the_users_and_reassigned_ones_are_refused
     torch.testing.assert_close(run(seg, x), twin(x), rtol=0, atol=0)
     with pytest.raises(UncuttableModelError, match=r"assigns a new tensor to buffer 1\.mean"):
         segment_module(nn.Sequential(Tracker(), Tracker(in_place=False)), (torch.randn(3, 4),))
+
+
+def test_a_copy_of_the_segments_trains_apart_from_the_original():
+    """deepcopy (Lightning and users copy models) gives segments with their own tensors that
+    compute what the original does and leave it untouched when they train."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(dropout=0.0))
+    idx = torch.randint(0, GPTConfig.vocab_size, (4, GPTConfig.block_size))
+    segments = segment_module(model, (idx,))
+    twin = copy.deepcopy(segments)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = segments.flatten_inputs(idx)
+    torch.testing.assert_close(twin(inputs)[0], segments(inputs)[0], rtol=0, atol=0)
+    assert all(a is not b for a, b in zip(twin.parameters(), segments.parameters(), strict=True))
+    assert twin.tied == segments.tied
+    tied = dict(twin[0].named_parameters())["lm_head.weight"]  # export names it so
+    assert tied is dict(twin[-1].named_parameters())["lm_head.weight"]  # still one tensor
+    twin(inputs)[0].sum().backward()
+    torch.optim.SGD(twin.parameters(), lr=1.0).step()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not torch.equal(twin(inputs)[0], segments(inputs)[0])
