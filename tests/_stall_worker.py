@@ -5,7 +5,9 @@ start; rank 1, at step 5, writes "ready" and then, by ``--mode``:
 - ``native``: calls libc's ``sleep`` through ``ctypes.PyDLL`` (which keeps the interpreter
   lock), as a native call that hangs would: its heartbeat stops with it;
 - ``slow``: one forward takes ``--slow`` seconds (a Python sleep, as a long kernel would: the
-  lock is free), longer than ``heartbeat_timeout``; the run must end normally.
+  lock is free), longer than ``heartbeat_timeout``; the run must end normally;
+- ``raise``: raises an error of its own, then takes ``--slow`` seconds to finalise its logger
+  (as a slow upload would), longer than ``heartbeat_timeout``.
 
 ``stall_timeout`` is left at its default unless given.
 """
@@ -67,12 +69,35 @@ class Pids(pl.Callback):
             (self.out / "ready").write_text(str(os.getpid()))
             if self.mode == "native":
                 ctypes.PyDLL(None).sleep(600)  # holds the interpreter lock throughout
+            if self.mode == "raise":
+                raise RuntimeError("boom at step 5")
+
+
+class SlowToFinalise(pl.loggers.Logger):
+    """A logger whose finalising after a failure takes ``seconds`` on rank 1 (Lightning calls
+    it after the strategy's ``on_exception``)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    name, version = "slow", 0
+
+    def log_metrics(self, metrics, step=None):
+        pass
+
+    def log_hyperparams(self, params, *args, **kwargs):
+        pass
+
+    def finalize(self, status: str) -> None:
+        if status == "failed" and int(os.environ.get("LOCAL_RANK", "0")) == 1:
+            time.sleep(self.seconds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--mode", choices=["signal", "native", "slow"], default="signal")
+    parser.add_argument("--mode", choices=["signal", "native", "slow", "raise"], default="signal")
     parser.add_argument("--heartbeat-timeout", type=float, default=10.0)
     parser.add_argument("--slow", type=float, default=0.0)
     parser.add_argument("--max-steps", type=int, default=-1)
@@ -87,6 +112,7 @@ def main() -> None:
         max_epochs=1000,
         max_steps=args.max_steps,
         callbacks=[Pids(args.out, args.mode)],
+        logger=SlowToFinalise(args.slow) if args.mode == "raise" else False,
     )
     trainer.fit(Small(args.slow if args.mode == "slow" else 0.0), data)
     (args.out / f"finished-rank{trainer.global_rank}").write_text("1")

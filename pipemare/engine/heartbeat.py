@@ -15,10 +15,17 @@ Only counters that moved are trusted: if this process itself is slowed (a busy h
 reads are late but see a moved counter, so slowness here never reads as a death there. A
 process that ends normally marks itself finished first, and is not reported.
 
-When the main thread is blocked in a wait that cannot be interrupted (a receive from
-another process), the heartbeat thread prints the error and ends the process with exit code
-1, after running the hooks registered with :meth:`Heartbeat.on_fatal` (the Lightning launcher
-ends the processes it started); otherwise the main thread raises it at its next wait.
+When a peer is lost, the main thread raises the error at its next wait if it gets there
+within a couple of seconds; when it is blocked in a wait that cannot be interrupted (a
+receive from another process, a collective) or computes on, the heartbeat thread prints the
+error and ends the process with exit code 1, after running the hooks registered with
+:meth:`FatalReporter.on_fatal` (the Lightning launcher ends the processes it started). A
+process that is already failing (its own exception) posts a one-line cause instead of
+beating, so the others name it as failed, not as hung; a store that cannot be reached for
+another ``timeout`` ends only a process that waits on the others.
+
+Each process reads the other ``W - 1`` counters every interval: ``W**2 / interval`` store
+operations per second in all, small for the tens of ranks a pipeline spans.
 """
 
 from __future__ import annotations
@@ -47,12 +54,14 @@ _current: Heartbeat | None = None
 def store_address() -> tuple[str, int] | None:
     """Host and port of the job's TCPStore (the default group's), or None where there is none
     (a ``file://`` or hash store): then no heartbeat runs, and ``stall_timeout`` alone applies."""
-    with contextlib.suppress(Exception):
+    try:
         store = dist.distributed_c10d._get_default_store()
+    except Exception:  # no default group: the environment names the store, if anything does
+        store = None
+    if store is not None:
         while hasattr(store, "underlying_store"):
             store = store.underlying_store
-        if isinstance(store, dist.TCPStore):
-            return store.host, store.port
+        return (store.host, store.port) if isinstance(store, dist.TCPStore) else None
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if host and port and port.isdigit():
         return host, int(port)
@@ -102,21 +111,29 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pipemare-heartbeat", daemon=True)
         self._thread.start()
-        atexit.register(self.finish)
+        atexit.register(self._at_exit)
         global _current
         _current = self
 
     @staticmethod
-    def finish_current(finished: bool = True) -> None:
+    def finish_current(finished: bool = True, cause: str = "") -> None:
         """Stop this process's heartbeat, if one runs (see :meth:`finish`)."""
         if _current is not None:
-            _current.finish(finished)
+            _current.finish(finished, cause)
 
     def _beat(self, rank: int) -> str:
         return f"{self._prefix}beat/{rank}"
 
     def _done(self, rank: int) -> str:
         return f"{self._prefix}done/{rank}"
+
+    def _failed(self, rank: int) -> str:
+        return f"{self._prefix}failed/{rank}"
+
+    def _at_exit(self) -> None:
+        # an exception that ended the interpreter is a failure, not a finished run
+        error = getattr(sys, "last_value", None)
+        self.finish(error is None, "" if error is None else f"{type(error).__name__}: {error}")
 
     def silence(self, rank: int) -> float | None:
         """Seconds since ``rank``'s counter was last seen to move (None: not watched yet)."""
@@ -127,37 +144,54 @@ class Heartbeat:
     def running(self) -> bool:
         return self._thread.is_alive()
 
-    def finish(self, finished: bool = True) -> None:
+    def finish(self, finished: bool = True, cause: str = "") -> None:
         """Stop beating and watching. ``finished``: the run ended normally, and the others
-        stop watching this process; otherwise (it is failing) they report it when its beat
-        stops, as they would after a crash."""
+        stop watching this process; otherwise (it is failing, for ``cause``) they report it,
+        with that cause, once its beat has stopped for ``timeout``."""
         if self._stop.is_set():
             return
         self._stop.set()
-        if finished:
-            with contextlib.suppress(Exception):
+        atexit.unregister(self._at_exit)
+        with contextlib.suppress(Exception):
+            if finished:
                 self._store.set(self._done(self.rank), "1")
+            elif cause:
+                self._store.set(self._failed(self.rank), cause.splitlines()[0][:300])
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=self.interval + 5.0)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`finish` was called (the process ends, or handles its own error)."""
+        return self._stop.is_set()
 
     def _run(self) -> None:
         start = time.monotonic()
         others = [r for r in range(self.world) if r != self.rank]
         self._seen = {r: (-1, start) for r in others}
+        failing_since: float | None = None  # when the store stopped answering
         while not self._stop.wait(self.interval):
             try:
                 self._store.add(self._beat(self.rank), 1)
                 lost = self._check(others)
-            except Exception as err:  # the store's host is gone or unreachable
+                failing_since = None
+            except Exception as err:  # the store's host is gone, stopped or unreachable
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
                 if self._stop.is_set():
                     return
-                self._on_lost(None, time.monotonic() - start, f"{type(err).__name__}: {err}")
-                return
+                if now - failing_since > self.timeout:
+                    self._on_lost(None, now - failing_since, f"{type(err).__name__}: {err}")
+                    return
+                continue
             if lost is not None:
-                self._on_lost(lost, time.monotonic() - self._seen[lost][1], "")
+                rank, cause = lost
+                self._on_lost(rank, time.monotonic() - self._seen[rank][1], cause)
                 return
 
-    def _check(self, others: list[int]) -> int | None:
+    def _check(self, others: list[int]) -> tuple[int, str] | None:
+        """A watched rank silent for longer than ``timeout`` and what it posted of its failure
+        (empty: nothing), after dropping those that finished."""
         now = time.monotonic()
         for r in list(others):
             count = self._store.add(self._beat(r), 0)
@@ -168,7 +202,9 @@ class Heartbeat:
                 if self._store.check([self._done(r)]):
                     others.remove(r)  # it finished its run; it is not watched any more
                     continue
-                return r
+                failed = self._failed(r)
+                cause = self._store.get(failed).decode() if self._store.check([failed]) else ""
+                return r, cause
         return None
 
 
@@ -186,7 +222,11 @@ class FatalReporter:
 
     def __init__(self) -> None:
         self.error: BaseException | None = None
+        #: what the main thread waits for now, and from which rank
         self.waiting: str | None = None
+        self.waiting_rank: int | None = None
+        #: whether the process stopped its heartbeat (it ends, or handles an error of its own)
+        self.stopped: Callable[[], bool] = lambda: False
         self._taken = threading.Event()
         self._hooks: list[Callable[[], Any]] = []
 
@@ -207,6 +247,8 @@ class FatalReporter:
         self.error = error
         if self.waiting is None and (not exit_unless_waiting or self._taken.wait(GRACE_S)):
             return  # the main thread raises it
+        if self.waiting is None and self.stopped():
+            return  # the main thread is handling an error of its own: let it finish
         announce(error)
         for hook in self._hooks:
             with contextlib.suppress(Exception):

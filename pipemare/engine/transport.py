@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import collections
 import datetime
+import math
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -190,7 +191,9 @@ class DistributedTransport(Transport):
             raise ValueError(
                 f"stall_timeout must be a positive number of seconds, got {stall_timeout}"
             )
-        if heartbeat_timeout is not None and not heartbeat_timeout > 0:
+        if heartbeat_timeout is not None and (
+            isinstance(heartbeat_timeout, bool) or not 0 < heartbeat_timeout < math.inf
+        ):
             raise ValueError(
                 "heartbeat_timeout must be a positive number of seconds or None, got "
                 f"{heartbeat_timeout}"

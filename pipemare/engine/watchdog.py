@@ -20,6 +20,7 @@ import datetime
 import os
 import socket
 import time
+import warnings
 from typing import Any
 
 from pipemare.engine.heartbeat import FatalReporter, Heartbeat, announce, store_address
@@ -101,7 +102,11 @@ class StageFailedError(RuntimeError):
         )
         if completed is not None and last_microbatch is not None:
             heard += f", when it had completed {completed} steps (its updates)"
-        doing = f"was waiting for its {what}" if what else "was computing, not waiting on it"
+        doing = (
+            f"was waiting for {what}"
+            if what
+            else "was not waiting on another stage (computing, or in a collective)"
+        )
         super().__init__(
             f"pipemare: stage {peer.stage} (rank {peer.rank}, host {peer.host}, pid {peer.pid}) "
             f"failed or stopped responding: its process {state or describe_process(peer)}; stage "
@@ -132,9 +137,11 @@ class Watchdog:
         """Beat, and watch every other rank's beat (see :mod:`pipemare.engine.heartbeat`);
         nothing runs where the job has no TCPStore."""
         address = store_address()
-        if address is not None and len(self.peers) > 1:
-            first = self.peers[0]
-            self.heartbeat = Heartbeat(
+        if address is None or len(self.peers) < 2:
+            return
+        first = self.peers[0]
+        try:
+            heartbeat = Heartbeat(
                 address,
                 self.me.rank,
                 len(self.peers),
@@ -142,6 +149,15 @@ class Watchdog:
                 self._lost,
                 f"{first.host}-{first.pid}",
             )
+        except Exception as err:  # the job still runs, with stall_timeout alone
+            warnings.warn(
+                f"pipemare: no heartbeat (the store at {address[0]}:{address[1]} did not answer: "
+                f"{err}); a stopped stage is found after stall_timeout ({self.timeout}) only",
+                stacklevel=2,
+            )
+            return
+        self.heartbeat = heartbeat
+        self.reporter.stopped = lambda: heartbeat.stopped
 
     def finish(self) -> None:
         """This process's run ended normally: stop beating, and say so to the others."""
@@ -159,7 +175,7 @@ class Watchdog:
         lost = self.reporter.take()
         if lost is not None:
             raise lost
-        self.reporter.waiting = what
+        self.reporter.waiting, self.reporter.waiting_rank = what, rank
         try:
             work.wait(timeout=self.timeout)
         except RuntimeError as err:
@@ -197,7 +213,7 @@ class Watchdog:
         error = StageFailedError(
             peer,
             self.me,
-            what,
+            f"its {what}",
             self._heard.get(rank),
             self.microbatches,
             str(err),
@@ -210,19 +226,29 @@ class Watchdog:
     def _lost(self, rank: int | None, silence: float, cause: str) -> None:
         """Called in the heartbeat thread: ``rank`` stopped beating, or (None) the store is
         unreachable."""
-        waiting = self.reporter.waiting
-        doing = f"waiting for {waiting}" if waiting else "computing"
+        waiting, waited = self.reporter.waiting, self.reporter.waiting_rank
+        doing = f"waiting for {waiting} from rank {waited}" if waiting else "computing"
+        if waiting and rank is not None:
+            waiting = f"its {waiting}" if waited == rank else f"{waiting} from rank {waited}"
         timeout = self.heartbeat.timeout if self.heartbeat is not None else 0.0
         if rank is None:
+            first = self.peers[0]
+            host = ""
+            if first.rank != self.me.rank and first.host == socket.gethostname():
+                host = f"; rank 0 (pid {first.pid}) {describe_process(first, settle=1.0)}"
             error: BaseException = RuntimeError(
                 f"pipemare: the job's rendezvous store cannot be reached from stage "
                 f"{self.me.stage} (rank {self.me.rank}, pid {self.me.pid}) "
-                f"({doing}): the process that hosts it (rank 0 under Lightning's launcher, the "
-                f"agent under torchrun) is gone, stopped or unreachable. Cause: {cause}"
+                f"({doing}) for {silence:.0f} s: the process that hosts it (rank 0 under "
+                "Lightning's launcher and under torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+                f"=1, else torchrun's agent) is gone, stopped or unreachable{host}. Cause: {cause}"
             )
         else:
             state = describe_process(self.peers[rank], settle=1.0)
-            if state.startswith("is running"):
+            if cause:  # it posted its own failure before it stopped beating
+                state = f"failed with an error of its own ({cause}); see its traceback"
+                cause = f"it stopped beating {silence:.0f} s ago after that error"
+            elif state.startswith("is running"):
                 state = (
                     "is running but does not beat: stuck in a native call that holds the "
                     "interpreter lock, or starved"
@@ -235,7 +261,8 @@ class Watchdog:
                 waiting,
                 self._heard.get(rank),
                 self.microbatches,
-                f"no heartbeat from it for {silence:.0f} s (heartbeat_timeout {timeout:g} s)",
+                cause
+                or f"no heartbeat from it for {silence:.0f} s (heartbeat_timeout {timeout:g} s)",
                 self._completed.get(rank),
                 state,
             )

@@ -165,6 +165,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
     # -- setup and the pipeline (built at the first batch: timing the layers needs one) -----
 
     def setup(self, trainer: pl.Trainer) -> None:
+        self._failed = False
         checks.check_precision(self._lightning, self.precision_plugin)
         module = self._module
         checks.check_trainer(module, trainer)
@@ -315,7 +316,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         self._failed = True
         # this process is failing: no report from its heartbeat now, and its silence tells the
         # others (no "finished" is posted)
-        Heartbeat.finish_current(finished=False)
+        Heartbeat.finish_current(False, f"{type(exception).__name__}: {exception}")
         self._saves.abandon(warn=self._lightning.rank_zero_warn)
         launching.end_launched_processes(self, exception)
 

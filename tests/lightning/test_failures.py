@@ -118,6 +118,19 @@ def test_a_healthy_stage_slower_than_the_heartbeat_timeout_is_never_reported(tmp
     assert all((tmp_path / f"finished-rank{r}").exists() for r in range(2)), out[-4000:]
 
 
+def test_a_stage_that_raised_and_is_slow_to_exit_is_named_failed_not_hung(tmp_path):
+    """Stage 1 raises, then takes 20 s to finalise its logger with heartbeat_timeout=4 s:
+    stage 0 names it as failed with its own error, not as a process stuck without a beat."""
+    proc = _start(tmp_path, "--mode", "raise", "--slow", "20", "--heartbeat-timeout", "4")
+    pids = _ready(proc, tmp_path)
+    code, out, elapsed, left = _end(proc, pids, time.monotonic())
+    assert code != 0, out[-3000:]
+    assert not left and elapsed < 60, (elapsed, left, out[-3000:])
+    assert _names_stage_1(out, pids[1]), out[-4000:]
+    assert "failed with an error of its own (RuntimeError: boom at step 5)" in out, out[-4000:]
+    assert "does not beat" not in out, out[-4000:]
+
+
 def test_a_killed_process_is_named_gone_every_time():
     """The race behind a flake: a killed process closes its connections while it exits,
     before /proc reads it as a zombie. 20 kills in a row (a worker process forks its
