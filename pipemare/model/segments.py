@@ -331,8 +331,22 @@ def segment_module(
         UncuttableModelError: the forward cannot be traced, or cut where asked.
 
     Example:
-        >>> seg = segment_module(gpt, (idx,))  # doctest: +SKIP
-        >>> logits, loss = seg(seg.flatten_inputs(idx))  # doctest: +SKIP
+        >>> class Net(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        ...     def forward(self, x):
+        ...         for block in self.blocks:
+        ...             x = torch.relu(block(x))
+        ...         return x
+        >>> net, x = Net(), torch.randn(2, 4)
+        >>> seg = segment_module(net, (x,))
+        >>> [("after " if cut.after else "before ") + cut.module for cut in seg.cuts]
+        ['before blocks.0', 'before blocks.1', 'before blocks.2', 'after blocks.2']
+        >>> len(seg), seg.tied  # the last relu runs after blocks.2: a segment of its own
+        (4, [])
+        >>> torch.equal(seg(seg.flatten_inputs(x)), net(x))
+        True
     """
     # Fresh copies: export traces an input passed twice (or a view of another) as one value, and
     # the graph would then read the wrong argument once they differ.
