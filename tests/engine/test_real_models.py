@@ -102,3 +102,26 @@ def test_a_tie_across_stages_is_refused_until_ties_are_trained():
     opt = torch.optim.SGD(segments.parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"share the parameter .* tied weights"):
         Pipeline(segments, opt, _own_loss, stages=2, schedule="gpipe")
+
+
+def test_the_planner_and_timed_balance_cut_a_segmented_resnet18():
+    """Both choose a cut from measured times (so which cut varies with the machine's load);
+    whatever they choose is a valid cut of the segments, and gpipe over it still trains as
+    one device does."""
+    from pipemare.model.partition import balance_by_time
+    from pipemare.planner import auto_balance
+
+    torch.manual_seed(0)
+    model = resnet18(num_classes=10)
+    gen = torch.Generator().manual_seed(1)
+    batch = ((torch.randn(8, 3, 16, 16, generator=gen),), torch.randint(0, 10, (8,), generator=gen))
+    segments = segment_module(copy.deepcopy(model), batch[0])
+    inputs = segments.flatten_inputs(*batch[0])
+    timed = balance_by_time(segments, inputs, 4)
+    planned = auto_balance(segments, inputs, stages=4, microbatches=2, repeats=2)
+    for cut in (timed, planned):
+        assert len(cut) == 4 and sum(cut) == len(segments) and min(cut) >= 1
+    ce = nn.functional.cross_entropy
+    want = _plain_losses(copy.deepcopy(model), batch, ce, 0.05, 5)
+    got = _piped_losses(model, batch, ce, 0.05, 5, stages=4, schedule="gpipe", balance=planned)
+    assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
