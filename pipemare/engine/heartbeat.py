@@ -140,10 +140,6 @@ class Heartbeat:
         seen = self._seen.get(rank)
         return None if seen is None else time.monotonic() - seen[1]
 
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
     def finish(self, finished: bool = True, cause: str = "") -> None:
         """Stop beating and watching. ``finished``: the run ended normally, and the others
         stop watching this process; otherwise (it is failing, for ``cause``) they report it,

@@ -270,8 +270,3 @@ class DistributedTransport(Transport):
         for work, _, peer in self._sent:
             self.watchdog.wait(work, peer, "receipt of what this stage sent")
         self._sent.clear()
-
-    def finish(self) -> None:
-        """This process's run ended normally: its heartbeat stops and the others stop
-        watching it (call it once no other process waits on this one)."""
-        self.watchdog.finish()

@@ -159,11 +159,6 @@ class Watchdog:
         self.heartbeat = heartbeat
         self.reporter.stopped = lambda: heartbeat.stopped
 
-    def finish(self) -> None:
-        """This process's run ended normally: stop beating, and say so to the others."""
-        if self.heartbeat is not None:
-            self.heartbeat.finish()
-
     def heard(self, rank: int, microbatch: int, completed: int | None = None) -> None:
         """A message of ``microbatch`` arrived from ``rank``, whose stage had then completed
         ``completed`` steps (applied that many updates)."""
