@@ -19,6 +19,7 @@ from pipemare.engine.payload import as_payload
 from pipemare.engine.replicas import GradientAverager
 from pipemare.engine.stage import Stage
 from pipemare.engine.telemetry import Probe
+from pipemare.engine.ties import TiedWeights
 from pipemare.engine.transport import ACT, GRAD, Transport
 from pipemare.optim.optimizer import PipeMareOptimizer
 from pipemare.schedule.actions import Action, Op, drain_tail
@@ -72,12 +73,14 @@ class Executor:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         clip: GradClip | None = None,
         check_finite: bool = True,
+        ties: TiedWeights | None = None,
     ) -> None:
         self.num_stages, self.microbatches = num_stages, microbatches
         self.check_finite = check_finite
         self.transport, self.optimizer = transport, optimizer
         self.input_fn, self.loss_fn = input_fn, loss_fn
         self.clip = clip
+        self.ties = ties if ties else None
         self._streams = streams
         self.workers = [_Worker(s, streams(s.index, 0)) for s in stages]
         self.fed = 0  # microbatches available
@@ -139,11 +142,15 @@ class Executor:
         if a.op is Op.FORWARD:
             if a.index >= self.fed:
                 return False
+            if self.ties is not None and not self.ties.weights_ready(i):
+                return False
             return i == 0 or self.transport.ready(i - 1, i, ACT)
         if a.op is Op.BACKWARD:
             return i == self.num_stages - 1 or self.transport.ready(i + 1, i, GRAD)
         if self.reducer is not None:  # the replicas' mean, before anything reads the gradients
             self.reducer.finish(i, a.index)
+        if self.ties is not None and not self.ties.gradients_ready(i, a.index):
+            return False  # a tied weight's owner adds the other holders' contributions first
         if self.clip is not None:  # the update's gradients are complete: publish their norm
             self.clip.post(i, a.index, self.optimizer.stage_parameters(i))
             return self.clip.ready(i, a.index)
@@ -189,6 +196,9 @@ class Executor:
         probe = self.probe
         if a.op is Op.FORWARD:
             m = a.index
+            if self.ties is not None:
+                self.ties.install(i, m)
+                self.ties.forwarded(i, m)
             if i == 0:
                 data, weight = self._take(m)
                 inputs = self.input_fn(data)
@@ -226,6 +236,8 @@ class Executor:
             if self.reducer is not None:
                 self._count_backward(i, m)
         else:
+            if self.ties is not None:
+                self.ties.contribute(i, a.index)
             params = self.optimizer.stage_parameters(i)
             if probe is not None:
                 probe.update(i, a.index, params)
@@ -240,6 +252,8 @@ class Executor:
                 self.on_nonfinite(i, a.index, bad)
             else:
                 self.optimizer.step(i, a.index)
+            if self.ties is not None:
+                self.ties.updated(i)
             stage.after_update()
             self.transport.progress(i, a.index + 1)
 
@@ -252,7 +266,10 @@ class Executor:
             self._backwards[key] = done
             return
         self._backwards.pop(key, None)
-        self.reducer.start(i, key[1], self.optimizer.stage_parameters(i))
+        params = self.optimizer.stage_parameters(i)
+        if self.ties is not None:  # a copy's contribution is averaged before it goes to the owner
+            params = params + self.ties.copies_on(i)
+        self.reducer.start(i, key[1], params)
 
     @staticmethod
     def _nonfinite(stage: Stage) -> list[str]:
@@ -298,5 +315,7 @@ class Executor:
             tail = drain_tail(sorted(w.pending), self.microbatches)
             w.restart(itertools.chain(tail, self._streams(w.stage.index, start)))
         self.run()
+        if self.ties is not None:
+            self.ties.sync()
         self.transport.flush()
         self.drained_at = self.fed

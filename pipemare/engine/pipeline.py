@@ -15,6 +15,7 @@ from pipemare.engine.microbatch import batch_size, scatter, to_device
 from pipemare.engine.payload import as_payload
 from pipemare.engine.replicas import broadcast_state
 from pipemare.engine.telemetry import Probe
+from pipemare.engine.ties import TiedWeights, untie
 from pipemare.engine.transport import ACT, DistributedTransport, Transport
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
@@ -113,6 +114,7 @@ class Pipeline:
         self.num_stages = transport.num_stages
         self.balance = build.choose_balance(model, balance, self.num_stages)
         self.stage_modules = partition.split(model, self.balance)
+        ties = untie(self.stage_modules)  # before the stages move: a copy must not go to meta
         self.schedule, self.microbatches = schedule, microbatches
         config = config if config is not None else PipeMareConfig.for_schedule(sp.corrected)
         self.config = config.for_stashing(schedule, sp.stashes)
@@ -122,9 +124,11 @@ class Pipeline:
         local = transport.local_stages
         for i, module in enumerate(self.stage_modules):
             module.to(self.device if i in local else "meta")
+        #: tied parameters on several stages, kept in step (see :mod:`pipemare.engine.ties`)
+        self.ties = TiedWeights(ties, local, transport, microbatches)
         self.optimizer = PipeMareOptimizer(
             optimizer,
-            {i: list(self.stage_modules[i].parameters()) for i in local},
+            {i: self._trained(i) for i in local},
             self.delays,
             self.config,
             microbatches=microbatches,
@@ -156,9 +160,15 @@ class Pipeline:
             loss_fn=lambda out, b: loss_fn(out, to_device(target_fn(b), self.device)),
             clip=self.clip,
             check_finite=check_finite,
+            ties=self.ties,
         )
         if isinstance(transport, DistributedTransport) and transport.replicas > 1:
             self.executor.reducer = build.replica_averager(transport, self.stage_modules)
+
+    def _trained(self, stage: int) -> list[nn.Parameter]:
+        """``stage``'s parameters that its update steps: all but copies of tied ones."""
+        copies = {id(p) for p in self.ties.copies_on(stage)}
+        return [p for p in self.stage_modules[stage].parameters() if id(p) not in copies]
 
     def _stream(self, stage: int, start: int) -> Iterator[Action]:
         return stream(

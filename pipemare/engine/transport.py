@@ -56,6 +56,10 @@ class Transport(abc.ABC):
     def progress(self, stage: int, completed: int) -> None:  # noqa: B027 - optional
         """Local ``stage`` has completed ``completed`` steps (applied that many updates)."""
 
+    def connect(self, src: int, dst: int, channel: str) -> None:  # noqa: B027 - optional
+        """Open ``channel`` from stage ``src`` to ``dst`` beside the neighbours' ``ACT`` and
+        ``GRAD`` (tied weights, :mod:`pipemare.engine.ties`); every process calls it alike."""
+
     def flush(self) -> None:  # noqa: B027 - transports that deliver at once have nothing to wait for
         """Wait until everything sent has been delivered."""
 
@@ -230,6 +234,7 @@ class DistributedTransport(Transport):
         self.replica_ranks = layout.stage_groups[me] if layout is not None else (self._rank_of[me],)
         self._inbox: dict[tuple[int, str], Inbox] = {}
         self._outbox: dict[tuple[int, str], Outbox] = {}
+        self._backend, self._depth = backend, depth
         #: per local stage, the steps it has completed (updates applied), sent with each
         #: message so that a peer's error can say how far a failed stage got
         self.completed: dict[int, int] = {}
@@ -246,6 +251,17 @@ class DistributedTransport(Transport):
 
     def rank_of(self, stage: int) -> int:
         return self._rank_of[stage]
+
+    def connect(self, src: int, dst: int, channel: str) -> None:
+        groups = tuple(dist.new_group(backend=self._backend) for _ in range(3))  # on every rank
+        me = self.local_stages[0]
+        if me == dst:
+            inbox = Inbox(self._rank_of[src], groups, self.device, self.watchdog)
+            for _ in range(self._depth):
+                inbox.post(None)
+            self._inbox[src, channel] = inbox
+        if me == src:
+            self._outbox[dst, channel] = Outbox(self._rank_of[dst], groups, self._depth)
 
     def send(self, src: int, dst: int, channel: str, microbatch: int, payload: Any) -> None:
         peer = self._rank_of[dst]

@@ -95,7 +95,6 @@ def check_cut(
             "layers"
         )
     if balance in ("time", "auto", "params") and p < len(seq):
-        partition.check_ties(seq, p, what=what)  # their cut keeps tied layers together
         return p
     if isinstance(balance, str):
         counts = partition.even_balance(len(seq), p)
@@ -117,5 +116,4 @@ def check_cut(
                 f"({run}); give one layer count per stage{also}"
             )
         partition.check_balance(counts, len(seq), what)
-    partition.check_ties(seq, p, counts, what)
     return p

@@ -18,7 +18,6 @@ __all__ = [
     "balance_by_time",
     "check_balance",
     "check_sequential",
-    "check_ties",
     "even_balance",
     "layer_times",
     "shared_parameters",
@@ -68,11 +67,12 @@ def check_balance(balance: Sequence[int], num_layers: int, what: str = "the mode
         )
 
 
-# -- tied weights: a parameter on two stages would take two updates per step ----------------
+# -- tied weights: a parameter several layers hold ------------------------------------------
 
 
 def shared_parameters(model: nn.Sequential) -> list[tuple[str, list[int]]]:
-    """Parameters held by more than one layer (tied weights).
+    """Parameters held by more than one layer (tied weights). A cut may separate them: the
+    pipeline keeps the stages' copies in step (:mod:`pipemare.engine.ties`).
 
     Returns:
         For each one, its name in the first layer that holds it and the indices of the layers
@@ -85,75 +85,6 @@ def shared_parameters(model: nn.Sequential) -> list[tuple[str, list[int]]]:
             if i not in entry[1]:
                 entry[1].append(i)
     return [entry for entry in holders.values() if len(entry[1]) > 1]
-
-
-def _joined(model: nn.Sequential) -> set[int]:
-    """Where no stage may start: between the first and the last layer of every tie."""
-    return {c for _, idx in shared_parameters(model) for c in range(min(idx) + 1, max(idx) + 1)}
-
-
-def _and(items: Sequence[object]) -> str:
-    words = [str(i) for i in items]
-    return ", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else "".join(words)
-
-
-def _describe_layers(model: nn.Sequential, indices: Sequence[int]) -> str:
-    layers = _layers(model)
-    return _and([f"{i} ({type(layers[i][1]).__name__})" for i in indices])
-
-
-def check_ties(
-    model: nn.Sequential,
-    stages: int,
-    balance: Sequence[int] | None = None,
-    what: str = "the model",
-) -> None:
-    """Refuse tied weights (a parameter held by several layers) that would land on two stages.
-
-    Every stage updates its own parameters, so a parameter on two stages would take two
-    different updates per step, and with one process per stage exist twice and drift apart.
-
-    Args:
-        model: the layers.
-        stages: P.
-        balance: the layers per stage; None: some cut into ``stages`` stages that keeps tied
-            layers together must exist (``"params"`` and ``"time"`` choose such a cut).
-    """
-    ties = shared_parameters(model)
-    if not ties:
-        return
-    most = len(model) - len(_joined(model))  # the most stages that keep every tie together
-    why = (
-        "every stage updates its own weights, so tied weights on two stages would drift apart "
-        "(pipemare does not combine their gradients)"
-    )
-
-    def tie(name: str, idx: list[int]) -> str:
-        layers = _describe_layers(model, idx)
-        return f"{what}: layers {layers} share the parameter {name!r} (tied weights)"
-
-    if balance is None:
-        if stages > most:
-            raise ValueError(
-                f"{tie(*ties[0])}, and no cut into {stages} stages keeps them in one stage; "
-                f"{why}. Use at most {most} stage{'s' if most > 1 else ''}, or give each layer "
-                "its own parameter"
-            )
-        return
-    stage_of = [s for s, size in enumerate(balance) for _ in range(size)]
-    for name, idx in ties:
-        on = sorted({stage_of[i] for i in idx})
-        if len(on) > 1:
-            keep = (
-                "balance='params' cuts around them"
-                if stages <= most
-                else f"at most {most} stage{'s' if most > 1 else ''} can"
-            )
-            raise ValueError(
-                f"{tie(name, idx)}, but the balance {list(balance)} puts them on stages "
-                f"{_and(on)}; {why}. Keep the layers that share weights in one "
-                f"stage ({keep}), or give each layer its own parameter"
-            )
 
 
 def _check_stages(num_layers: int, stages: int) -> None:
@@ -246,9 +177,8 @@ def _min_max_cut(
 def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
     """Split so that every stage holds about the same number of parameters."""
     check_sequential(model)
-    check_ties(model, stages)
     costs = [sum(p.numel() for p in layer.parameters()) for _, layer in _layers(model)]
-    return balance_by_cost(costs, stages, _joined(model))
+    return balance_by_cost(costs, stages)
 
 
 def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[float]:
@@ -286,10 +216,8 @@ def _layer_times(model: nn.Sequential, sample: Any, repeats: int) -> list[float]
 
 
 def balance_by_time(model: nn.Sequential, sample: Any, stages: int) -> list[int]:
-    """Split so that every stage's measured forward+backward time is about the same (never
-    between layers that share a parameter)."""
-    check_ties(model, stages)
-    return balance_by_cost(layer_times(model, sample), stages, _joined(model))
+    """Split so that every stage's measured forward+backward time is about the same."""
+    return balance_by_cost(layer_times(model, sample), stages)
 
 
 def _flat(value: Any) -> list[torch.Tensor]:
@@ -323,14 +251,13 @@ def _on_cuda(value: Any) -> bool:
 def split(model: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
     """Cut ``model`` into consecutive ``nn.Sequential`` stages of ``balance[i]`` layers each.
 
-    The stages share the layer objects with ``model``: no parameter is copied. Layers that
-    share a parameter (tied weights) must fall into one stage.
+    The stages share the layer objects with ``model``: no parameter is copied (a parameter
+    that layers on several stages share is given copies by :func:`pipemare.engine.ties.untie`).
     """
     check_sequential(model)
     balance = list(balance)
     _check_stages(len(model), len(balance))
     check_balance(balance, len(model))
-    check_ties(model, len(balance), balance)
     layers = _layers(model)
     stages, start = [], 0
     for size in balance:

