@@ -20,6 +20,7 @@ from pipemare.engine.snapshot import Snapshot
 from pipemare.engine.transport import DistributedTransport
 
 __all__ = [
+    "StateNames",
     "consolidate",
     "gather",
     "layout",
@@ -30,6 +31,9 @@ __all__ = [
     "warn_layout_changes",
     "warn_run_changes",
 ]
+
+#: a stage module's state-dict key -> the LightningModule's own key for it
+StateNames = Callable[[str], str]
 
 
 def gather(local: Any, all_ranks: bool) -> list[Any]:
@@ -46,16 +50,16 @@ def gather(local: Any, all_ranks: bool) -> list[Any]:
 def module_state(
     module: nn.Module,
     pipe: Pipeline,
-    prefix: str,
+    names: StateNames,
     all_ranks: bool = False,
     snapshot: Snapshot | None = None,
 ) -> dict[str, Any]:
     """The whole module's state dict, gathered from the stages' processes (CPU tensors).
 
     Args:
-        module: the LightningModule, whose Sequential at ``prefix`` is cut into stages.
+        module: the LightningModule, part of which is cut into the pipeline's stages.
         pipe: this process's pipeline.
-        prefix: the Sequential's key prefix in the module's state dict, ending in ``.``.
+        names: a stage module's state-dict key -> the module's own key for it.
         all_ranks: gather on every rank (else rank 0 only; other ranks get ``{}``).
         snapshot: take the stages' state from it (default: the stages as they are now).
     """
@@ -63,17 +67,27 @@ def module_state(
         stage_states = snapshot.module_state()
     else:
         stage_states = {i: pipe.stage_modules[i].state_dict() for i in pipe.local_stages}
-    local = {prefix + k: v.detach().cpu() for sd in stage_states.values() for k, v in sd.items()}
+    copies = {k for i in stage_states for k in pipe.ties.copy_keys(i)}  # the owner's entry counts
+    local = {
+        names(k): v.detach().cpu()
+        for sd in stage_states.values()
+        for k, v in sd.items()
+        if k not in copies
+    }
     distributed = isinstance(pipe.transport, DistributedTransport)
     if _other_copy(pipe):
         local = {}  # copy 0 holds the same weights; its buffers are the ones saved
-    if not distributed or dist.get_rank() == 0:
-        # what lies outside the Sequential is the same everywhere
-        outside = module.state_dict().items()
-        local.update({k: v.detach().cpu() for k, v in outside if not k.startswith(prefix)})
     full: dict[str, Any] = {}
+    if not distributed or dist.get_rank() == 0:
+        # what no stage holds (outside the pipelined module, or never used by its forward) is
+        # the same everywhere; another stage's tensors are on the meta device here
+        own = module.state_dict().items()
+        full = {k: v.detach().cpu() for k, v in own if k not in local and not v.is_meta}
     for part in gather(local, all_ranks) if distributed else [local]:
         full.update(part)
+    for tie in pipe.ties.ties if full else ():
+        for key, _ in tie.copies.values():
+            full[names(key)] = full[names(tie.name)]
     return {k: full[k] for k in module.state_dict()} if full else {}
 
 
@@ -204,9 +218,9 @@ def load_optimizer_states(optimizers: Sequence[Any], states: Sequence[Any]) -> A
     return pending
 
 
-def consolidate(module: nn.Module, pipe: Pipeline, prefix: str, device: torch.device) -> None:
+def consolidate(module: nn.Module, pipe: Pipeline, names: StateNames, device: torch.device) -> None:
     """Give every process the whole model again (as DDP leaves it): each held its stages."""
-    full = module_state(module, pipe, prefix, all_ranks=True)
+    full = module_state(module, pipe, names, all_ranks=True)
     for stage in pipe.stage_modules:
         if any(p.is_meta for p in stage.parameters()):
             stage.to_empty(device=device)

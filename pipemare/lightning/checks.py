@@ -10,7 +10,7 @@ import contextlib
 import datetime
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pipemare.lightning.launching import START_METHODS, LightningAPI
@@ -40,6 +40,8 @@ def check_arguments(
     config: Any,
     sequential: Any,
     start_method: Any,
+    module: Any = None,
+    split_points: Any = None,
     timeout: Any,
     stall_timeout: Any,
     recompute: Any,
@@ -65,10 +67,25 @@ def check_arguments(
         raise ValueError(
             f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}"
         )
-    if sequential is not None and not isinstance(sequential, str):
+    for key, value in (("module", module), ("sequential", sequential)):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(
+                f"{key} must name the attribute to pipeline as a string, e.g. 'net' or "
+                f"'model.transformer', got {value!r}"
+            )
+    if module is not None and sequential is not None and module != sequential:
         raise ValueError(
-            "sequential must name the nn.Sequential attribute as a string, e.g. 'net' or "
-            f"'model.layers', got {sequential!r}"
+            f"module={module!r} and sequential={sequential!r} name two modules; sequential is "
+            "the former name of module: pass module only"
+        )
+    if split_points is not None and (
+        isinstance(split_points, str)
+        or not isinstance(split_points, (list, tuple))
+        or not all(isinstance(n, str) for n in split_points)
+    ):
+        raise ValueError(
+            "split_points must be a list of module names, each a cut before that module, e.g. "
+            f"['gpt.transformer.h.2', 'gpt.transformer.h.4'], got {split_points!r}"
         )
     if not isinstance(timeout, datetime.timedelta):
         raise ValueError(
@@ -188,3 +205,24 @@ def check_optimizer(
     with warnings.catch_warnings():  # "auto" corrections that stand aside say so later
         warnings.simplefilter("ignore")
         PipeMareOptimizer(optimizer, {}, delays, config, total_steps=1, steps_per_epoch=1)
+
+
+def check_split_points(adapter: Any, split_points: Sequence[str] | None) -> None:
+    """Refuse split points that name no module of the pipelined one, or that a Sequential (cut
+    by ``balance``) would ignore."""
+    if split_points is None:
+        return
+    if not adapter.segmented:
+        raise ValueError(
+            f"{adapter.what} is an nn.Sequential, which is cut between its children by "
+            "balance=[layers per stage]; split_points cut other modules. Pass balance instead"
+        )
+    names = dict(adapter.pipelined.named_modules())
+    for name in adapter.split_points:
+        if name not in names:
+            near = [n for n in names if n and n.split(".")[-1] == name.split(".")[-1]][:3]
+            hint = f" (did you mean {', '.join(near)}?)" if near else ""
+            raise ValueError(
+                f"split point {name!r} names no module of {adapter.what}{hint}; name the "
+                f"modules to cut before, e.g. {adapter.path}.transformer.h.2"
+            )

@@ -51,7 +51,7 @@ class ModelStateHooks(StrategyBase):
         if self.distributed and self.pipeline is not None:
             assert self.lightning_module is not None
             module, device = self.lightning_module, self.root_device
-            checkpointing.consolidate(module, self.pipeline, self._state_prefix, device)
+            checkpointing.consolidate(module, self.pipeline, self._state_names, device)
             self.pipeline = None  # its stages are no longer split; the next run rebuilds it
 
     def teardown(self) -> None:
@@ -73,10 +73,10 @@ class ModelStateHooks(StrategyBase):
     # -- checkpoints ---------------------------------------------------------------------------
 
     @property
-    def _state_prefix(self) -> str:
-        """The Sequential's key prefix in the module's state dict."""
+    def _state_names(self) -> checkpointing.StateNames:
+        """A stage module's state-dict key -> the LightningModule's own key for it."""
         assert self._adapter is not None
-        return self._adapter.path + "."
+        return self._adapter.state_key
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model; during training the state each stage has once the step's
@@ -85,7 +85,7 @@ class ModelStateHooks(StrategyBase):
         assert module is not None, "the strategy has no LightningModule yet"
         if self.pipeline is None:
             return module.state_dict()
-        return self._saves.module_state(module, self.pipeline, self._state_prefix)
+        return self._saves.module_state(module, self.pipeline, self._state_names)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
@@ -112,7 +112,7 @@ class ModelStateHooks(StrategyBase):
         """Write the queued checkpoints whose step reached every stage by now."""
         if self._adapter is not None:
             assert self.lightning_module is not None
-            self._saves.poll(self.lightning_module, self.pipeline, self._state_prefix)
+            self._saves.poll(self.lightning_module, self.pipeline, self._state_names)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]

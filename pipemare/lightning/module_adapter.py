@@ -1,18 +1,21 @@
 """Running an unchanged LightningModule's step functions through a pipeline.
 
-The user's ``training_step`` calls its ``nn.Sequential`` once. To run it on a pipeline, the
-Sequential attribute is swapped, for the duration of one call, for a stand-in:
+The user's ``training_step`` calls its pipelined module (a ``self.gpt``, a ``self.net``) once.
+To run it on a pipeline, that attribute is swapped, for the duration of one call, for a
+stand-in:
 
-- on the first stage a :class:`_Capture` records what the Sequential receives and stops the
-  step right there (the rest of the step, the loss, runs on the last stage);
-- on the last stage an :class:`_Inject` returns the pipeline's output instead of running the
-  layers, so the rest of the user's step (loss, metrics, ``self.log``) runs on it.
+- on the first stage a :class:`_Capture` records what the module receives (any positional and
+  keyword arguments) and stops the step right there (the rest of the step runs on the last
+  stage);
+- on the last stage an :class:`_Inject` returns the pipeline's output (the module's own output
+  structure: a tensor, a tuple, a Hugging Face ``ModelOutput``) instead of running the layers,
+  so the rest of the user's step (loss, metrics, ``self.log``) runs on it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,13 +25,13 @@ __all__ = ["ModuleAdapter", "loss_of"]
 
 
 class _Captured(BaseException):  # BaseException: a user's `except Exception` must not swallow it
-    def __init__(self, value: Any) -> None:
-        super().__init__("pipemare captured the Sequential's input")
-        self.value = value
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__("pipemare captured the pipelined module's input")
+        self.args, self.kwargs = args, kwargs
 
 
 class _StandIn(nn.Module):
-    """Takes the Sequential's place during a step; the step may only call it."""
+    """Takes the pipelined module's place during a step; the step may only call it."""
 
     def __init__(self, owner: str = "the module", path: str = "net") -> None:
         super().__init__()
@@ -50,8 +53,8 @@ class _StandIn(nn.Module):
 
 
 class _Capture(_StandIn):
-    def forward(self, x: Any) -> Any:
-        raise _Captured(x)
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args, kwargs)
 
 
 class _Inject(_StandIn):
@@ -59,34 +62,60 @@ class _Inject(_StandIn):
         super().__init__(owner, path)
         self.output, self.calls = output, 0
 
-    def forward(self, x: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls > 1:
             raise RuntimeError(
-                "the pipelined nn.Sequential was called twice in one step; pipemare runs it "
-                "once per microbatch. Call it once per step, or pipeline a different module"
+                f"{self.owner}.{self.path} was called twice in one step; pipemare runs it once "
+                "per microbatch as a pipeline. Call it once per step, or pipeline a different "
+                "module"
             )
         return self.output
 
 
 class ModuleAdapter:
-    """Calls a LightningModule's step functions with its Sequential swapped for a stand-in.
+    """Calls a LightningModule's step functions with its pipelined module swapped for a stand-in.
+
+    An ``nn.Sequential`` is pipelined as it is. Any other module is cut into segments
+    (:func:`pipemare.model.segments.segment_module`) at the first batch, from the arguments the
+    step passes it: :meth:`prepare`.
 
     Args:
         module: the user's LightningModule.
-        path: dotted path of the pipelined Sequential inside ``module``.
+        path: dotted path of the pipelined module inside ``module``.
+        split_points: where to cut a module that is not a Sequential (module names, each cut
+            before that module); None: at its repeated blocks.
     """
 
-    def __init__(self, module: nn.Module, path: str) -> None:
+    def __init__(
+        self, module: nn.Module, path: str, split_points: Sequence[str] | None = None
+    ) -> None:
         self.module, self.path = module, path
         parent, _, attr = path.rpartition(".")
         self._parent = module.get_submodule(parent) if parent else module
         self._attr = attr
-        self.sequential = getattr(self._parent, attr)
+        #: the module the step calls, as the user wrote it
+        self.pipelined: nn.Module = getattr(self._parent, attr)
+        #: the split points as names inside the pipelined module
+        self.split_points = None
+        if split_points is not None:
+            inside = f"{path}."
+            self.split_points = [
+                n[len(inside) :] if n.startswith(inside) else n for n in split_points
+            ]
+        #: what the pipeline runs: the Sequential itself, or the segments (after prepare)
+        self.sequential: nn.Sequential | None = (
+            self.pipelined if isinstance(self.pipelined, nn.Sequential) else None
+        )
+        self.segmented = self.sequential is None
+
+    @property
+    def what(self) -> str:
+        return f"{type(self.module).__name__}.{self.path}"
 
     def check_no_outside_parameters(self) -> None:
-        """Trainable parameters outside the Sequential would be trained on one stage only."""
-        inside = {id(p) for p in self.sequential.parameters()}
+        """Trainable parameters outside the pipelined module would train on one stage only."""
+        inside = {id(p) for p in self.pipelined.parameters()}
         outside = [
             n for n, p in self.module.named_parameters() if p.requires_grad and id(p) not in inside
         ]
@@ -95,9 +124,22 @@ class ModuleAdapter:
             raise ValueError(
                 f"{type(self.module).__name__} has trainable parameters outside "
                 f"{self.path} ({shown}); pipemare only pipelines {self.path}, so these would "
-                f"train on one stage and go stale on the others. Move those layers into the "
-                f"nn.Sequential (e.g. nn.Sequential(embedding, *blocks, head)) or freeze them"
+                f"train on one stage and go stale on the others. Move those layers into "
+                f"{self.path}, pipeline the module that holds them all (module='...'), or "
+                "freeze them"
             )
+
+    def prepare(self, step: str, *args: Any) -> nn.Sequential:
+        """The Sequential the pipeline runs; a module that is not one is cut into segments now,
+        from what ``module.<step>(*args)`` passes it."""
+        if self.sequential is None:
+            from pipemare.model.segments import segment_module
+
+            call_args, call_kwargs = self._capture(step, *args)
+            self.sequential = segment_module(
+                self.pipelined, call_args, call_kwargs, split_points=self.split_points
+            )
+        return self.sequential
 
     @contextlib.contextmanager
     def _swapped(self, stand_in: nn.Module) -> Iterator[None]:
@@ -105,22 +147,37 @@ class ModuleAdapter:
         try:
             yield
         finally:
-            self._parent._modules[self._attr] = self.sequential
+            self._parent._modules[self._attr] = self.pipelined
 
-    def capture_input(self, step: str, *args: Any) -> Any:
-        """Run ``module.<step>(*args)`` up to its Sequential call; return the Sequential's input."""
+    def _capture(self, step: str, *args: Any) -> tuple[tuple, dict]:
         with self._swapped(_Capture(type(self.module).__name__, self.path)):
             try:
                 getattr(self.module, step)(*args)
             except _Captured as captured:
-                return captured.value
+                return captured.args, captured.kwargs
         raise RuntimeError(
             f"{type(self.module).__name__}.{step} returned without calling {self.path}; "
             f"pipemare needs the step to pass its input through {self.path}"
         )
 
+    def capture_input(self, step: str, *args: Any) -> Any:
+        """Run ``module.<step>(*args)`` up to its call of the pipelined module; return the first
+        stage's input (the Sequential's argument, or the segments' flattened tensors)."""
+        call_args, call_kwargs = self._capture(step, *args)
+        if not self.segmented:
+            if len(call_args) != 1 or call_kwargs:
+                raise RuntimeError(
+                    f"{self.what} is an nn.Sequential, which takes one input, but "
+                    f"{step} called it with {len(call_args)} positional and "
+                    f"{len(call_kwargs)} keyword arguments"
+                )
+            return call_args[0]
+        assert self.sequential is not None, "prepare() cuts the module first"
+        return self.sequential.flatten_inputs(*call_args, **call_kwargs)  # type: ignore[operator]
+
     def run_with_output(self, step: str, output: Any, *args: Any) -> Any:
-        """Run ``module.<step>(*args)``, the Sequential returning ``output``; return the result."""
+        """Run ``module.<step>(*args)``, the pipelined module returning ``output``; return the
+        result."""
         inject = _Inject(output, type(self.module).__name__, self.path)
         with self._swapped(inject):
             result = getattr(self.module, step)(*args)
@@ -130,6 +187,12 @@ class ModuleAdapter:
                 f"the step to pass its input through {self.path}"
             )
         return result
+
+    def state_key(self, stage_key: str) -> str:
+        """A stage module's state-dict key as the LightningModule's own."""
+        if self.segmented:  # "<segment>.<name in the pipelined module>"
+            stage_key = stage_key.partition(".")[2]
+        return f"{self.path}.{stage_key}"
 
 
 def loss_of(result: Any, step: str = "training_step") -> torch.Tensor:

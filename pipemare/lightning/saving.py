@@ -30,6 +30,7 @@ from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.snapshot import Snapshot
 from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning import checkpointing
+from pipemare.lightning.checkpointing import StateNames
 
 __all__ = ["Deferred", "SaveQueue"]
 
@@ -97,11 +98,11 @@ class SaveQueue:
         # every process must decide alike: only what the schedule tells, never local progress
         return pipe.drained or snapshot_lag(pipe.schedule, pipe.num_stages, pipe.microbatches) == 0
 
-    def module_state(self, module: nn.Module, pipe: Pipeline, prefix: str) -> dict[str, Any]:
+    def module_state(self, module: nn.Module, pipe: Pipeline, names: StateNames) -> dict[str, Any]:
         """``lightning_module_state_dict``: the whole model now, or a :class:`Deferred`."""
         snap = self._snapshot(pipe)
         if self._ready_now(pipe, snap):
-            return checkpointing.module_state(module, pipe, prefix, snapshot=snap)
+            return checkpointing.module_state(module, pipe, names, snapshot=snap)
         return Deferred(snap)
 
     def optimizer_state(self, optimizer: Any, pipe: Pipeline) -> dict[str, Any]:
@@ -145,7 +146,7 @@ class SaveQueue:
 
     # -- writing what is due -----------------------------------------------------------------
 
-    def poll(self, module: nn.Module, pipe: Pipeline | None, prefix: str) -> None:
+    def poll(self, module: nn.Module, pipe: Pipeline | None, names: StateNames) -> None:
         """Write and remove, in order, everything whose state is whole by now; call it at the
         end of every training step and after every drain, on every process alike."""
         while self._entries:
@@ -157,7 +158,7 @@ class SaveQueue:
                     assert pipe is not None
                     if not self._due(pipe, entry):
                         return
-                    self._fill(entry, module, pipe, prefix)
+                    self._fill(entry, module, pipe, names)
                 self._write(entry.checkpoint, entry.filepath, entry.storage_options)
             self._entries.popleft()
 
@@ -175,10 +176,10 @@ class SaveQueue:
         return due
 
     @staticmethod
-    def _fill(entry: _Entry, module: nn.Module, pipe: Pipeline, prefix: str) -> None:
+    def _fill(entry: _Entry, module: nn.Module, pipe: Pipeline, names: StateNames) -> None:
         checkpoint, snap = entry.checkpoint, entry.snapshot
         assert checkpoint is not None and snap is not None
-        checkpoint["state_dict"] = checkpointing.module_state(module, pipe, prefix, snapshot=snap)
+        checkpoint["state_dict"] = checkpointing.module_state(module, pipe, names, snapshot=snap)
         checkpoint["optimizer_states"] = [
             checkpointing.optimizer_state(s.param_groups or [], snap)
             if isinstance(s, Deferred)

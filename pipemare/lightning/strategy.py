@@ -47,7 +47,7 @@ from pipemare.lightning.processes import ProcessesMixin
 from pipemare.lightning.saving import SaveQueue
 from pipemare.lightning.steps import UserSteps, check_last_batch
 from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
-from pipemare.model.cuts import check_cut, find_sequential
+from pipemare.model.cuts import check_cut, find_pipelined
 from pipemare.optim.config import PipeMareConfig
 from pipemare.schedule.actions import spec
 from pipemare.schedule.delay import StageDelay, derive_delays
@@ -74,6 +74,8 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         balance: Sequence[int] | str = "time",
         config: PipeMareConfig | None = None,
         sequential: str | None = None,
+        module: str | None = None,
+        split_points: Sequence[str] | None = None,
         start_method: str = "popen",
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         stall_timeout: float = 300.0,
@@ -101,6 +103,8 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
             balance=balance,
             config=config,
             sequential=sequential,
+            module=module,
+            split_points=split_points,
             start_method=start_method,
             timeout=timeout,
             stall_timeout=stall_timeout,
@@ -113,6 +117,8 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
             config if config is not None else PipeMareConfig.for_schedule(spec(schedule).corrected)
         )
         self.sequential, self.recompute = sequential, recompute
+        self.module_name = module if module is not None else sequential
+        self.split_points = None if split_points is None else list(split_points)
         self._start_method, self._timeout = start_method, timeout
         self.stall_timeout = float(stall_timeout)
         self.heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
@@ -139,7 +145,8 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         """P, where known: given, one per process, or one per layer of the Sequential."""
         if self.num_stages is not None:
             return self.num_stages
-        return len(self._adapter.sequential) if self._adapter else None
+        seq = self._adapter.sequential if self._adapter else None
+        return len(seq) if seq is not None else None
 
     @property
     def delays(self) -> tuple[StageDelay, ...]:
@@ -169,11 +176,11 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         checks.check_precision(self._lightning, self.precision_plugin)
         module = self._module
         checks.check_trainer(module, trainer)
-        path, seq = find_sequential(module, self.sequential)
-        what = f"{type(module).__name__}.{path}"
-        stages = check_cut(what, seq, self.balance, self.stages, self.num_stages, self.distributed)
-        self._adapter = ModuleAdapter(module, path)
-        self._adapter.check_no_outside_parameters()
+        path, _ = find_pipelined(module, self.module_name)
+        self._adapter = adapter = ModuleAdapter(module, path, self.split_points)
+        checks.check_split_points(adapter, self.split_points)
+        stages = self._check_cut() or self.num_stages or 2  # segments: checked at the first batch
+        adapter.check_no_outside_parameters()
         self._steps = UserSteps(module, self._adapter, self.precision_plugin.forward_context)
         self.pipeline = None
         with checks.one_optimizer():
@@ -197,10 +204,31 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         if self.pipeline is not None:
             self._probes.attach(self.pipeline)
 
+    def _check_cut(self) -> int | None:
+        """P, after refusing a cut that cannot be made; None until the module is segmented."""
+        adapter = self._adapter
+        assert adapter is not None
+        if adapter.sequential is None:
+            return None
+        return check_cut(
+            adapter.what,
+            adapter.sequential,
+            self.balance,
+            self.stages,
+            self.num_stages,
+            self.distributed,
+        )
+
     def _build(self, batch: Any, step: str, args: tuple) -> Pipeline:
+        adapter = self._adapter
+        assert adapter is not None
         if self.pipeline is None:
             if self._fitting:
                 check_last_batch(self._module.trainer, self.microbatches)
+            if adapter.sequential is None:
+                with self._steps_of().discarding_logs(), torch.random.fork_rng(devices=[]):
+                    adapter.prepare(step, batch, *args)
+                self._check_cut()
             # later rebuilds (after fit, for test) cut the same way
             self.balance = build.balance_for(self, batch, step, args)
             self.pipeline = pipe = build.pipeline(self)
@@ -211,6 +239,8 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
             pipe.executor.on_minibatch = lambda k, loss: steps.publish(k, float(loss))
             pipe.executor.on_nonfinite = self._reports.record_nonfinite
             self._probes.attach(pipe)
+        for stage in self.pipeline.stage_modules:  # segments and tie copies follow the module
+            stage.train(adapter.pipelined.training)
         return self.pipeline
 
     def _steps_of(self) -> UserSteps:
@@ -344,8 +374,16 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
             profile of time, memory and the engine's costs, see :mod:`pipemare.planner`),
             ``"params"``, ``"even"`` or a list of counts.
         config: :class:`~pipemare.PipeMareConfig` (T1, T2, T3); default per schedule.
-        sequential: attribute path of the ``nn.Sequential`` to pipeline; found automatically
-            when the module has exactly one.
+        module: attribute path of the module to pipeline (``"gpt"``, ``"model.transformer"``);
+            found automatically: the one child that holds the trainable parameters. An
+            ``nn.Sequential`` is cut between its children; any other module is traced
+            (``torch.export``) at the first batch and cut into segments at its repeated
+            blocks (:func:`pipemare.model.segments.segment_module`).
+        split_points: where to cut a module that is not an ``nn.Sequential``: module names,
+            each cut before that module (``["gpt.transformer.h.2"]``, names inside the
+            pipelined module also accepted: ``["transformer.h.2"]``); default its model's
+            pipeline plan (Hugging Face ``base_model_pp_plan``) or its repeated blocks.
+        sequential: the former name of ``module``.
         start_method: how Lightning starts processes: ``popen`` (default), ``spawn``, ``fork``.
         stall_timeout: seconds a process waits for another stage before it fails, naming that
             stage, its rank, host and PID (default 300; raise it if one rank can be busy that

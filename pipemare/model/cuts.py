@@ -11,61 +11,44 @@ from torch import nn
 
 from pipemare.model import partition
 
-__all__ = ["check_cut", "find_sequential"]
+__all__ = ["check_cut", "find_pipelined"]
 
 
-def find_sequential(module: nn.Module, name: str | None = None) -> tuple[str, nn.Sequential]:
-    """The Sequential to pipeline: ``name`` (a dotted attribute path), or the only one there is.
+def find_pipelined(module: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
+    """The module to pipeline: ``name`` (a dotted attribute path), or else the one child that
+    holds the trainable parameters (an ``nn.Sequential`` child when no child trains).
 
     Raises:
-        ValueError: no Sequential, several candidates, or ``name`` is not a Sequential.
+        ValueError: ``name`` is not a submodule, or no child or several could be meant.
     """
+    owner = type(module).__name__
     if name is not None:
         try:
-            found = module.get_submodule(name)
+            return name, module.get_submodule(name)
         except AttributeError:
             raise ValueError(
-                f"{type(module).__name__} has no submodule {name!r} to pipeline; pass the "
-                f"attribute that holds your nn.Sequential, e.g. sequential='net'"
+                f"{owner} has no submodule {name!r} to pipeline; pass the attribute that holds "
+                f"your model, e.g. module='net' or module='model.transformer'"
             ) from None
-        if not isinstance(found, nn.Sequential):
-            raise ValueError(
-                f"{type(module).__name__}.{name} is a {type(found).__name__}, not an "
-                "nn.Sequential; "
-                "pipemare cuts an nn.Sequential into stages: wrap the layers in one"
-            )
-        return name, found
-    candidates = [(n, m) for n, m in module.named_children() if isinstance(m, nn.Sequential)]
-    if not candidates:
-        nested = _outermost_sequentials(module)
-        if nested:
-            raise ValueError(
-                f"{type(module).__name__} has no nn.Sequential attribute to pipeline, but holds "
-                f"{', '.join(nested)} deeper down; name the one to pipeline with "
-                f"PipeMareStrategy(sequential='{nested[0]}')"
-            )
+    children = list(module.named_children())
+    training = [(n, m) for n, m in children if any(p.requires_grad for p in m.parameters())]
+    if len(training) == 1:
+        return training[0]
+    if len(training) > 1:
+        names = ", ".join(n for n, _ in training)
         raise ValueError(
-            f"{type(module).__name__} has no nn.Sequential attribute to pipeline; hold the layers "
-            "in one (self.net = nn.Sequential(...)) and call it in training_step, or name a "
-            "nested one with PipeMareStrategy(sequential='model.layers')"
+            f"{owner} has several submodules with trainable parameters ({names}); pipemare "
+            "pipelines the one module the step calls: name it with "
+            f"PipeMareStrategy(module='{training[0][0]}'), or hold them all in one module"
         )
-    if len(candidates) > 1:
-        names = ", ".join(n for n, _ in candidates)
-        raise ValueError(
-            f"{type(module).__name__} has several nn.Sequential attributes ({names}); choose the "
-            f"one to pipeline with PipeMareStrategy(sequential='{candidates[0][0]}')"
-        )
-    return candidates[0]
-
-
-def _outermost_sequentials(module: nn.Module) -> list[str]:
-    """Dotted paths of the Sequentials in ``module`` that no other Sequential holds."""
-    found: list[str] = []
-    for name, m in module.named_modules():
-        inside = any(name.startswith(f + ".") for f in found)
-        if name and isinstance(m, nn.Sequential) and not inside:
-            found.append(name)
-    return found
+    sequentials = [(n, m) for n, m in children if isinstance(m, nn.Sequential)]
+    if len(sequentials) == 1:
+        return sequentials[0]
+    raise ValueError(
+        f"{owner} has no submodule with trainable parameters to pipeline; hold the model in an "
+        "attribute (self.net = ..., self.model = ...) and call it in training_step, or name "
+        "it with PipeMareStrategy(module='model')"
+    )
 
 
 def check_cut(

@@ -28,7 +28,7 @@ _STATE_KINDS = {
 _SIZE_OPS = {torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default}
 
 
-class UncuttableModelError(RuntimeError):
+class UncuttableModelError(ValueError):
     """The model cannot be cut into segments as asked; the message says why, where, and what
     to do instead."""
 

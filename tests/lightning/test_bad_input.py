@@ -126,7 +126,7 @@ def refuse(match, strategy, model=None, error=ValueError, batches=0, **kwargs):
             "weight_prediction cannot run with 'pipedream'.*use schedule='async' or 'pipemare'",
         ),
         (dict(start_method="thread"), ValueError, "start_method must be one of popen, spawn"),
-        (dict(sequential=3), ValueError, "sequential must name the nn.Sequential attribute as a"),
+        (dict(sequential=3), ValueError, "sequential must name the attribute to pipeline as a"),
         (dict(timeout=60), ValueError, r"must be a datetime.timedelta, e.g. datetime.timedelta"),
         *[
             (dict(stall_timeout=bad), ValueError, "stall_timeout must be a positive, finite number")
@@ -218,15 +218,19 @@ RMSPROP = lambda ps: torch.optim.RMSprop(ps, lr=0.01)  # noqa: E731
             "Tiny has no submodule 'body' to pipeline; pass the attribute that holds your",
         ),
         (
-            PipeMareStrategy(stages=2, sequential="net.0"),
+            PipeMareStrategy(stages=2, module="net.0"),
             Tiny(),
-            r"Tiny.net.0 is a Linear, not an nn.Sequential; .* wrap the layers in one",
+            r"Tiny has trainable parameters outside net.0 \(net.2.weight, net.2.bias, ",
         ),
         (
-            PipeMareStrategy(stages=2),
+            PipeMareStrategy(stages=2, split_points=["net.2"]),
+            Tiny(),
+            r"Tiny.net is an nn.Sequential, which is cut between its children by balance=",
+        ),
+        (
+            PipeMareStrategy(stages=2, split_points=["body.layers.9"]),
             Nested(),
-            r"holds body.layers deeper down; name the one to pipeline with "
-            r"PipeMareStrategy\(sequential='body.layers'\)",
+            r"split point 'layers.9' names no module of Nested.body; name the modules to cut",
         ),
         (
             PipeMareStrategy(stages=2, balance=[2, 2, 1]),
@@ -266,8 +270,9 @@ RMSPROP = lambda ps: torch.optim.RMSprop(ps, lr=0.01)  # noqa: E731
     ids=[
         "empty-sequential",
         "sequential-missing",
-        "sequential-not-a-sequential",
-        "nested-sequential-unnamed",
+        "module-leaves-parameters-out",
+        "split-points-of-a-sequential",
+        "split-point-not-a-module",
         "balance-length-vs-stages",
         "balance-without-stages",
         "balance-sum",
@@ -350,7 +355,7 @@ class ReturnsNothing(Tiny):
             r"Indexes.net was indexed, iterated or measured in the step .* must pass its input "
             r"through it in one call, y = self.net\(x\)",
         ),
-        (CallsTwice(), RuntimeError, "nn.Sequential was called twice in one step; .* Call it once"),
+        (CallsTwice(), RuntimeError, "CallsTwice.net was called twice in one step; .* Call it"),
         (Bypasses(), RuntimeError, "training_step returned without calling net; pipemare needs"),
         (ReturnsNothing(), TypeError, "training_step returned NoneType; with pipemare it must"),
     ],

@@ -252,6 +252,12 @@ class TwoSequentials(Tiny):
         self.head = nn.Sequential(nn.Identity())
 
 
+class TwoTrained(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(3, 3)
+
+
 class OutsideParameters(Tiny):
     def __init__(self):
         super().__init__()
@@ -265,11 +271,11 @@ class OutsideParameters(Tiny):
 @pytest.mark.parametrize(
     ("module", "message"),
     [
-        (NoSequential, "has no nn.Sequential attribute to pipeline"),
+        (NoSequential, r"cannot cut ModuleList .* missing the required \"forward\" function"),
         (
-            TwoSequentials,
-            r"several nn.Sequential attributes \(net, head\); choose the one to pipeline with "
-            r"PipeMareStrategy\(sequential='net'\)",
+            TwoTrained,
+            r"several submodules with trainable parameters \(net, head\); .* name it with "
+            r"PipeMareStrategy\(module='net'\)",
         ),
         (OutsideParameters, r"trainable parameters outside net \(scale\)"),
     ],
@@ -279,7 +285,10 @@ def test_modules_that_cannot_be_pipelined(module, message):
         trainer(PipeMareStrategy(stages=2), max_steps=1).fit(module(), tiny_data())
 
 
-def test_named_sequential_resolves_ambiguity():
+def test_the_child_that_trains_is_pipelined_and_a_name_resolves_ambiguity():
+    t = trainer(PipeMareStrategy(stages=2), max_steps=2)
+    t.fit(TwoSequentials(), tiny_data())  # head holds no parameters: net is the one
+    assert t.global_step == 2 and t.strategy._adapter.path == "net"
     t = trainer(PipeMareStrategy(stages=2, sequential="net"), max_steps=2)
     t.fit(TwoSequentials(), tiny_data())
     assert t.global_step == 2
