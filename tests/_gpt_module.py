@@ -7,15 +7,20 @@ from __future__ import annotations
 import pytorch_lightning as pl
 import torch
 from _real_models import GPT, GPTConfig
+from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 
 class GPTModule(pl.LightningModule):
-    def __init__(self, lr: float = 0.5, dropout: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self, lr: float = 0.5, dropout: float = 0.0, seed: int = 0, tied: bool = True
+    ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.gpt = GPT(GPTConfig(dropout=dropout))
+        if not tied:
+            self.gpt.lm_head.weight = nn.Parameter(self.gpt.lm_head.weight.detach().clone())
         self.lr = lr
 
     def _loss(self, batch):

@@ -77,17 +77,25 @@ def module_state(
     distributed = isinstance(pipe.transport, DistributedTransport)
     if _other_copy(pipe):
         local = {}  # copy 0 holds the same weights; its buffers are the ones saved
-    full: dict[str, Any] = {}
+    own = module.state_dict(keep_vars=True)
     if not distributed or dist.get_rank() == 0:
-        # what no stage holds (outside the pipelined module, or never used by its forward) is
-        # the same everywhere; another stage's tensors are on the meta device here
-        own = module.state_dict().items()
-        full = {k: v.detach().cpu() for k, v in own if k not in local and not v.is_meta}
+        # what no stage holds (outside the pipelined module, or unused by its forward) is the
+        # same in every process
+        held = {id(t) for m in pipe.stage_modules for t in m.state_dict(keep_vars=True).values()}
+        local.update({k: v.detach().cpu() for k, v in own.items() if id(v) not in held})
+    full: dict[str, Any] = {}
     for part in gather(local, all_ranks) if distributed else [local]:
         full.update(part)
     for tie in pipe.ties.ties if full else ():
         for key, _ in tie.copies.values():
             full[names(key)] = full[names(tie.name)]
+    aliases: dict[int, list[str]] = {}  # one tensor under several names (a tie in the module)
+    for k, v in own.items():
+        aliases.setdefault(id(v), []).append(k)
+    for keys in aliases.values() if full else ():
+        found = [k for k in keys if k in full]
+        for k in keys if found else ():
+            full.setdefault(k, full[found[0]])
     return {k: full[k] for k in module.state_dict()} if full else {}
 
 

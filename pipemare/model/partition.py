@@ -185,12 +185,20 @@ def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[flo
     """Median seconds of each layer's forward plus backward pass on ``sample`` (the model's input).
 
     Each layer runs on the output of the previous one, as in the pipeline; gradients flow into
-    a detached copy of the layer's input and are thrown away (parameters keep theirs).
+    a detached copy of the layer's input and are thrown away (parameters keep theirs), and the
+    buffers (BatchNorm's running statistics) are put back as they were.
     """
     check_sequential(model)
+    # Timing runs the layers in their mode: a BatchNorm's running statistics would move.
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
     # Lightning may call this from validation, under inference mode: time with autograd on.
-    with torch.inference_mode(False), torch.enable_grad():
-        return _layer_times(model, _clone(sample), repeats)
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            return _layer_times(model, _clone(sample), repeats)
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
 
 
 def _layer_times(model: nn.Sequential, sample: Any, repeats: int) -> list[float]:

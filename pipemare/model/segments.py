@@ -247,6 +247,12 @@ def _explain(err: Exception, module: nn.Module) -> str:
     text = str(err)
     found = re.search(r"The following call raised this error:\n(.*?)\n\n", text, re.S)
     where = " ".join(found.group(1).split()) if found else text.strip().splitlines()[0][:300]
+    if "cache_utils" in text or "Cache'>" in text:
+        return (
+            f"cannot cut {type(module).__name__} into segments: its forward returns a key/value "
+            "cache for generation, which cannot travel between stages. For training, switch "
+            "the cache off: model.config.use_cache = False (or pass use_cache=False)"
+        )
     data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__
     construct = (
         "data-dependent control flow (a Python branch, loop or .item() on a tensor's values)"
