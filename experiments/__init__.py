@@ -12,6 +12,7 @@ from pipemare.experiments.tasks.datamodules import (
     IWSLT14DataModule,
     MNISTDataModule,
 )
+from pipemare.experiments.tasks.gpt import CharGPT
 from pipemare.experiments.tasks.language_models import CharTransformerLM
 from pipemare.experiments.tasks.lr_schedules import InverseSqrt, WarmupConstant, WarmupCosine
 from pipemare.experiments.tasks.translation import TranslationTransformer
@@ -19,6 +20,7 @@ from pipemare.experiments.tasks.translation import TranslationTransformer
 __all__ = [
     "CIFAR10DataModule",
     "CharCorpusDataModule",
+    "CharGPT",
     "CharTransformerLM",
     "DigitsCNN",
     "DigitsDataModule",

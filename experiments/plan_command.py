@@ -163,10 +163,12 @@ def _sizes_needed(devices: int, batch: int, microbatches: Sequence[int], layers:
 
 
 def _from_config(path: str) -> dict[str, Any]:
-    """The config's Sequential, its input for one training batch, loss, optimiser, strategy."""
+    """The config's pipelined model as a Sequential (a module that is not one cut into
+    segments, as the strategy cuts it), its input for one training batch, loss, optimiser,
+    strategy."""
     from pipemare.experiments.cli import PipeMareCLI
     from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
-    from pipemare.model.cuts import find_sequential
+    from pipemare.model.cuts import find_pipelined
 
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when both are given
     try:
@@ -187,10 +189,11 @@ def _from_config(path: str) -> dict[str, Any]:
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
     try:
-        name, seq = find_sequential(model, getattr(strategy, "sequential", None))
+        name, _ = find_pipelined(model, getattr(strategy, "module_name", None))
+        adapter = ModuleAdapter(model, name, getattr(strategy, "split_points", None))
+        seq = adapter.prepare("training_step", batch, 0)
     except ValueError as err:
         raise _fail(str(err)) from None
-    adapter = ModuleAdapter(model, name)
     x = adapter.capture_input("training_step", batch, 0)
 
     def loss(output: Any, microbatch: Any) -> torch.Tensor:

@@ -103,6 +103,16 @@ def _char_lm() -> nn.Sequential:
     return char_transformer(256, 32, 4, 14, _CONTEXT)
 
 
+def _char_gpt() -> nn.Sequential:
+    """A GPT as people write one (blocks in a ModuleList, tied head), cut into segments at its
+    blocks: 14 blocks of width 32 as in ``char_lm``, the tie spanning the first and last stage."""
+    from pipemare.experiments.tasks.gpt import GPT
+    from pipemare.model.segments import segment_module
+
+    model = GPT(256, 32, 4, 14, _CONTEXT)
+    return segment_module(model, (torch.zeros(2, _CONTEXT, dtype=torch.long),))
+
+
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     from pipemare.experiments.tasks.language_models import next_token_loss
 
@@ -130,6 +140,18 @@ TASKS: dict[str, Task] = {
         "char_lm", _char_lm, _char, _lm_loss, "loss", batch=16, steps=800, eval_every=50, lrs=_LRS
     ),
     "digits": _digits_task("digits", 64, _digits, batch=32, tuned=False),
+    "char_gpt": Task(
+        "char_gpt",
+        _char_gpt,
+        _char,
+        _lm_loss,
+        "loss",
+        batch=16,
+        steps=800,
+        eval_every=50,
+        lrs=_LRS,
+        tuned=False,
+    ),
 }
 
 

@@ -20,10 +20,18 @@ from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning import launching
-from pipemare.lightning.steps import merge_published
-from pipemare.model import partition
+from pipemare.lightning.steps import check_last_batch, merge_published
+from pipemare.model import cuts, partition
 
-__all__ = ["ProbeRequests", "balance_for", "pipeline", "results", "user_optimizer"]
+__all__ = [
+    "ProbeRequests",
+    "balance_for",
+    "check_cut",
+    "pipeline",
+    "prepare_model",
+    "results",
+    "user_optimizer",
+]
 
 
 class ProbeRequests:
@@ -62,6 +70,34 @@ def user_optimizer(optimizers: Sequence[Any], seq: nn.Sequential) -> torch.optim
     if optimizers and type(optimizers[0]).__name__ != "_MockOptimizer":
         return optimizers[0]
     return torch.optim.SGD(seq.parameters(), lr=0.0)  # never stepped with a real rate
+
+
+def check_cut(strategy: Any) -> int | None:
+    """P, after refusing a cut that cannot be made; None while the pipelined module waits to
+    be cut into segments (at the first batch)."""
+    adapter = strategy._adapter
+    if adapter.sequential is None:
+        return None
+    return cuts.check_cut(
+        adapter.what,
+        adapter.sequential,
+        strategy.balance,
+        strategy.stages,
+        strategy.num_stages,
+        strategy.distributed,
+    )
+
+
+def prepare_model(strategy: Any, batch: Any, step: str, args: tuple) -> None:
+    """At the first batch: refuse a last batch too small to split; cut a pipelined module that
+    is not a Sequential into segments, from what the step passes it, and check the cut."""
+    if strategy._fitting:
+        check_last_batch(strategy._module.trainer, strategy.microbatches)
+    adapter = strategy._adapter
+    if adapter.sequential is None:
+        with strategy._steps_of().discarding_logs(), torch.random.fork_rng(devices=[]):
+            adapter.prepare(step, batch, *args)
+        check_cut(strategy)
 
 
 def balance_for(strategy: Any, sample: Any, step: str, args: tuple) -> list[int]:

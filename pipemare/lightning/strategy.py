@@ -45,9 +45,9 @@ from pipemare.lightning.model_state import ModelStateHooks
 from pipemare.lightning.module_adapter import ModuleAdapter
 from pipemare.lightning.processes import ProcessesMixin
 from pipemare.lightning.saving import SaveQueue
-from pipemare.lightning.steps import UserSteps, check_last_batch
+from pipemare.lightning.steps import UserSteps
 from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
-from pipemare.model.cuts import check_cut, find_pipelined
+from pipemare.model.cuts import find_pipelined
 from pipemare.optim.config import PipeMareConfig
 from pipemare.schedule.actions import spec
 from pipemare.schedule.delay import StageDelay, derive_delays
@@ -179,7 +179,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         path, _ = find_pipelined(module, self.module_name)
         self._adapter = adapter = ModuleAdapter(module, path, self.split_points)
         checks.check_split_points(adapter, self.split_points)
-        stages = self._check_cut() or self.num_stages or 2  # segments: checked at the first batch
+        stages = build.check_cut(self) or self.num_stages or 2  # segments: at the first batch
         adapter.check_no_outside_parameters()
         self._steps = UserSteps(module, self._adapter, self.precision_plugin.forward_context)
         self.pipeline = None
@@ -204,37 +204,16 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         if self.pipeline is not None:
             self._probes.attach(self.pipeline)
 
-    def _check_cut(self) -> int | None:
-        """P, after refusing a cut that cannot be made; None until the module is segmented."""
-        adapter = self._adapter
-        assert adapter is not None
-        if adapter.sequential is None:
-            return None
-        return check_cut(
-            adapter.what,
-            adapter.sequential,
-            self.balance,
-            self.stages,
-            self.num_stages,
-            self.distributed,
-        )
-
     def _build(self, batch: Any, step: str, args: tuple) -> Pipeline:
         adapter = self._adapter
         assert adapter is not None
         if self.pipeline is None:
-            if self._fitting:
-                check_last_batch(self._module.trainer, self.microbatches)
-            if adapter.sequential is None:
-                with self._steps_of().discarding_logs(), torch.random.fork_rng(devices=[]):
-                    adapter.prepare(step, batch, *args)
-                self._check_cut()
+            build.prepare_model(self, batch, step, args)
             # later rebuilds (after fit, for test) cut the same way
             self.balance = build.balance_for(self, batch, step, args)
             self.pipeline = pipe = build.pipeline(self)
             self._load_pending_state()
-            steps, adapter = self._steps_of(), self._adapter
-            assert adapter is not None
+            steps = self._steps_of()
             self._reports.start(build.results(self, pipe.minibatches_fed), adapter.path)
             pipe.executor.on_minibatch = lambda k, loss: steps.publish(k, float(loss))
             pipe.executor.on_nonfinite = self._reports.record_nonfinite
@@ -374,16 +353,12 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
             profile of time, memory and the engine's costs, see :mod:`pipemare.planner`),
             ``"params"``, ``"even"`` or a list of counts.
         config: :class:`~pipemare.PipeMareConfig` (T1, T2, T3); default per schedule.
-        module: attribute path of the module to pipeline (``"gpt"``, ``"model.transformer"``);
-            found automatically: the one child that holds the trainable parameters. An
-            ``nn.Sequential`` is cut between its children; any other module is traced
-            (``torch.export``) at the first batch and cut into segments at its repeated
-            blocks (:func:`pipemare.model.segments.segment_module`).
-        split_points: where to cut a module that is not an ``nn.Sequential``: module names,
-            each cut before that module (``["gpt.transformer.h.2"]``, names inside the
-            pipelined module also accepted: ``["transformer.h.2"]``); default its model's
-            pipeline plan (Hugging Face ``base_model_pp_plan``) or its repeated blocks.
-        sequential: the former name of ``module``.
+        module: attribute path of the module to pipeline (``"gpt"``); default the one child
+            holding the trainable parameters. A Sequential is cut between its children, any
+            other module traced at the first batch and cut at its repeated blocks
+            (:func:`pipemare.model.segments.segment_module`). ``sequential``: its former name.
+        split_points: cuts of a module that is not a Sequential, each before the named module
+            (``["gpt.transformer.h.2"]``); default its pipeline plan or its repeated blocks.
         start_method: how Lightning starts processes: ``popen`` (default), ``spawn``, ``fork``.
         stall_timeout: seconds a process waits for another stage before it fails, naming that
             stage, its rank, host and PID (default 300; raise it if one rank can be busy that

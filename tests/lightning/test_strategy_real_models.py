@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipemare import PipeMareStrategy
+from pipemare.callbacks import StalenessMonitor
 
 STEPS = 20
 TESTS = Path(__file__).resolve().parents[1]
@@ -59,8 +60,12 @@ def test_the_asynchronous_default_trains_the_tied_gpt():
     model = GPTModule(dropout=0.1)
     before = _val(model, tokens())
     strategy = PipeMareStrategy(stages=4, microbatches=4)
-    quiet_trainer(strategy, max_steps=3 * STEPS).fit(model, tokens())
-    assert strategy.pipeline.ties.delay(strategy.pipeline.ties.ties[0], 3) > 0
+    monitor = StalenessMonitor(log_every_n_steps=5)
+    quiet_trainer(strategy, max_steps=3 * STEPS, callbacks=[monitor]).fit(model, tokens())
+    tied = strategy.stage_stats[3]  # the head's copy, seen by the staleness telemetry
+    assert tied["tau_tied"] == strategy.delays[0].forward == 0.75
+    assert tied["tau_tied_measured"] == pytest.approx(0.75)
+    assert "tau_tied" not in strategy.stage_stats[0]
     chance = math.log(37)  # random tokens: below this it learnt the training sequences
     assert before > chance and _val(model, tokens()) < chance - 0.05
 
