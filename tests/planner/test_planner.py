@@ -323,6 +323,22 @@ def test_auto_balance_profiles_a_model_with_a_reused_layer_and_its_cut_runs():
 # -- pipemare plan -------------------------------------------------------------------------
 
 
+def test_the_cli_plans_a_gpt_that_is_no_sequential():
+    """configs/char_gpt.yaml: blocks in a ModuleList and a tied head, cut into segments as the
+    strategy cuts it, then planned like any Sequential."""
+    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "pipemare", "plan", "--config", "configs/char_gpt.yaml",
+            "--devices", "4", "--microbatches", "4", "--repeats", "1",
+        ],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "profiled 8 layers" in result.stdout  # 6 blocks, the embeddings and the head
+    assert "choice: P=" in result.stdout
+
+
 def test_the_cli_plans_the_mnist_config():
     env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
