@@ -76,3 +76,15 @@ def test_bench_measures_copies_of_a_pipeline_in_a_four_process_launch(tmp_path):
     w = [m["weights"] for m in copies["memory"]]
     assert w[0] == w[2] and w[1] == w[3]
     assert "2 copies x 2 stages" in (tmp_path / "bench.md").read_text()
+
+
+def test_the_real_model_bench_times_the_gpt_under_each_engine():
+    """A smoke run of pipemare.experiments.bench.real_models (its figures come from a run
+    alone on the machine, not from here): the cut GPT, its Sequential twin and torch's own
+    pipeline() + Schedule1F1B each train on 2 gloo processes and report a rate."""
+    from pipemare.experiments.bench import real_models
+
+    small = ["--steps", "2", "--warmup", "1", "--batch", "8", "--width", "16", "--layers", "2"]
+    rates = real_models.main([*small, "--context", "8", "--cut", "1"])
+    assert set(rates) == {"pipemare", "pipemare-sequential", "torch-1F1B"}
+    assert all(rate > 0 for rate in rates.values())

@@ -1,6 +1,8 @@
-"""One process of a 2-process run of the tied GPT (tests/_gpt_module.py) through
-Trainer(strategy=PipeMareStrategy(...), devices=2) over gloo; started by Lightning's launcher.
-Every rank writes its final weights and validation loss; rank 0 also a checkpoint."""
+"""One process of a 2-process run of a model as people write it (tests/_real_modules.py: the
+tied GPT, Hugging Face GPT-2 or Llama, a resnet18) through
+Trainer(strategy=PipeMareStrategy(...), devices=2) over gloo, nothing named; started by
+Lightning's launcher. Every rank writes its final weights and validation loss; rank 0 also a
+checkpoint."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _gpt_module import GPTModule, tokens
 from _models import quiet_trainer
+from _real_modules import SETUPS
 
 from pipemare import PipeMareStrategy
 
@@ -22,26 +24,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--schedule", default="gpipe")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--untied", action="store_true")
+    parser.add_argument("--model", default="gpt", choices=sorted(SETUPS))
     args = parser.parse_args()
     out = Path(args.out)
-    strategy = PipeMareStrategy(microbatches=4, schedule=args.schedule)
+    build, data, microbatches, steps = SETUPS[args.model]
+    strategy = PipeMareStrategy(microbatches=microbatches, schedule=args.schedule)
     # the loader as it is, so that one device sees the same batches (Lightning's distributed
     # sampler would shuffle them)
-    trainer = quiet_trainer(
-        strategy, devices=2, max_steps=args.steps, use_distributed_sampler=False
-    )
-    model = GPTModule(tied=not args.untied)
-    trainer.fit(model, tokens())
+    trainer = quiet_trainer(strategy, devices=2, max_steps=steps, use_distributed_sampler=False)
+    model = build()
+    trainer.fit(model, data())
     rank = trainer.global_rank
-    train_loss = float(trainer.callback_metrics["train_loss"])
-    (val,) = trainer.validate(model, tokens(), verbose=False)
-    trainer.save_checkpoint(out / "gpt.ckpt")  # every rank takes part; rank 0 writes
+    (val,) = trainer.validate(model, data(), verbose=False)
+    trainer.save_checkpoint(out / "model.ckpt")  # every rank takes part; rank 0 writes
     torch.save({k: v.clone() for k, v in model.state_dict().items()}, out / f"weights-{rank}.pt")
     report = {
         "val_loss": val["val_loss"],
-        "train_loss": train_loss,
         "balance": list(strategy.balance),
         "rank": rank,
     }
