@@ -179,7 +179,8 @@ def _parser() -> argparse.ArgumentParser:
         nargs="?",
         default="run",
         choices=["run", "decompose", "worker", "twin"],
-        help="run: the benchmark; decompose: where the gap to 2x one process goes",
+        help="run: the benchmark; decompose: where the gap to 2x one process goes; gpt: a "
+        "GPT with a tied head against torch's pipeline() (pipemare bench gpt --help)",
     )
     parser.add_argument("--out", type=Path, default=Path("runs/bench"))
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4])
@@ -195,6 +196,12 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpt"]:  # the GPT as people write it against torch's pipeline()
+        from pipemare.experiments.bench import real_models
+
+        rates = real_models.main(argv[1:])
+        return [{"engine": k, "samples_per_s": v} for k, v in rates.items()]
     args = _parser().parse_args(argv)
     for name in args.schedules:
         spec(name)

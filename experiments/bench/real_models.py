@@ -10,8 +10,9 @@ processes, every rank timing the same number of optimiser steps:
   and ``Schedule1F1B`` (torch traces and splits the model itself; it replicates the tied
   weight and leaves its copies unsynchronised, which this throughput figure ignores).
 
-Run it alone on the machine: ``python -m pipemare.experiments.bench.real_models``. Each rank
-prints nothing; rank 0 prints one JSON line per engine with samples/s (the slowest rank's).
+Run it alone on the machine: ``pipemare bench gpt`` (or ``python -m
+pipemare.experiments.bench.real_models``). One JSON line per engine: samples/s over the timed
+steps of the slowest rank, and the ratios to torch's 1F1B and to the Sequential.
 """
 
 from __future__ import annotations
@@ -159,7 +160,9 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="pipemare bench gpt", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--batch", type=int, default=32)

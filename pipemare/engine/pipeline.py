@@ -222,6 +222,7 @@ class Pipeline:
         its weight update happens later, as the pipeline moves on.
         """
         k = self.minibatches_fed
+        self.ties.follow_modes()
         self.optimizer.record(k)
         chunks = scatter(batch, self.microbatches)
         total = batch_size(batch)
@@ -257,6 +258,7 @@ class Pipeline:
             One result per microbatch where the last stage runs, None in other processes.
         """
         self.drain()
+        self.ties.follow_modes()
         chunks = scatter(batch, microbatches or self.microbatches)
         results = []
         for j, chunk in enumerate(chunks):

@@ -47,6 +47,8 @@ class Tie:
     param: nn.Parameter
     #: every other holder: stage -> (key in that stage module's state dict, its copy)
     copies: dict[int, tuple[str, nn.Parameter]] = field(default_factory=dict)
+    #: the copied layers of the holders, each with the user's layer it stands for
+    layers: list[tuple[nn.Module, nn.Module]] = field(default_factory=list)
 
     @property
     def stages(self) -> list[int]:
@@ -82,9 +84,14 @@ def untie(stage_modules: Sequence[nn.Sequential]) -> list[Tie]:
         # one copy per tied parameter on this stage, every other tensor shared
         memo: dict[int, object] = {id(t): t for t in _tensors(stage) if id(t) not in tied}
         layers = {layer for pid, _ in mine for layer, _ in tied[pid][s]}
+        copied = {}
         for layer_name in layers:
-            stage._modules[layer_name] = copy.deepcopy(stage._modules[layer_name], memo)
+            original = stage._modules[layer_name]
+            assert original is not None
+            stage._modules[layer_name] = twin_layer = copy.deepcopy(original, memo)
+            copied[layer_name] = (twin_layer, original)
         for pid, tie in mine:
+            tie.layers += [copied[layer] for layer, _ in tied[pid][s]]
             layer_name, name = tied[pid][s][0]
             twin = stage.get_submodule(layer_name).get_parameter(name)
             tie.copies[s] = (f"{layer_name}.{name}", twin)
@@ -128,6 +135,13 @@ class TiedWeights:
 
     def __bool__(self) -> bool:
         return bool(self.ties)
+
+    def follow_modes(self) -> None:
+        """Copied layers take their originals' train/eval mode (dropout, BatchNorm)."""
+        for tie in self.ties:
+            for twin, original in tie.layers:
+                if twin.training != original.training:
+                    twin.train(original.training)
 
     def copies_on(self, stage: int) -> list[nn.Parameter]:
         """The copies ``stage`` holds: not its optimiser's, their gradients go to the owner."""

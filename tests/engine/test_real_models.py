@@ -155,6 +155,13 @@ def test_a_plain_sequential_may_cut_between_tied_layers():
     pipe.drain()
     assert got == pytest.approx(want, rel=1e-5)
     assert model[4].weight is model[0].weight  # the user's layers are untouched
+    (tie,) = pipe.ties.ties
+    model.eval()  # the copied head follows its original into eval mode, and back
+    pipe.evaluate(x)
+    assert [twin.training for twin, _ in tie.layers] == [False]
+    model.train()
+    pipe.step((x, y))
+    assert [twin.training for twin, _ in tie.layers] == [True]
 
 
 def test_the_planner_and_timed_balance_cut_a_segmented_resnet18():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import os
 import random
 import subprocess
@@ -293,7 +294,10 @@ def test_the_profile_counts_a_linear_layers_bytes(optimizer, state_per_param):
     assert linear.state_bytes == state_per_param * params + adam_steps
     assert relu.param_bytes == 0 and relu.saves_output
     assert prof.input_bytes == (4 * 8 * 4,)
-    assert all(t > 0 for t in (linear.forward_s, linear.backward_s, linear.update_s))
+    # measured minus the engine's calibrated overhead, clamped at 0: a layer this small may
+    # measure below the overhead on a loaded machine, so only the sign is certain
+    times = (linear.forward_s, linear.backward_s, linear.update_s)
+    assert all(math.isfinite(t) and t >= 0 for t in times)
 
 
 def test_auto_balance_cuts_the_model():
