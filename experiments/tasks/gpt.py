@@ -6,13 +6,10 @@ cut at its blocks, and the tie between the first and the last stage is trained a
 from __future__ import annotations
 
 import torch
-from pytorch_lightning.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 from torch.nn import functional as F
-from torchmetrics.text import Perplexity
 
-from pipemare.experiments.tasks.classifiers import TaskModule
-from pipemare.experiments.tasks.language_models import next_token_loss
+from pipemare.experiments.tasks.language_models import CharTransformerLM
 
 __all__ = ["GPT", "CharGPT", "GPTBlock"]
 
@@ -74,30 +71,12 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-class CharGPT(TaskModule):
-    """A byte-level GPT LM (``self.net`` = :class:`GPT`). Logs ``train_loss``/``val_loss``
-    (nats per byte) and perplexity from torchmetrics."""
+class CharGPT(CharTransformerLM):
+    """The byte-level LM of :class:`CharTransformerLM` (same arguments, data and metrics) with
+    ``self.net`` a :class:`GPT`, written as people write one instead of as a Sequential."""
 
-    metric = "ppl"
-
-    def __init__(
-        self,
-        vocab_size: int = 256,
-        d_model: int = 64,
-        heads: int = 4,
-        layers: int = 6,
-        context: int = 32,
-        dropout: float = 0.0,
-        optimizer: OptimizerCallable = torch.optim.Adam,
-        scheduler: LRSchedulerCallable | None = None,
-    ) -> None:
-        super().__init__(optimizer, scheduler)
-        self.net = GPT(vocab_size, d_model, heads, layers, context, dropout)
-        self.train_ppl = Perplexity()
-        self.val_ppl = Perplexity()
-
-    def _loss(self, logits: torch.Tensor, targets: torch.Tensor, stage: str) -> torch.Tensor:
-        return next_token_loss(logits, targets)
-
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self._step("test", batch)
+    @staticmethod
+    def network(
+        vocab_size: int, d_model: int, heads: int, layers: int, context: int, dropout: float
+    ) -> nn.Module:
+        return GPT(vocab_size, d_model, heads, layers, context, dropout)

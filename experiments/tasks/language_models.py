@@ -102,9 +102,16 @@ class CharTransformerLM(TaskModule):
         scheduler: LRSchedulerCallable | None = None,
     ) -> None:
         super().__init__(optimizer, scheduler)
-        self.net = char_transformer(vocab_size, d_model, heads, layers, context, dropout)
+        self.net = self.network(vocab_size, d_model, heads, layers, context, dropout)
         self.train_ppl = Perplexity()
         self.val_ppl = Perplexity()
+
+    @staticmethod
+    def network(
+        vocab_size: int, d_model: int, heads: int, layers: int, context: int, dropout: float
+    ) -> nn.Module:
+        """The model ``self.net`` holds (a subclass may write it otherwise)."""
+        return char_transformer(vocab_size, d_model, heads, layers, context, dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.net(ids)
