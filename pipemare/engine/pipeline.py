@@ -308,6 +308,7 @@ class Pipeline:
         """Continue after ``state["minibatches"]`` minibatches, with an empty pipeline."""
         self.drain()
         self.executor.restart(int(state["minibatches"]))
+        self.ties.restart(int(state["minibatches"]))
         for s in self.stages:
             s.version = int(state["minibatches"])
             self.transport.progress(s.index, s.version)

@@ -136,6 +136,14 @@ class TiedWeights:
     def __bool__(self) -> bool:
         return bool(self.ties)
 
+    def restart(self, minibatches: int) -> None:
+        """Continue after ``minibatches`` updates (a drained pipeline, weights maybe loaded):
+        versions count from there, and each owner sends its weights with its next forward."""
+        self._version = [minibatches] * len(self.ties)
+        self.sent = [-1] * len(self.ties)  # whatever the copies hold, send the owner's again
+        self.installed = dict.fromkeys(self.installed, -1)  # and the holders receive them
+        self._updates = dict.fromkeys(self._updates, minibatches)
+
     def follow_modes(self) -> None:
         """Copied layers take their originals' train/eval mode (dropout, BatchNorm)."""
         for tie in self.ties:

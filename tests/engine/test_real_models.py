@@ -185,3 +185,29 @@ def test_the_planner_and_timed_balance_cut_a_segmented_resnet18():
     want = _plain_losses(copy.deepcopy(model), batch, ce, 0.05, 5)
     got = _piped_losses(model, batch, ce, 0.05, 5, stages=4, schedule="gpipe", balance=planned)
     assert got == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+def test_a_tied_pipeline_restarted_from_its_state_resends_the_owners_weights():
+    """After load_state_dict (a resume: weights may have been loaded into the model), every
+    holder gets the owner's weights again, and the copy's delay counts from the restart."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(dropout=0.0))
+    batch = _gpt_batch()
+    segments = segment_module(model, batch[0])
+    opt = torch.optim.SGD(segments.parameters(), lr=0.5)
+    pipe = Pipeline(segments, opt, _own_loss, stages=4, microbatches=4, schedule="pipemare")
+    for _ in range(3):
+        pipe.step(batch)
+    state = pipe.state_dict()
+    (tie,) = pipe.ties.ties
+    ((_, twin),) = tie.copies.values()
+    with torch.no_grad():
+        tie.param.add_(1.0)  # as a checkpoint loaded into the model would change it
+    pipe.load_state_dict(state)
+    pipe.drain()  # nothing ran since: the drain alone brings the copy level
+    assert torch.equal(twin, tie.param)
+    for _ in range(4):
+        pipe.step(batch)
+    assert pipe.ties.delay(tie, 3) == pytest.approx(0.75)
+    pipe.drain()
+    assert torch.equal(twin, tie.param)
