@@ -213,13 +213,12 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
             self.balance = build.balance_for(self, batch, step, args)
             self.pipeline = pipe = build.pipeline(self)
             self._load_pending_state()
-            steps = self._steps_of()
             self._reports.start(build.results(self, pipe.minibatches_fed), adapter.path)
-            pipe.executor.on_minibatch = lambda k, loss: steps.publish(k, float(loss))
+            pipe.executor.on_minibatch = lambda k, loss: self._steps_of().publish(k, float(loss))
             pipe.executor.on_nonfinite = self._reports.record_nonfinite
             self._probes.attach(pipe)
-        for stage in self.pipeline.stage_modules:  # segments and tie copies follow the module
-            stage.train(adapter.pipelined.training)
+        if adapter.segmented:  # segments run the graph traced in the module's mode
+            adapter.sequential.train(adapter.pipelined.training)  # type: ignore[union-attr]
         return self.pipeline
 
     def _steps_of(self) -> UserSteps:

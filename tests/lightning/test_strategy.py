@@ -413,3 +413,16 @@ def test_balance_auto_takes_the_planners_cut():
         planner.auto_balance = real
     assert strategy.balance == cut and calls == []  # rebuilt with the same cut, not re-planned
     assert strategy.pipeline is not None and list(strategy.pipeline.balance) == cut
+
+
+def test_a_layer_the_user_keeps_in_eval_mode_stays_there():
+    """E.g. a frozen BatchNorm put in eval mode at each epoch's start: the strategy leaves the
+    modes of a Sequential's layers as the module sets them."""
+
+    class KeepsOneInEval(Tiny):
+        def on_train_epoch_start(self):
+            self.net[1].eval()
+
+    model = KeepsOneInEval()
+    trainer(PipeMareStrategy(stages=2), max_steps=3).fit(model, tiny_data())
+    assert not model.net[1].training and model.net[0].training
