@@ -120,16 +120,20 @@ def test_a_tie_across_stages_trains_as_on_one_device(stages, schedule):
     torch.testing.assert_close(model.lm_head.weight, plain.lm_head.weight, rtol=1e-5, atol=1e-6)
 
 
+def _tied_gpt_pipeline():
+    """The GPT with its head tied to its embedding, cut into segments, at P = 4, N = 4."""
+    torch.manual_seed(0)
+    segments = segment_module(GPT(GPTConfig(dropout=0.0)), _gpt_batch()[0])
+    opt = torch.optim.SGD(segments.parameters(), lr=0.5)
+    pipe = Pipeline(segments, opt, _own_loss, stages=4, microbatches=4, schedule="pipemare")
+    return pipe, _gpt_batch()
+
+
 def test_a_tied_head_runs_on_the_weights_the_owner_forwarded_with():
     """Asynchronous: no stage waits for the tie; the last stage's copy runs on the weights the
     owner forwarded the same microbatch with (so its delay is the owner's forward delay, not
     the last stage's zero), and draining brings it level with the owner's."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(dropout=0.0))
-    batch = _gpt_batch()
-    segments = segment_module(model, batch[0])
-    opt = torch.optim.SGD(segments.parameters(), lr=0.5)
-    pipe = Pipeline(segments, opt, _own_loss, stages=4, microbatches=4, schedule="pipemare")
+    pipe, batch = _tied_gpt_pipeline()
     losses = [float(pipe.step(batch)) for _ in range(2 * STEPS)]
     (tie,) = pipe.ties.ties
     ((_, twin),) = tie.copies.values()
@@ -190,12 +194,7 @@ def test_the_planner_and_timed_balance_cut_a_segmented_resnet18():
 def test_a_tied_pipeline_restarted_from_its_state_resends_the_owners_weights():
     """After load_state_dict (a resume: weights may have been loaded into the model), every
     holder gets the owner's weights again, and the copy's delay counts from the restart."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(dropout=0.0))
-    batch = _gpt_batch()
-    segments = segment_module(model, batch[0])
-    opt = torch.optim.SGD(segments.parameters(), lr=0.5)
-    pipe = Pipeline(segments, opt, _own_loss, stages=4, microbatches=4, schedule="pipemare")
+    pipe, batch = _tied_gpt_pipeline()
     for _ in range(3):
         pipe.step(batch)
     state = pipe.state_dict()
