@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipemare import Pipeline
+from pipemare.optim import MuonAdamW
 
 # What `quiet_trainer` passes to Lightning, for tests that build another Trainer class.
 QUIET_CPU_TRAINER: dict[str, Any] = dict(
@@ -26,6 +27,16 @@ def quiet_trainer(strategy, **options) -> pl.Trainer:
     """A Trainer on one CPU device that logs, saves and prints nothing; ``options`` override
     any of that (``devices=2``, ``logger=CSVLogger(...)``, ``enable_checkpointing=True``)."""
     return pl.Trainer(strategy=strategy, **{**QUIET_CPU_TRAINER, **options})
+
+
+def muon_adamw(params, lr: float = 3e-3) -> MuonAdamW:
+    """Muon on the 2-D weights, AdamW on the rest, as one optimiser over two kinds of group."""
+    ps = list(params)
+    groups = [
+        {"params": [p for p in ps if p.ndim == 2], "use_muon": True},
+        {"params": [p for p in ps if p.ndim != 2], "use_muon": False},
+    ]
+    return MuonAdamW(groups, lr=lr, weight_decay=0.01)
 
 
 def sgd_pipeline(model: nn.Module, loss, lr: float, momentum: float = 0.0, **options) -> Pipeline:

@@ -12,17 +12,27 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from pipemare.optim import MuonAdamW, muon_param_groups
+
 
 class GPTModule(pl.LightningModule):
+    """``optimizer="muon"``: Muon on the blocks' matrices and AdamW on the rest (embedding and
+    tied head, norms, biases), one optimiser over two kinds of group."""
+
     def __init__(
-        self, lr: float = 0.5, dropout: float = 0.0, seed: int = 0, tied: bool = True
+        self,
+        lr: float = 0.5,
+        dropout: float = 0.0,
+        seed: int = 0,
+        tied: bool = True,
+        optimizer: str = "sgd",
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
         self.gpt = GPT(GPTConfig(dropout=dropout))
         if not tied:
             self.gpt.lm_head.weight = nn.Parameter(self.gpt.lm_head.weight.detach().clone())
-        self.lr = lr
+        self.lr, self.optimizer = lr, optimizer
 
     def _loss(self, batch):
         idx, targets = batch
@@ -38,6 +48,8 @@ class GPTModule(pl.LightningModule):
         self.log("val_loss", self._loss(batch))
 
     def configure_optimizers(self):
+        if self.optimizer == "muon":
+            return MuonAdamW(muon_param_groups(self.gpt), lr=self.lr, weight_decay=0.01)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
@@ -111,6 +123,7 @@ class HFModule(pl.LightningModule):
 #: with one device; N = 1 for the ResNet, whose BatchNorm normalises over what it is given
 SETUPS = {
     "gpt": (GPTModule, tokens, 4, 20),
+    "gpt-muon": (lambda: GPTModule(lr=0.02, optimizer="muon"), tokens, 4, 20),
     "gpt2": (lambda: HFModule("gpt2"), tokens, 2, 10),
     "llama": (lambda: HFModule("llama"), tokens, 2, 10),
     "resnet": (ResNetModule, images, 1, 8),

@@ -6,6 +6,7 @@ Reads delays from :mod:`pipemare.schedule`; knows nothing of processes or Lightn
 """
 
 from pipemare.optim.config import PipeMareConfig
+from pipemare.optim.muon import MuonAdamW, muon_param_groups
 from pipemare.optim.optimizer import PipeMareOptimizer
 
-__all__ = ["PipeMareConfig", "PipeMareOptimizer"]
+__all__ = ["MuonAdamW", "PipeMareConfig", "PipeMareOptimizer", "muon_param_groups"]

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from _models import sgd_pipeline
+from _models import muon_adamw, sgd_pipeline
 from torch import nn
 
 from pipemare import Pipeline
@@ -14,6 +14,7 @@ from pipemare import Pipeline
 OPTIMIZERS = {
     "momentum-sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
     "adam": lambda p: torch.optim.Adam(p, lr=3e-3),
+    "muon-adamw": muon_adamw,
 }
 
 

@@ -6,6 +6,7 @@ import copy
 
 import pytest
 import torch
+from _models import muon_adamw
 from torch import nn
 
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
@@ -19,6 +20,7 @@ OPTIMIZERS = {
     ),
     "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
     "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    "muon": lambda p: muon_adamw(p, lr=1e-2),
 }
 
 

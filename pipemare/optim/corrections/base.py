@@ -21,6 +21,7 @@ __all__ = [
     "StepAveraged",
     "foreach_pair",
     "group_momentum",
+    "momentum_is_average",
     "set_group_momentum",
 ]
 
@@ -36,6 +37,13 @@ def group_momentum(group: Mapping[str, Any]) -> float:
     if "betas" in group:
         return float(group["betas"][0])
     return float(group.get("momentum", 0.0))
+
+
+def momentum_is_average(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> bool:
+    """Whether a group's momentum buffer is an average of gradients (the Adam family's first
+    moment, Muon's ``lerp``-ed buffer: the step stays about the rate whatever the momentum) or
+    a sum (heavy-ball SGD: each gradient moves the weights ``lr/(1 - m)`` in total)."""
+    return "betas" in group or "use_muon" in group or isinstance(optimizer, torch.optim.Muon)
 
 
 def set_group_momentum(group: dict[str, Any], momentum: float) -> None:

@@ -11,13 +11,13 @@ momentum that grows with its delay, 0.9 at the last stage to 0.99 at the first.
 
 This correction is that schedule of momenta. Stage ``i`` with forward delay ``τ_i`` updates
 with ``m_i = m + (m_max - m) τ_i / τ_max``, ``m`` the user's momentum (β1 of the Adam family,
-SGD's ``momentum``) and ``τ_max`` the longest delay of the pipeline. For the Adam family,
-whose first moment is an average, that is all. For SGD, whose momentum buffer is a sum, the
-stage's rate is scaled by ``(1 - m_i)/(1 - m)``, so every gradient still moves the weights by
-``η/(1 - m)`` in total and only the way it is spread over the following updates changes; that
-is the paper's ``(1 - γ)`` discount. The look-ahead itself comes from the optimiser (NAdam,
-``SGD(nesterov=True)``) or from weight prediction, which runs each forward at the weights its
-update will meet along the optimiser's own step. No buffer.
+SGD's and Muon's ``momentum``) and ``τ_max`` the longest delay of the pipeline. For the Adam
+family and Muon, whose momentum is an average, that is all. For SGD, whose momentum buffer is
+a sum, the stage's rate is scaled by ``(1 - m_i)/(1 - m)``, so every gradient still moves the
+weights by ``η/(1 - m)`` in total and only the way it is spread over the following updates
+changes; that is the paper's ``(1 - γ)`` discount. The look-ahead itself comes from the
+optimiser (NAdam, ``SGD(nesterov=True)``) or from weight prediction, which runs each forward at
+the weights its update will meet along the optimiser's own step. No buffer.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from pipemare.optim.corrections.base import Correction, StageView, group_momentum
+from pipemare.optim.corrections.base import (
+    Correction,
+    StageView,
+    group_momentum,
+    momentum_is_average,
+)
 
 __all__ = ["DelayMomentum", "delay_momenta"]
 
@@ -65,8 +70,8 @@ class DelayMomentum(Correction):
     def bind(self, view: StageView) -> None:
         super().bind(view)
         groups = view.optimizer.param_groups
-        self.adam_family = all("betas" in g for g in groups)
-        has_momentum = self.adam_family or all("momentum" in g for g in groups)
+        self.adam_family = all(momentum_is_average(view.optimizer, g) for g in groups)
+        has_momentum = all("betas" in g or "momentum" in g for g in groups)
         if not self.strict:
             self.active = self.adam_family or (has_momentum and group_momentum(groups[0]) > 0.0)
             return
