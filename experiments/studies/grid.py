@@ -21,6 +21,7 @@ _ALONE = {
     "weight_prediction": False,
     "spike_compensation": False,
     "delay_momentum": None,
+    "stability_guard": False,
 }
 
 
@@ -45,7 +46,12 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
         PipeMareConfig(**{**_ALONE, "weight_prediction": True, "delay_momentum": 0.99}),
     ),
     # the default before delay-aware momentum joined it (pipemare 0.2)
-    "pipemare-T1-SC-WP": ("pipemare", PipeMareConfig(delay_momentum=None)),
+    "pipemare-T1-SC-WP": (
+        "pipemare",
+        PipeMareConfig(delay_momentum=None, stability_guard=False),
+    ),
+    # the default before the stability guard joined it (pipemare 0.3)
+    "pipemare-noguard": ("pipemare", PipeMareConfig(stability_guard=False)),
 }
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from pipemare import Pipeline, PipeMareConfig
 from pipemare.engine.telemetry import Probe, replay_timeline
 
-__all__ = ["TASKS", "RunResult", "Task", "step_time", "train"]
+__all__ = ["OPTIMIZERS", "TASKS", "RunResult", "Task", "step_time", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,8 +42,11 @@ class Task:
         batch: minibatch size.
         steps: optimiser steps per run.
         eval_every: steps between evaluations.
-        lrs: the learning rates each schedule is swept over (Adam).
+        lrs: the learning rates each schedule is swept over.
         tuned: whether the defaults were chosen on this task (at least one task is not).
+        optimizer: what trains it (:data:`OPTIMIZERS`): ``"adam"``, ``"adamw"``, ``"sgdm"``
+            (SGD with heavy-ball momentum 0.9) or ``"muon"`` (Muon on the hidden matrices,
+            AdamW on the rest, one optimiser).
     """
 
     name: str
@@ -56,6 +59,7 @@ class Task:
     eval_every: int
     lrs: tuple[float, ...]
     tuned: bool = True
+    optimizer: str = "adam"
 
     @property
     def higher_is_better(self) -> bool:
@@ -86,6 +90,15 @@ def _char() -> tuple[torch.Tensor, ...]:
     x, y = next_byte_windows(data[:cut], _CONTEXT)
     xv, yv = next_byte_windows(data[cut:], _CONTEXT, 512)
     return x, y, xv, yv
+
+
+def _plain_mlp(inputs: int, width: int, layers: int) -> Callable[[], nn.Sequential]:
+    def build() -> nn.Sequential:
+        from pipemare.experiments.tasks.models import plain_mlp
+
+        return plain_mlp(inputs, 10, width=width, layers=layers)
+
+    return build
 
 
 def _residual_mlp(inputs: int, width: int, blocks: int) -> Callable[[], nn.Sequential]:
@@ -134,6 +147,50 @@ def _digits_task(
     return Task(name, build, data, loss, "acc", batch, 1200, eval_every=50, lrs=_LRS, tuned=tuned)
 
 
+def _optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr)
+    if name == "adamw":
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if name == "sgdm":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if name == "muon":
+        from pipemare.optim import MuonAdamW, muon_param_groups
+
+        return MuonAdamW(muon_param_groups(model), lr=lr, weight_decay=0.01)
+    raise ValueError(f"unknown optimizer {name!r}: one of {sorted(OPTIMIZERS)}")
+
+
+#: optimiser -> the rates a task trained with it is swept over (Muon with Moonlight's scaling
+#: takes AdamW's rates)
+OPTIMIZERS: dict[str, tuple[float, ...]] = {
+    "adam": _LRS,
+    "adamw": _LRS,
+    "sgdm": (1e-3, 3e-3, 1e-2),
+    "muon": _LRS,
+}
+
+
+def _with(task: Task, optimizer: str) -> Task:
+    """``task`` trained with ``optimizer``, named ``task@optimizer``."""
+    return dataclasses.replace(
+        task, name=f"{task.name}@{optimizer}", optimizer=optimizer, lrs=OPTIMIZERS[optimizer]
+    )
+
+
+_PLAIN = Task(
+    "plain",
+    _plain_mlp(64, 64, 16),
+    _digits,
+    nn.functional.cross_entropy,
+    "acc",
+    batch=32,
+    steps=1200,
+    eval_every=50,
+    lrs=_LRS,
+    tuned=False,
+)
+
 TASKS: dict[str, Task] = {
     "mnist": _digits_task("mnist", 784, _mnist, batch=64),
     "char_lm": Task(
@@ -152,7 +209,15 @@ TASKS: dict[str, Task] = {
         lrs=_LRS,
         tuned=False,
     ),
+    # a plain deep network: 16 Linear+ReLU layers on the digits, no skip connection, no norm
+    "plain": _PLAIN,
 }
+# every task but the language models with SGD momentum and with Muon + AdamW too
+for _base in ("mnist", "digits", "plain"):
+    for _opt in ("sgdm", "muon"):
+        TASKS[f"{_base}@{_opt}"] = _with(TASKS[_base], _opt)
+for _base in ("char_lm", "char_gpt"):
+    TASKS[f"{_base}@muon"] = _with(TASKS[_base], "muon")
 
 
 @dataclasses.dataclass
@@ -200,7 +265,7 @@ def _pipeline(
     config: PipeMareConfig | None,
     seed: int,
 ) -> Pipeline:
-    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    optimizer = _optimizer(task.optimizer, model, lr)
     return Pipeline(
         model,
         optimizer,

@@ -35,8 +35,8 @@ TASKS: dict[str, tuple[str, str, int]] = {
 
 def schedule_variants(warmup: int) -> dict[str, dict[str, Any]]:
     """The schedules compared by a study: the baselines, PipeMare's own T1+T2 (+T3), and the
-    ``pipemare`` default (T1 over 13% of the run, delay-aware momentum, spike compensation and
-    weight prediction)."""
+    ``pipemare`` default (T1 over 13% of the run, delay-aware momentum, spike compensation,
+    weight prediction and the stability guard)."""
     t1t2 = {
         "lr_reschedule": True,
         "reschedule_steps": 500,
@@ -44,6 +44,7 @@ def schedule_variants(warmup: int) -> dict[str, dict[str, Any]]:
         "weight_prediction": False,
         "spike_compensation": False,
         "delay_momentum": None,
+        "stability_guard": False,
     }
     return {
         "gpipe": {f"{STRATEGY}.schedule": "gpipe"},

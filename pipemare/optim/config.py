@@ -12,6 +12,7 @@ from pipemare.optim.corrections import (
     DiscrepancyCorrection,
     LRReschedule,
     SpikeCompensation,
+    StabilityGuard,
     WeightPrediction,
 )
 
@@ -24,7 +25,7 @@ FALLBACK_HORIZON = 500
 AUTO_DELAY_MOMENTUM = 0.99
 
 # The fields' kinds, for the type checks (the others are numbers).
-_FLAGS = ("lr_reschedule", "discrepancy_correction")
+_FLAGS = ("lr_reschedule", "discrepancy_correction", "stability_guard")
 _SWITCHES = ("weight_prediction", "spike_compensation")
 _STEPS = ("reschedule_steps", "warmup_steps")
 _OPTIONAL = ("reschedule_steps", "reschedule_epochs")
@@ -86,6 +87,15 @@ class PipeMareConfig:
     stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); ``"auto"``:
     0.99 where the optimiser has momentum (the Adam family, SGD with momentum); None: off."""
 
+    stability_guard: bool = True
+    """Halve a stage's rate and the strength of its corrections while its gradient norm runs
+    away (its average over about ten updates above ``guard_threshold`` times its average over
+    about a hundred); they double back 100 updates later
+    (:class:`~pipemare.optim.corrections.StabilityGuard`)."""
+
+    guard_threshold: float = 3.0
+    """The guard's trigger: the gradient norm's recent average over its long-run average."""
+
     def __post_init__(self) -> None:
         self._check_types()
         if self.reschedule_steps is not None and self.reschedule_steps < 0:
@@ -110,6 +120,8 @@ class PipeMareConfig:
         in_range = isinstance(dm, (int, float)) and not isinstance(dm, bool) and 0.0 <= dm < 1.0
         if dm is not None and dm != "auto" and not in_range:
             raise ValueError(f"delay_momentum must lie in [0, 1), or be 'auto' or None, got {dm!r}")
+        if self.guard_threshold <= 1.0:
+            raise ValueError(f"guard_threshold must be > 1, got {self.guard_threshold}")
         if self.weight_prediction is True and self.discrepancy_correction:
             raise ValueError(
                 "weight_prediction and discrepancy_correction do not combine: with the forward "
@@ -152,6 +164,7 @@ class PipeMareConfig:
             spike_compensation=False,
             delay_momentum=None,
             warmup_steps=0,
+            stability_guard=False,
         )
 
     def for_stashing(self, schedule: str, stashes: bool) -> PipeMareConfig:
@@ -182,6 +195,7 @@ class PipeMareConfig:
             "weight_prediction": False,
             "spike_compensation": False,
             "delay_momentum": None,
+            "stability_guard": False,
             "discrepancy_correction": True,
             "reschedule_steps": FALLBACK_HORIZON,
         }
@@ -233,4 +247,6 @@ class PipeMareConfig:
                     strict=self.weight_prediction is True,
                 )
             )
+        if self.stability_guard:  # its before_step sets the strength the others read after it
+            out.append(StabilityGuard(self.guard_threshold, start=self.warmup_steps))
         return out

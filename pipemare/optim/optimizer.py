@@ -11,7 +11,12 @@ from torch import nn
 
 from pipemare.optim import run_length
 from pipemare.optim.config import PipeMareConfig
-from pipemare.optim.corrections import Correction, DiscrepancyCorrection, StageView
+from pipemare.optim.corrections import (
+    Correction,
+    DiscrepancyCorrection,
+    StabilityGuard,
+    StageView,
+)
 from pipemare.optim.corrections.base import group_momentum, set_group_momentum
 from pipemare.schedule.delay import StageDelay
 
@@ -96,6 +101,9 @@ class PipeMareOptimizer:
             momentum=self.momentum,
         )
         self.corrections: list[Correction] = self.config.build(total_steps, steps_per_epoch)
+        self.guard = next((c for c in self.corrections if isinstance(c, StabilityGuard)), None)
+        if self.guard is not None:
+            view.strength = self.guard.factor
         # what T1's horizon was derived from; a resume may keep the checkpointed run's instead
         self._run = run_length.run_state(
             self.config, self.corrections, total_steps, steps_per_epoch

@@ -2,8 +2,10 @@
 
 Gradient descent with gradients ``τ`` updates old on ``f(u) = λu²/2`` is
 ``u_{t+1} = u_t - αλ u_{t-τ}``, stable iff ``αλ < 2 sin(π / (4τ + 2))`` (about ``π/(2τ+1)``).
-The same recurrence, run through a real optimiser and a correction, shows the range a
-correction makes stable (:func:`largest_stable_step`).
+With heavy-ball momentum β, ``u_{t+1} = u_t + β(u_t - u_{t-1}) - αλ u_{t-τ}`` is stable iff
+every root of ``z^{τ+1} - (1+β) z^τ + β z^{τ-1} + αλ`` lies inside the unit circle
+(:func:`delayed_momentum_bound`). The same recurrence, run through a real optimiser and a
+correction, shows the range a correction makes stable (:func:`largest_stable_step`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pipemare.schedule.delay import StageDelay
 if TYPE_CHECKING:
     from pipemare.optim.config import PipeMareConfig
 
-__all__ = ["delayed_gd_bound", "largest_stable_step"]
+__all__ = ["delayed_gd_bound", "delayed_momentum_bound", "largest_stable_step"]
 
 
 def delayed_gd_bound(delay: int) -> float:
@@ -33,6 +35,42 @@ def delayed_gd_bound(delay: int) -> float:
     if delay < 0:
         raise ValueError(f"delay must be >= 0, got {delay}")
     return 2.0 * math.sin(math.pi / (4 * delay + 2))
+
+
+def _contracts(step: float, delay: int, momentum: float) -> bool:
+    """Whether every root of ``z^{τ+2} - (1+β) z^{τ+1} + β z^τ + αλ z`` (the characteristic
+    polynomial times z, which holds τ = 0 too) lies strictly inside the unit circle."""
+    import numpy as np
+
+    coefficients = np.zeros(delay + 3)
+    coefficients[0], coefficients[1], coefficients[2] = 1.0, -(1.0 + momentum), momentum
+    coefficients[delay + 1] += step
+    return bool(np.abs(np.roots(coefficients)).max() < 1.0)
+
+
+def delayed_momentum_bound(delay: int, momentum: float, tol: float = 1e-9) -> float:
+    """Largest stable ``αλ`` of delayed heavy-ball momentum, from the roots of its polynomial.
+
+    ``u_{t+1} = u_t + β(u_t - u_{t-1}) - αλ u_{t-τ}`` (torch's ``SGD(momentum=β)`` with
+    gradients τ updates late); at β = 0 it is :func:`delayed_gd_bound`, and at τ = 0 the
+    classical ``2(1 + β)``.
+
+    Example:
+        >>> round(delayed_momentum_bound(0, 0.9), 6), round(delayed_momentum_bound(1, 0.0), 6)
+        (3.8, 1.0)
+    """
+    if delay < 0:
+        raise ValueError(f"delay must be >= 0, got {delay}")
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must lie in [0, 1), got {momentum}")
+    low, high = 0.0, 2.0 * (1.0 + momentum)
+    while high - low > tol:
+        mid = (low + high) / 2
+        if _contracts(mid, delay, momentum):
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def _delayed_quadratic(

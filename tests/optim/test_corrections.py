@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -18,7 +19,7 @@ from pipemare.optim.corrections import (
 from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
 from pipemare.schedule.delay import StageDelay
 
-OTHERS_OFF = {"lr_reschedule": False, "delay_momentum": None}
+OTHERS_OFF = {"lr_reschedule": False, "delay_momentum": None, "stability_guard": False}
 ONLY_WP = {**OTHERS_OFF, "spike_compensation": False, "weight_prediction": True}
 ONLY_SC = {**OTHERS_OFF, "weight_prediction": False, "spike_compensation": True}
 
@@ -108,6 +109,7 @@ def test_prediction_keeps_one_buffer_per_weight_and_no_stash():
         "delay_momentum": 0,
         "spike_compensation": 0,
         "weight_prediction": weights,
+        "stability_guard": 5 * 8,  # five float64 numbers per stage
     }
     assert pipe.optimizer.buffer_bytes(2)["weight_prediction"] == 0  # τ = 0: nothing to predict
     assert all(s.stashed_versions == 0 for s in pipe.stages)
@@ -250,6 +252,7 @@ def test_config_switches_and_their_errors():
         "delay_momentum",
         "spike_compensation",
         "weight_prediction",
+        "stability_guard",
     ]
     assert names(PipeMareConfig.t1_t2()) == ["lr_reschedule", "discrepancy_correction"]
     assert names(PipeMareConfig(discrepancy_correction=True)) == [
@@ -257,6 +260,7 @@ def test_config_switches_and_their_errors():
         "delay_momentum",
         "spike_compensation",
         "discrepancy_correction",
+        "stability_guard",
     ]  # "auto" prediction yields to T2 when T2 is asked for
     assert names(PipeMareConfig.off()) == []
     with pytest.raises(ValueError, match="do not combine"):
@@ -265,6 +269,10 @@ def test_config_switches_and_their_errors():
         PipeMareConfig(spike_compensation="yes")
     with pytest.raises(ValueError, match="one way"):
         PipeMareConfig(reschedule_steps=10, reschedule_epochs=2)
+    with pytest.raises(ValueError, match="guard_threshold must be > 1"):
+        PipeMareConfig(guard_threshold=0.5)
+    with pytest.raises(ValueError, match="stability_guard must be True or False"):
+        PipeMareConfig(stability_guard="auto")
     assert isinstance(PipeMareConfig().build()[2], SpikeCompensation)
     assert isinstance(PipeMareConfig().build()[3], WeightPrediction)
 
@@ -390,7 +398,8 @@ def test_uncorrected_delayed_sgd_is_stable_up_to_the_bound(tau):
 @pytest.mark.parametrize("tau", [3, 7])
 def test_t1_widens_the_stable_range_by_the_delay_while_it_holds(tau):
     # a horizon beyond the run: the rate stays near α/τ, so αλ up to τ times the bound is stable
-    cfg = PipeMareConfig(weight_prediction=False, spike_compensation=False, reschedule_steps=10**7)
+    cfg = PipeMareConfig(**{**ONLY_SC, "spike_compensation": False, "lr_reschedule": True})
+    cfg = dataclasses.replace(cfg, reschedule_steps=10**7)
     assert largest_stable_step(tau, cfg) == pytest.approx(tau * delayed_gd_bound(tau), rel=0.03)
 
 

@@ -11,6 +11,8 @@ correction                 what it changes                          source
 ``spike_compensation``     update ``a·v + b·g`` for late gradients  Kosson et al., 2020
 ``delay_momentum``         a stage's momentum, rising with its      Ajanthan et al., ICML 2025
                            delay (Nesterov method, no stash)        (Nesterov method)
+``stability_guard``        halves a stage's rate and corrections    the delayed-quadratic bound
+                           while its gradient norm runs away        (this project)
 =========================  =======================================  ==============================
 
 T3 (synchronous warm-up) is a schedule switch: ``PipeMareConfig.warmup_steps``.
@@ -23,6 +25,7 @@ from pipemare.optim.corrections.discrepancy import (
     velocity_decay,
     velocity_update,
 )
+from pipemare.optim.corrections.guard import StabilityGuard
 from pipemare.optim.corrections.lr_reschedule import LRReschedule, lr_factor
 from pipemare.optim.corrections.momentum import DelayMomentum, delay_momenta
 from pipemare.optim.corrections.prediction import WeightPrediction, predicted_weight
@@ -34,6 +37,7 @@ __all__ = [
     "DiscrepancyCorrection",
     "LRReschedule",
     "SpikeCompensation",
+    "StabilityGuard",
     "StageView",
     "StepAverage",
     "WeightPrediction",

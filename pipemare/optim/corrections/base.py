@@ -67,6 +67,8 @@ class StageView:
         momentum: ``(stage, step) -> m``, the momentum a stage's update of minibatch ``step``
             runs with once every correction's :meth:`Correction.momentum` has had its say
             (default: the first param group's own).
+        strength: ``stage -> s`` in (0, 1], how strongly the corrections act on a stage (the
+            stability guard lowers it while the stage's gradients run away; default 1).
     """
 
     optimizer: torch.optim.Optimizer
@@ -74,6 +76,10 @@ class StageView:
     delays: Sequence[StageDelay]
     microbatches: int
     momentum: Callable[[int, int], float] | None = None
+    strength: Callable[[int], float] | None = None
+
+    def stage_strength(self, stage: int) -> float:
+        return 1.0 if self.strength is None else self.strength(stage)
 
     def stage_momentum(self, stage: int, step: int) -> float:
         if self.momentum is None:

@@ -94,7 +94,8 @@ class DelayMomentum(Correction):
     def momentum(self, stage: int, step: int, momentum: float) -> float:
         if not self._applies(step):
             return momentum
-        return delay_momenta(momentum, self.top, self._delays())[stage]
+        raised = delay_momenta(momentum, self.top, self._delays())[stage]
+        return momentum + (raised - momentum) * self.view.stage_strength(stage)
 
     def lr_factor(self, stage: int, step: int) -> float:
         if self.adam_family or not self._applies(step):

@@ -74,7 +74,7 @@ class WeightPrediction(StepAveraged):
 
     @contextlib.contextmanager
     def forward_weights(self, stage: int, horizon: int) -> Iterator[None]:
-        s = self.scale * horizon
+        s = self.scale * horizon * self.view.stage_strength(stage)
         pairs = []
         if s != 0 and self.active:
             pairs = [

@@ -90,7 +90,7 @@ class SpikeCompensation(Correction):
         return {"active": self.active}
 
     def _delay(self, stage: int) -> float:
-        return self.view.delays[stage].forward
+        return self.view.delays[stage].forward * self.view.stage_strength(stage)
 
     def lr_factor(self, stage: int, step: int) -> float:
         if not self._applies(step):
