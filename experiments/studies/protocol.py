@@ -121,9 +121,13 @@ def _char_gpt() -> nn.Sequential:
     blocks: 14 blocks of width 32 as in ``char_lm``, the tie spanning the first and last stage."""
     from pipemare.experiments.tasks.gpt import GPT
     from pipemare.model.segments import segment_module
+    from pipemare.optim import muon_param_groups
 
     model = GPT(256, 32, 4, 14, _CONTEXT)
-    return segment_module(model, (torch.zeros(2, _CONTEXT, dtype=torch.long),))
+    segmented = segment_module(model, (torch.zeros(2, _CONTEXT, dtype=torch.long),))
+    # the trace keeps the parameters but not their modules' types, which say what Muon takes
+    segmented.muon_hidden = muon_param_groups(model)[0]["params"]
+    return segmented
 
 
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -157,7 +161,15 @@ def _optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     if name == "muon":
         from pipemare.optim import MuonAdamW, muon_param_groups
 
-        return MuonAdamW(muon_param_groups(model), lr=lr, weight_decay=0.01)
+        hidden = getattr(model, "muon_hidden", None)  # a traced model: its original's choice
+        if hidden is None:
+            return MuonAdamW(muon_param_groups(model), lr=lr, weight_decay=0.01)
+        mine = {id(p) for p in hidden}
+        groups = [
+            {"params": [p for p in model.parameters() if id(p) in mine], "use_muon": True},
+            {"params": [p for p in model.parameters() if id(p) not in mine], "use_muon": False},
+        ]
+        return MuonAdamW(groups, lr=lr, weight_decay=0.01)
     raise ValueError(f"unknown optimizer {name!r}: one of {sorted(OPTIMIZERS)}")
 
 

@@ -96,3 +96,21 @@ def test_a_best_rate_at_the_sweeps_edge_gets_the_next_one():
         3e-4,
         1e-4,
     ]
+
+
+def test_each_task_trains_with_the_optimiser_its_name_gives():
+    from pipemare.experiments.studies.protocol import OPTIMIZERS, _optimizer
+
+    assert TASKS["plain@sgdm"].optimizer == "sgdm" and TASKS["plain"].optimizer == "adam"
+    assert TASKS["plain@sgdm"].lrs == OPTIMIZERS["sgdm"] and not TASKS["plain"].tuned
+    model = TASKS["plain"].build()
+    assert len(model) == 16 and not any("Norm" in type(m).__name__ for m in model.modules())
+    sgdm = _optimizer("sgdm", model, 1e-3)
+    assert type(sgdm).__name__ == "SGD" and sgdm.param_groups[0]["momentum"] == 0.9
+    # a GPT cut into traced segments still gives Muon its blocks' matrices, not the tied head
+    gpt = TASKS["char_gpt@muon"].build()
+    muon, rest = _optimizer("muon", gpt, 1e-3).param_groups
+    assert muon["use_muon"] and len(muon["params"]) == 4 * 14  # qkv, proj, fc, out per block
+    assert all(p.ndim == 2 for p in muon["params"]) and len(rest["params"]) > 0
+    run = train(TASKS["plain@muon"], "pipemare", 4, 1, 1e-3, seed=0, steps=6)
+    assert len(run.train_loss) == 6 and all(math.isfinite(v) for v in run.train_loss[3:])
