@@ -4,6 +4,7 @@ They log through Lightning's logger interface (any logger works) and add Weights
 extras when a ``WandbLogger`` is present.
 """
 
+from pipemare.callbacks.budget import PipelineTimeBudget
 from pipemare.callbacks.convergence import ConvergenceMonitor, Divergence, DivergenceError
 from pipemare.callbacks.pipeline import PipelineMonitor, chrome_trace
 from pipemare.callbacks.staleness import StalenessMonitor
@@ -15,6 +16,7 @@ __all__ = [
     "DivergenceError",
     "OfflineSafeWandbLogger",
     "PipelineMonitor",
+    "PipelineTimeBudget",
     "StalenessMonitor",
     "chrome_trace",
     "monitors",

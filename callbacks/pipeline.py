@@ -62,6 +62,13 @@ class PipelineMonitor(common.Monitor):
         self._pipeline_time, self._step_time = 0.0, 0.0
         self._config_logged = False
 
+    @property
+    def pipeline_time(self) -> float:
+        """Seconds of training so far on P devices: as last logged, plus the steps since then
+        at the last measured time per step (simulated stages; measured with a process per stage
+        it is the last logged value)."""
+        return self._pipeline_time + self._step_time * self._window_steps
+
     def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
         strategy.request_probe(timeline=True)
 

@@ -91,6 +91,21 @@ class Run:
         t = self.pipeline_time(steps)
         return None if t is None else float(t[0])
 
+    def best_until(self, steps: float | None = None, seconds: float | None = None) -> float | None:
+        """The best validated value at or before ``steps`` and ``seconds`` of pipeline time (a
+        run compared with gpipe at gpipe's steps or at its pipeline time); None if none was."""
+        points = [(float(s), float(v)) for s, v in self.summary.get("history") or []]
+        if steps is not None:
+            points = [(s, v) for s, v in points if s <= steps]
+        if seconds is not None and points:
+            times = self.pipeline_time(np.array([s for s, _ in points]))
+            if times is not None:
+                points = [p for p, t in zip(points, times, strict=True) if t <= seconds * 1.000001]
+        values = [v for _, v in points if np.isfinite(v)]
+        if not values:
+            return None
+        return max(values) if self.mode == "max" else min(values)
+
     @property
     def lr(self) -> float | None:
         try:

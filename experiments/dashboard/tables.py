@@ -61,6 +61,23 @@ def gap(run: Run, reference: Run | None) -> str:
     return f"{delta:+.3f}{relative}"
 
 
+def _delta(value: float | None, ref: float | None) -> str:
+    if value is None or ref is None:
+        return "-"
+    relative = f" ({100 * (value - ref) / abs(ref):+.1f}%)" if ref else ""
+    return f"{value - ref:+.3f}{relative}"
+
+
+def equal_budgets(run: Run, reference: Run | None) -> tuple[float | None, float | None]:
+    """``run``'s best within gpipe's pipeline time and within gpipe's steps (None: unknown)."""
+    if reference is None:
+        return None, None
+    seconds = reference.total_pipeline_time
+    steps = reference.summary.get("global_step")
+    at_time = run.best_until(seconds=seconds) if seconds is not None else None
+    return at_time, run.best_until(steps=steps)
+
+
 def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
     """The final-quality table: one row per run, ranked within each task, with its gap to gpipe."""
     header = [
@@ -72,6 +89,8 @@ def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
         "lr",
         "best",
         "gap to gpipe",
+        "at gpipe's time",
+        "at gpipe's steps",
         "final",
         "steps to target",
         "pipeline s",
@@ -91,6 +110,9 @@ def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
         util = run.last_stage_values("utilization")
         final = s["final"].get(run.monitor)
         wall = _fmt(s.get("wall_time_s"), 0)
+        reference = _reference(run, runs)
+        ref_best = None if reference is None else reference.summary.get("best")
+        at_time, at_steps = equal_budgets(run, reference)
         rows.append(
             [
                 str(rank),
@@ -100,7 +122,9 @@ def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
                 _fmt(s.get("microbatches")),
                 _fmt(run.lr, 4),
                 f"{run.monitor} {_fmt(s.get('best'))}",
-                gap(run, _reference(run, runs)),
+                gap(run, reference),
+                _delta(at_time, ref_best),
+                _delta(at_steps, ref_best),
                 _fmt(final),
                 _fmt(s.get("steps_to_target")),
                 _fmt(run.total_pipeline_time, 1),
@@ -115,7 +139,8 @@ def results_table(runs: list[Run]) -> tuple[list[str], list[list[str]]]:
 
 
 def answer(runs: list[Run]) -> list[str]:
-    """One sentence per task: which run did best, and how each PipeMare run compares to gpipe."""
+    """One sentence per task: which run did best, and how each PipeMare run compares to gpipe;
+    where the runs had gpipe's pipeline time as their budget, a second one at gpipe's steps."""
     lines = []
     tasks: dict[str, list[Run]] = {}
     for run in ranked(runs):
@@ -130,7 +155,16 @@ def answer(runs: list[Run]) -> list[str]:
         if reference is not None:
             text += f"; gpipe {_fmt(reference.summary['best'])}"
             mares = [r for r in scored if "pipemare" in r.variant]
-            text += "".join(f"; {r.variant} {gap(r, _reference(r, runs))}" for r in mares)
+            if not any(r.summary.get("budget_s") for r in mares):
+                text += "".join(f"; {r.variant} {gap(r, _reference(r, runs))}" for r in mares)
+            else:
+                ref = reference.summary["best"]
+                views = {r.variant: equal_budgets(r, _reference(r, runs)) for r in mares}
+                seconds = _fmt(reference.total_pipeline_time, 1)
+                text += f"; in gpipe's pipeline time ({seconds} s on P devices)"
+                text += "".join(f"; {v} {_delta(t, ref)}" for v, (t, _) in views.items())
+                text += f". At gpipe's {reference.summary.get('global_step')} steps"
+                text += "".join(f"; {v} {_delta(n, ref)}" for v, (_, n) in views.items())
         lines.append(text + ".")
     return lines
 

@@ -41,12 +41,24 @@ def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def config_for(run: RunSpec, run_dir: Path, suite: str, wandb: bool) -> dict[str, Any]:
-    """The config a run executes: the packaged one, the run's overrides, and its own logs."""
+#: a run with a time budget may take this many times its reference's steps (or epochs)
+BUDGET_ROOM = 4
+
+
+def config_for(
+    run: RunSpec, run_dir: Path, suite: str, wandb: bool, budget_s: float | None = None
+) -> dict[str, Any]:
+    """The config a run executes: the packaged one, the run's overrides, and its own logs;
+    with ``budget_s``, room for :data:`BUDGET_ROOM` times the steps and a stop when the
+    pipeline time is spent."""
     config = copy.deepcopy(packaged_config(run.config))
     for key, value in run.overrides.items():
         _set(config, key, value)
     trainer = config.setdefault("trainer", {})
+    if budget_s is not None:
+        for key in ("max_steps", "max_epochs"):
+            if isinstance(trainer.get(key), int) and trainer[key] > 0:
+                trainer[key] *= BUDGET_ROOM
     trainer["default_root_dir"] = str(run_dir)
     trainer["enable_checkpointing"] = False
     trainer["enable_model_summary"] = False
@@ -79,6 +91,13 @@ def config_for(run: RunSpec, run_dir: Path, suite: str, wandb: bool) -> dict[str
             "init_args": {"path": str(run_dir), "monitor": run.monitor, "mode": run.mode},
         }
     )
+    if budget_s is not None:
+        callbacks.append(
+            {
+                "class_path": "pipemare.callbacks.PipelineTimeBudget",
+                "init_args": {"seconds": budget_s},
+            }
+        )
     trainer["callbacks"] = callbacks
     return config
 
@@ -106,6 +125,25 @@ def _run_one(config_path: Path, devices: int) -> None:
             experiment.finish()
 
 
+def _budget(study_dir: Path, run: RunSpec) -> float | None:
+    """The pipeline time of the run ``run`` takes its budget from (run earlier in the suite)."""
+    if run.budget_of is None:
+        return None
+    summary = study_dir / run.budget_of / "summary.json"
+    if not summary.exists():
+        raise RuntimeError(
+            f"run {run.name} takes its time budget from {run.budget_of}, which has not run: "
+            f"run the suite without --only, or include {run.budget_of}"
+        )
+    seconds = json.loads(summary.read_text()).get("pipeline_time_s")
+    if not seconds:
+        raise RuntimeError(
+            f"{summary} holds no pipeline time (its config has no PipelineMonitor), so "
+            f"{run.name} has no budget; add pipemare.callbacks.PipelineMonitor to the config"
+        )
+    return float(seconds)
+
+
 def run_study(suite: str, out: Path, wandb: bool = True, only: list[str] | None = None) -> Path:
     """Run ``suite`` into ``out/suite`` (skipping complete runs); return that directory."""
     if suite not in SUITES:
@@ -122,7 +160,7 @@ def run_study(suite: str, out: Path, wandb: bool = True, only: list[str] | None 
             print(f"[{i}/{len(runs)}] {run.name}: already complete, skipped", flush=True)
         else:
             run_dir.mkdir(parents=True, exist_ok=True)
-            config = config_for(run, run_dir, suite, wandb)
+            config = config_for(run, run_dir, suite, wandb, _budget(study_dir, run))
             config_path = run_dir / "config.yaml"
             config_path.write_text(yaml.safe_dump(config, sort_keys=False))
             spec = {

@@ -23,6 +23,10 @@ class RunSpec:
     overrides: dict[str, Any]
     monitor: str
     mode: str
+    budget_of: str | None = None
+    """The run of the same study whose pipeline time is this run's budget: the study runs it
+    first, gives this one room for more steps and stops it when the time is spent
+    (:class:`pipemare.callbacks.PipelineTimeBudget`)."""
 
 
 # The task of each packaged config: the metric that ranks runs, and T3's warm-up length
@@ -100,15 +104,24 @@ DEFAULT_RATES: dict[tuple[str, str], float] = {
 }
 
 
+#: validation often enough that a run stopped by its time budget was measured shortly before
+_VALIDATION = {"mnist": 0.25, "char_lm": 50}
+
+
 def default() -> list[RunSpec]:
-    """8 fine-grained stages, N=1: every schedule through Lightning, each at its own rate."""
+    """8 fine-grained stages, N=1: every schedule through Lightning, each at its own rate, and
+    each with the pipeline time gpipe takes for its steps (a user's question: what do I get on
+    these P devices in the same time?). The runs validate often, so the dashboard can also
+    read each one's quality at gpipe's number of steps."""
     runs = []
     for run in _grid(["mnist", "char_lm"]):
         task, variant = run.name.split("-", 1)
+        overrides = {**run.overrides, "trainer.val_check_interval": _VALIDATION[task]}
         lr = DEFAULT_RATES.get((task, variant))
         if lr is not None:
-            run = dataclasses.replace(run, overrides={**run.overrides, LR: lr})
-        runs.append(run)
+            overrides[LR] = lr
+        budget = None if variant == "gpipe" else _gpipe(run.name)
+        runs.append(dataclasses.replace(run, overrides=overrides, budget_of=budget))
     return runs
 
 
@@ -157,7 +170,15 @@ def quick() -> list[RunSpec]:
         "trainer.val_check_interval": 6,
         "trainer.log_every_n_steps": 2,
     }
-    return _grid(["mnist", "char_lm"], BASELINES, short)
+    runs = _grid(["mnist", "char_lm"], BASELINES, short)
+    return [  # each with gpipe's pipeline time, as the default study runs them
+        r if r.name.endswith("-gpipe") else dataclasses.replace(r, budget_of=_gpipe(r.name))
+        for r in runs
+    ]
+
+
+def _gpipe(name: str) -> str:
+    return name.split("-", 1)[0] + "-gpipe"
 
 
 SUITES: dict[str, Callable[[], list[RunSpec]]] = {

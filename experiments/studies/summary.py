@@ -84,7 +84,7 @@ class RunSummary(Callback):
         memory = memory_report(trainer)  # every rank reaches this; only rank 0 writes
         if trainer.global_rank != 0:
             return
-        from pipemare.callbacks import ConvergenceMonitor
+        from pipemare.callbacks import ConvergenceMonitor, PipelineMonitor, PipelineTimeBudget
 
         divergence = next(
             (c.divergence for c in trainer.callbacks if isinstance(c, ConvergenceMonitor)), None
@@ -93,6 +93,8 @@ class RunSummary(Callback):
             (c for c in trainer.callbacks if isinstance(c, ConvergenceMonitor)), None
         )
         pipe = getattr(trainer.strategy, "pipeline", None)
+        clock = next((c for c in trainer.callbacks if isinstance(c, PipelineMonitor)), None)
+        budget = next((c for c in trainer.callbacks if isinstance(c, PipelineTimeBudget)), None)
         summary = {
             "status": "diverged" if divergence is not None else "complete",
             "divergence": None if divergence is None else divergence.message(),
@@ -103,6 +105,8 @@ class RunSummary(Callback):
             "history": self._history,
             "global_step": trainer.global_step,
             "wall_time_s": time.perf_counter() - self._start,
+            "pipeline_time_s": None if clock is None else clock.pipeline_time,
+            "budget_s": None if budget is None else budget.seconds,
             "steps_to_target": getattr(convergence, "steps_to_target", None),
             "time_to_target": getattr(convergence, "time_to_target", None),
             "strategy": type(trainer.strategy).__name__,

@@ -305,3 +305,24 @@ def test_monitors_work_without_validation(tmp_path):
     )
     t.fit(NoVal(), data)
     assert column(rows(t.logger), "pipemare/stage0/grad_norm")
+
+
+def test_a_pipeline_time_budget_stops_the_run_once_spent(tmp_path):
+    """Without a budget the run goes its 2 epochs; with half of that run's pipeline time it
+    stops at the first check past the budget, and every later step would have exceeded it."""
+    from pipemare.callbacks import PipelineTimeBudget
+
+    def strategy():
+        return PipeMareStrategy(stages=4, microbatches=2, balance="params")
+
+    full_clock = PipelineMonitor(log_every_n_steps=5)
+    full = fit(strategy(), [full_clock], False, epochs=2, log_every_n_steps=5)
+    budget = PipelineTimeBudget(full_clock.pipeline_time / 2)
+    clock = PipelineMonitor(log_every_n_steps=5)
+    t = fit(strategy(), [clock, budget], False, epochs=2, log_every_n_steps=5)
+    assert budget.stopped_at == t.global_step < full.global_step
+    assert t.global_step % 5 == 0 and clock.pipeline_time >= budget.seconds
+    with pytest.raises(ValueError, match=r"add pipemare\.callbacks\.PipelineMonitor"):
+        fit(strategy(), [PipelineTimeBudget(1.0)], False, epochs=1)
+    with pytest.raises(ValueError, match="must be > 0 seconds"):
+        PipelineTimeBudget(0.0)

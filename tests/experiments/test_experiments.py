@@ -78,10 +78,19 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
         "mnist-gpipe",
         "mnist-pipemare",
     ]
+    summaries = {name: json.loads((study / name / "summary.json").read_text()) for name in runs}
     for name in runs:
         run = study / name
-        summary = json.loads((run / "summary.json").read_text())
-        assert summary["status"] == "complete" and summary["global_step"] == 12
+        summary = summaries[name]
+        assert summary["status"] == "complete"
+        if name.endswith("gpipe"):
+            assert summary["global_step"] == 12 and summary["budget_s"] is None
+        else:  # gpipe's pipeline time, with room for 4x its steps: spent, or out of room
+            gpipe = summaries[name.split("-")[0] + "-gpipe"]
+            assert summary["budget_s"] == gpipe["pipeline_time_s"] > 0
+            spent = summary["pipeline_time_s"] >= summary["budget_s"]
+            assert spent or summary["global_step"] == 48
+            assert summary["global_step"] <= 48
         assert summary["stages"] == 8 and len(summary["memory"]["stages"]) == 8
         assert (run / "csv" / "metrics.csv").exists() and (run / "config.yaml").exists()
         (wandb_run,) = (run / "wandb").glob("offline-run-*")
@@ -110,6 +119,7 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
     table = (tmp_path / "dash" / "results.md").read_text()
     answers = [line for line in table.splitlines() if line.startswith("- ")]
     assert len(answers) == 2 and all("gpipe" in a and "pipemare" in a for a in answers)
+    assert all("in gpipe's pipeline time" in a and "At gpipe's 12 steps" in a for a in answers)
     header, _, *body = [line for line in table.splitlines() if line.startswith("|")]
     columns = [c.strip() for c in header.strip("|").split("|")]
     cells = [
@@ -123,11 +133,13 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
         assert best == sorted(best)
         (gpipe,) = [c for c in mine if c["run"] == "gpipe"]
         assert gpipe["gap to gpipe"] == "+0.000 (+0.0%)"
+        assert gpipe["at gpipe's time"] == gpipe["at gpipe's steps"] == "+0.000 (+0.0%)"
         for c in mine:  # each gap is the run's best minus gpipe's
             gap = float(c["gap to gpipe"].split()[0])
             ref = float(gpipe["best"].split()[-1])
             assert gap == pytest.approx(float(c["best"].split()[-1]) - ref, abs=2e-3)
             assert float(c["pipeline s"]) > 0 and c["wall s"].endswith("(serial)")
+            assert c["at gpipe's time"] != "-" and c["at gpipe's steps"] != "-"
     assert "pipeline time" in text.lower() and "serial" in text
 
     # a comparison never overwrites a study's own page
