@@ -50,6 +50,8 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
         "pipemare",
         PipeMareConfig(delay_momentum=None, stability_guard=False),
     ),
+    # PACI's local gradient accumulation (each gradient crosses one update) with T1 and the guard
+    "pipemare-LA": ("pipemare", PipeMareConfig(local_accumulation=1)),
     # the default before the stability guard joined it (pipemare 0.3)
     "pipemare-noguard": ("pipemare", PipeMareConfig(stability_guard=False)),
 }

@@ -10,6 +10,7 @@ from pipemare.optim.corrections import (
     Correction,
     DelayMomentum,
     DiscrepancyCorrection,
+    LocalAccumulation,
     LRReschedule,
     SpikeCompensation,
     StabilityGuard,
@@ -96,6 +97,12 @@ class PipeMareConfig:
     guard_threshold: float = 3.0
     """The guard's trigger: the gradient norm's recent average over its long-run average."""
 
+    local_accumulation: int | None = None
+    """PACI's local gradient accumulation: each stage sums ``ceil(τ_i / c)`` minibatches'
+    gradients per update, so a gradient crosses about ``c`` of its stage's updates (this value;
+    None: off). It excludes weight prediction, spike compensation, delay-aware momentum and T2
+    (they count one update per minibatch): their ``"auto"`` settings stand aside for it."""
+
     def __post_init__(self) -> None:
         self._check_types()
         if self.reschedule_steps is not None and self.reschedule_steps < 0:
@@ -120,6 +127,25 @@ class PipeMareConfig:
         in_range = isinstance(dm, (int, float)) and not isinstance(dm, bool) and 0.0 <= dm < 1.0
         if dm is not None and dm != "auto" and not in_range:
             raise ValueError(f"delay_momentum must lie in [0, 1), or be 'auto' or None, got {dm!r}")
+        la = self.local_accumulation
+        if la is not None and (isinstance(la, bool) or not isinstance(la, int) or la < 1):
+            raise ValueError(f"local_accumulation must be a whole number >= 1 or None, got {la!r}")
+        if la is not None:
+            explicit = [
+                name
+                for name, on in (
+                    ("weight_prediction", self.weight_prediction is True),
+                    ("spike_compensation", self.spike_compensation is True),
+                    ("delay_momentum", self.delay_momentum not in (None, "auto")),
+                    ("discrepancy_correction", self.discrepancy_correction),
+                )
+                if on
+            ]
+            if explicit:
+                raise ValueError(
+                    f"local_accumulation does not combine with {', '.join(explicit)}: they count "
+                    "one update per minibatch; switch them off or leave them 'auto'"
+                )
         if self.guard_threshold <= 1.0:
             raise ValueError(f"guard_threshold must be > 1, got {self.guard_threshold}")
         if self.weight_prediction is True and self.discrepancy_correction:
@@ -132,8 +158,10 @@ class PipeMareConfig:
     def _check_types(self) -> None:
         """Refuse a value of the wrong type (a string from YAML, a fractional step count, NaN)."""
         for name, value in dataclasses.asdict(self).items():
-            if name == "delay_momentum" or (value is None and name in _OPTIONAL):
-                continue  # delay_momentum: checked with its range
+            if name in ("delay_momentum", "local_accumulation"):
+                continue  # checked with their ranges
+            if value is None and name in _OPTIONAL:
+                continue
             if name in _FLAGS:
                 ok, need = isinstance(value, bool), "True or False"
             elif name in _SWITCHES:
@@ -149,9 +177,9 @@ class PipeMareConfig:
 
     @property
     def predicts(self) -> bool:
-        """Whether weight prediction may run (``"auto"`` yields to T2)."""
+        """Whether weight prediction may run (``"auto"`` yields to T2 and local accumulation)."""
         if self.weight_prediction == "auto":
-            return not self.discrepancy_correction
+            return not self.discrepancy_correction and self.local_accumulation is None
         return bool(self.weight_prediction)
 
     @classmethod
@@ -231,11 +259,12 @@ class PipeMareConfig:
         out: list[Correction] = []
         if self.lr_reschedule:
             out.append(LRReschedule(self.horizon(total_steps, steps_per_epoch), self.warmup_steps))
-        if self.delay_momentum == "auto":
+        accumulates = self.local_accumulation is not None
+        if self.delay_momentum == "auto" and not accumulates:
             out.append(DelayMomentum(AUTO_DELAY_MOMENTUM, self.warmup_steps, strict=False))
-        elif self.delay_momentum is not None:
+        elif self.delay_momentum not in (None, "auto"):
             out.append(DelayMomentum(float(self.delay_momentum), self.warmup_steps))
-        if self.spike_compensation:
+        if self.spike_compensation is True or (self.spike_compensation and not accumulates):
             out.append(SpikeCompensation(self.warmup_steps, strict=self.spike_compensation is True))
         if self.discrepancy_correction:
             out.append(DiscrepancyCorrection(self.discrepancy_decay))
@@ -247,6 +276,8 @@ class PipeMareConfig:
                     strict=self.weight_prediction is True,
                 )
             )
+        if self.local_accumulation is not None:
+            out.append(LocalAccumulation(self.local_accumulation, self.warmup_steps))
         if self.stability_guard:  # its before_step sets the strength the others read after it
             out.append(StabilityGuard(self.guard_threshold, start=self.warmup_steps))
         return out

@@ -161,8 +161,12 @@ class PipeMareOptimizer:
 
     @torch.no_grad()
     def step(self, stage: int, minibatch: int) -> None:
-        """Apply ``stage``'s update of ``minibatch`` from its accumulated gradients; clear them."""
+        """Apply ``stage``'s update of ``minibatch`` from its accumulated gradients; clear them.
+        A correction may hold the update (local accumulation): the gradients then stay."""
         params = self.stage_parameters(stage)
+        if any(c.holds(stage, minibatch) for c in self.corrections):
+            self._used(stage, minibatch, params, clear=False)
+            return
         for c in self.corrections:
             c.before_step(stage, params)
         # Without a record (step() called directly), the user's current hyperparameters apply.
@@ -195,11 +199,14 @@ class PipeMareOptimizer:
         """Drop ``stage``'s gradients of ``minibatch`` without updating (they were not finite)."""
         self._used(stage, minibatch, self.stage_parameters(stage))
 
-    def _used(self, stage: int, minibatch: int, params: Sequence[nn.Parameter]) -> None:
-        """``stage`` is done with ``minibatch``: its gradients go, and the settings recorded for
-        ``minibatch`` once every stage is done with it."""
-        for p in params:
-            p.grad = None
+    def _used(
+        self, stage: int, minibatch: int, params: Sequence[nn.Parameter], clear: bool = True
+    ) -> None:
+        """``stage`` is done with ``minibatch``: its gradients go (unless held), and the
+        settings recorded for ``minibatch`` once every stage is done with it."""
+        if clear:
+            for p in params:
+                p.grad = None
         waiting = self._waiting.get(minibatch)
         if waiting is not None:
             waiting.discard(stage)

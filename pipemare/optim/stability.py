@@ -96,7 +96,8 @@ def _delayed_quadratic(
         with opt.forward_weights(0, t - applied):
             queue.append(u.detach().clone())  # ∇f at the forward's weights, curvature 1
         if len(queue) > delay:
-            u.grad = queue.pop(0)
+            g = queue.pop(0)  # accumulated as autograd does (a held update keeps .grad)
+            u.grad = g if u.grad is None else u.grad + g
             opt.step(0, applied)
             applied += 1
         trace.append(abs(float(u.detach())))

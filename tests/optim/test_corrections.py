@@ -303,7 +303,12 @@ def test_pipeline_hands_the_run_length_to_t1():
 
 # -- delay-aware momentum (Ajanthan et al.'s Nesterov method without a stash) ---------------------
 
-ONLY_DM = {"lr_reschedule": False, "weight_prediction": False, "spike_compensation": False}
+ONLY_DM = {
+    "lr_reschedule": False,
+    "weight_prediction": False,
+    "spike_compensation": False,
+    "stability_guard": False,
+}
 # (each test sets delay_momentum itself)
 
 

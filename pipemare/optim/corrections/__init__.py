@@ -13,11 +13,14 @@ correction                 what it changes                          source
                            delay (Nesterov method, no stash)        (Nesterov method)
 ``stability_guard``        halves a stage's rate and corrections    the delayed-quadratic bound
                            while its gradient norm runs away        (this project)
+``local_accumulation``     a stage sums ``ceil(τ/c)`` minibatches'   Elam et al. (PACI), 2026
+                           gradients per update
 =========================  =======================================  ==============================
 
 T3 (synchronous warm-up) is a schedule switch: ``PipeMareConfig.warmup_steps``.
 """
 
+from pipemare.optim.corrections.accumulation import LocalAccumulation, accumulation_steps
 from pipemare.optim.corrections.base import Correction, StageView, StepAverage
 from pipemare.optim.corrections.discrepancy import (
     DiscrepancyCorrection,
@@ -36,11 +39,13 @@ __all__ = [
     "DelayMomentum",
     "DiscrepancyCorrection",
     "LRReschedule",
+    "LocalAccumulation",
     "SpikeCompensation",
     "StabilityGuard",
     "StageView",
     "StepAverage",
     "WeightPrediction",
+    "accumulation_steps",
     "backward_weight",
     "delay_momenta",
     "lr_factor",

@@ -93,6 +93,7 @@ class Correction:
     Every hook has a neutral default, so a technique overrides only what it changes:
 
     - :meth:`lr_factor` scales the learning rate of a stage's update (T1);
+    - :meth:`holds` keeps a stage's gradients for a later update (local accumulation);
     - :meth:`momentum` sets the momentum of a stage's update (delay-aware momentum);
     - :meth:`before_step` / :meth:`after_step` run around the user's optimiser step of one
       stage, with that stage's gradients still in place (T2's velocity, spike compensation);
@@ -120,6 +121,11 @@ class Correction:
 
     def lr_factor(self, stage: int, step: int) -> float:
         return 1.0
+
+    def holds(self, stage: int, minibatch: int) -> bool:
+        """Whether ``stage`` keeps its gradients of ``minibatch`` for a later update instead of
+        updating now (local accumulation); the other hooks do not run for a held update."""
+        return False
 
     def momentum(self, stage: int, step: int, momentum: float) -> float:
         """The momentum ``stage``'s update of minibatch ``step`` runs with, given the one it
