@@ -14,14 +14,17 @@ class StalenessMonitor(common.Monitor):
     """Logs, per stage: the delays the schedule implies and the ones measured from the weight
     versions the passes actually used; the forward/backward weight discrepancy
     ``||w_fwd - w_bkwd|| / ||w||`` with T2's correction (what the backward used) and without it
-    (the live weights); T1's effective learning rate; the microbatches in flight; and on a
-    stage that holds a copy of a weight tied to an earlier stage (:mod:`pipemare.engine.ties`),
-    the delay of the weights that copy ran on: the owner's forward delay.
+    (the live weights); the effective learning rate (every correction's factor on it); the
+    microbatches in flight; and on a stage that holds a copy of a weight tied to an earlier stage
+    (:mod:`pipemare.engine.ties`), the delay of the weights that copy ran on: the owner's forward
+    delay.
 
     Metric names: ``pipemare/stage{i}/{tau_fwd, tau_bkwd, tau_fwd_measured, tau_bkwd_measured,
-    discrepancy, discrepancy_uncorrected, lr, in_flight}``, and ``tau_tied``,
-    ``tau_tied_measured`` on a stage holding a tied weight's copy. A logging window that contains a
-    pipeline (re)fill, after a drain for validation, measures smaller delays than the steady state.
+    discrepancy, discrepancy_uncorrected, lr, in_flight}``, ``guard`` (the stability guard's
+    factor on the stage's rate and corrections, 1 while calm) where the guard runs, and
+    ``tau_tied``, ``tau_tied_measured`` on a stage holding a tied weight's copy. A logging window
+    that contains a pipeline (re)fill, after a drain for validation, measures smaller delays than
+    the steady state.
 
     Args:
         log_every_n_steps: logging interval (default: the Trainer's ``log_every_n_steps``).
@@ -56,21 +59,21 @@ class StalenessMonitor(common.Monitor):
                 discrepancy=corrected, discrepancy_uncorrected=uncorrected
             )
         self._discrepancy = []
-        for stage in pipe.stages:
-            local.setdefault(stage.index, {})["in_flight"] = float(stage.in_flight)
+        last = max(pipe.minibatches_fed - 1, 0)
+        user_lr = float(pipe.optimizer.param_groups[0]["lr"])
+        guard = pipe.optimizer.guard
+        for stage in pipe.stages:  # the rate and the guard's state live with the stage
+            mine = local.setdefault(stage.index, {})
+            mine["in_flight"] = float(stage.in_flight)
+            mine["lr"] = user_lr * pipe.optimizer.lr_factor(stage.index, last)
+            if guard is not None:
+                mine["guard"] = guard.factor(stage.index)
         for tie in pipe.ties.ties:  # a tied weight's copy runs on the owner's earlier weights
             for i in set(tie.copies) & set(pipe.local_stages):
                 local.setdefault(i, {})["tau_tied_measured"] = pipe.ties.delay(tie, i)
         stats = common.gather_stages(trainer, local)
-        last = max(pipe.minibatches_fed - 1, 0)
-        user_lr = float(pipe.optimizer.param_groups[0]["lr"])
         for i, d in enumerate(pipe.delays):
-            s = stats.setdefault(i, {})
-            s.update(
-                tau_fwd=d.forward,
-                tau_bkwd=d.backward,
-                lr=user_lr * pipe.optimizer.lr_factor(i, last),
-            )
+            stats.setdefault(i, {}).update(tau_fwd=d.forward, tau_bkwd=d.backward)
         for tie in pipe.ties.ties:  # derived: the owner's forward delay
             for i in tie.copies:
                 stats.setdefault(i, {})["tau_tied"] = pipe.delays[tie.owner].forward

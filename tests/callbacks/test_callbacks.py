@@ -244,6 +244,8 @@ def test_wandb_offline_run_holds_the_logged_keys(tmp_path, monkeypatch):
         "pipemare/stage0/tau_fwd",
         "pipemare/stage0/tau_fwd_measured",
         "pipemare/stage0/discrepancy",
+        "pipemare/stage0/lr",
+        "pipemare/stage2/guard",
         "pipemare/stage1/grad_norm",
         "pipemare/stage2/utilization",
         "pipemare/throughput",
