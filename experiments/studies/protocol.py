@@ -44,9 +44,10 @@ class Task:
         eval_every: steps between evaluations.
         lrs: the learning rates each schedule is swept over.
         tuned: whether the defaults were chosen on this task (at least one task is not).
-        optimizer: what trains it (:data:`OPTIMIZERS`): ``"adam"``, ``"adamw"``, ``"sgdm"``
-            (SGD with heavy-ball momentum 0.9) or ``"muon"`` (Muon on the hidden matrices,
-            AdamW on the rest, one optimiser).
+        optimizer: what trains it (:data:`OPTIMIZERS`): ``"adam"``, ``"adamw"``, ``"sgd"``,
+            ``"sgdm"`` (SGD with heavy-ball momentum 0.9), ``"nesterov"`` (the same with
+            Nesterov's) or ``"muon"`` (Muon on the hidden matrices, AdamW on the rest, one
+            optimiser).
     """
 
     name: str
@@ -156,8 +157,12 @@ def _optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=lr)
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr)
     if name == "sgdm":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if name == "nesterov":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
     if name == "muon":
         from pipemare.optim import MuonAdamW, muon_param_groups
 
@@ -178,7 +183,9 @@ def _optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
 OPTIMIZERS: dict[str, tuple[float, ...]] = {
     "adam": _LRS,
     "adamw": _LRS,
+    "sgd": (1e-2, 3e-2, 1e-1),
     "sgdm": (1e-3, 3e-3, 1e-2),
+    "nesterov": (1e-3, 3e-3, 1e-2),
     "muon": _LRS,
 }
 
@@ -230,6 +237,9 @@ for _base in ("mnist", "digits", "plain"):
         TASKS[f"{_base}@{_opt}"] = _with(TASKS[_base], _opt)
 for _base in ("char_lm", "char_gpt"):
     TASKS[f"{_base}@muon"] = _with(TASKS[_base], "muon")
+# the plain network with every optimiser family
+for _opt in ("sgd", "nesterov", "adamw"):
+    TASKS[f"plain@{_opt}"] = _with(TASKS["plain"], _opt)
 
 
 @dataclasses.dataclass
