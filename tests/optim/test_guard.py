@@ -86,20 +86,23 @@ OPTIMIZERS = {
     "sgd-momentum-0.5": sgd(0.5),
     "sgd-momentum-0.9": sgd(0.9),
     "nesterov-0.9": sgd(0.9, nesterov=True),
-    "adam": lambda ps, lr: torch.optim.Adam(ps, lr=lr),
-    "adamw": lambda ps, lr: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01),
 }
+# Adam and AdamW are not here: on the one-weight quadratic their normalised step never grows
+# (every rate up to the search's ceiling counts as stable, corrected or not), so the check
+# could not fail; their family is compared on a network (tests/engine/test_fine_grain.py).
 
 
 @pytest.mark.parametrize("tau", [1, 4, 8])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_the_default_is_stable_wherever_uncorrected_asynchrony_is(name, tau):
     """The default ("auto": each correction where it applies, the guard) keeps at least the
-    stable step range of no correction, for every optimiser family it may meet."""
+    stable step range of no correction, for every SGD family it may meet; so does the default
+    without its guard (the guard is a safety net, not what makes the corrections safe)."""
     make = OPTIMIZERS[name]
     plain = largest_stable_step(tau, OFF, make, steps=800)
+    unguarded = largest_stable_step(tau, PipeMareConfig(stability_guard=False), make, steps=800)
     default = largest_stable_step(tau, PipeMareConfig(), make, steps=800)
-    assert default >= plain - 2e-3
+    assert default >= unguarded >= plain - 2e-3
 
 
 def two_stages():
