@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare import Pipeline, PipeMareConfig
+from pipemare import NonFiniteGradientError, NonFiniteLossError, Pipeline, PipeMareConfig
 from pipemare.engine.telemetry import Probe, replay_timeline
 
 __all__ = ["OPTIMIZERS", "TASKS", "RunResult", "Task", "step_time", "train"]
@@ -315,7 +315,8 @@ def train(
 ) -> RunResult:
     """One run of ``task``: the validation metric every ``eval_every`` steps, live weights.
 
-    A run whose training loss stops being finite ends there (its later points are NaN).
+    A run whose training loss stops being finite, or whose gradients the engine refuses as not
+    finite, ends there (its later points are NaN).
     """
     torch.manual_seed(seed)
     model = task.build()
@@ -334,7 +335,10 @@ def train(
             order, pos = torch.randperm(len(x), generator=gen), 0
         idx = order[pos : pos + task.batch]
         pos += task.batch
-        loss = pipe.step((x[idx], y[idx]))
+        try:
+            loss = pipe.step((x[idx], y[idx]))
+        except (NonFiniteLossError, NonFiniteGradientError):  # the engine stopped: diverged
+            loss = torch.tensor(math.inf)
         value = float(loss) if loss is not None else math.nan
         result.train_loss.append(value)
         if not math.isfinite(value):

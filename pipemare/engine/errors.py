@@ -14,7 +14,7 @@ class NonFiniteLossError(RuntimeError):
     """
 
     def __init__(self, step: int, stage: int, loss: float, where: str = "") -> None:
-        self.step, self.stage, self.loss = step, stage, loss
+        self.step, self.stage, self.loss, self.where = step, stage, loss, where
         super().__init__(
             f"pipemare: the loss of step {step} is {loss} (computed on stage {stage}, the last"
             f"{where}); training stopped so that nothing trains on NaN/Inf weights and the last "
@@ -22,6 +22,10 @@ class NonFiniteLossError(RuntimeError):
             "find the first stage whose output was not finite; lower the learning rate, clip "
             "gradients (gradient_clip_val) or check the data for NaN."
         )
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, float, str]]:
+        # rebuilt from its fields, not from the message (a process pool sends it back)
+        return type(self), (self.step, self.stage, self.loss, self.where)
 
 
 class NonFiniteGradientError(RuntimeError):
@@ -34,7 +38,7 @@ class NonFiniteGradientError(RuntimeError):
     """
 
     def __init__(self, step: int, stage: int, names: list[str], where: str = "") -> None:
-        self.step, self.stage, self.names = step, stage, names
+        self.step, self.stage, self.names, self.where = step, stage, names, where
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         super().__init__(
             f"pipemare: the gradients of step {step} on stage {stage}{where} are not finite "
@@ -43,6 +47,9 @@ class NonFiniteGradientError(RuntimeError):
             "backward overflows (e.g. a sqrt or log at 0, a division by a small number), lower "
             "the learning rate or clip gradients (gradient_clip_val)."
         )
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, list[str], str]]:
+        return type(self), (self.step, self.stage, self.names, self.where)
 
 
 def out_of_order(src: int, dst: int, channel: str, want: int, got: int) -> RuntimeError:

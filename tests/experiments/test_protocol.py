@@ -114,3 +114,20 @@ def test_each_task_trains_with_the_optimiser_its_name_gives():
     assert all(p.ndim == 2 for p in muon["params"]) and len(rest["params"]) > 0
     run = train(TASKS["plain@muon"], "pipemare", 4, 1, 1e-3, seed=0, steps=6)
     assert len(run.train_loss) == 6 and all(math.isfinite(v) for v in run.train_loss[3:])
+
+
+def test_a_run_the_engine_stops_on_non_finite_gradients_is_a_divergence_not_a_crash():
+    """A process pool sends a worker's exception back by pickling it: the engine's errors
+    rebuild from their fields, and the protocol records such a run as diverged."""
+    import pickle
+
+    from pipemare import NonFiniteGradientError, NonFiniteLossError
+
+    for error in (
+        NonFiniteGradientError(3, 1, ["0.weight"], " (x)"),
+        NonFiniteLossError(2, 4, 1e9),
+    ):
+        again = pickle.loads(pickle.dumps(error))
+        assert type(again) is type(error) and str(again) == str(error)
+    run = train(TASKS["plain@sgd"], "async", 8, 1, 30.0, seed=0, steps=60)
+    assert run.diverged and math.isnan(run.metric[-1]) and len(run.train_loss) < 60
