@@ -178,3 +178,14 @@ def test_muon_adamw_runs_under_the_guard():
     with pytest.warns(UserWarning, match="spike compensation is off"):
         opt = PipeMareOptimizer(MuonAdamW(groups), stages, derive_delays("pipemare", 2, 1))
     assert opt.guard is not None and opt.guard.active
+
+
+def test_every_correction_says_which_optimisers_it_was_derived_for():
+    every = (
+        PipeMareConfig(discrepancy_correction=True, weight_prediction=False, warmup_steps=1).build()
+        + PipeMareConfig(local_accumulation=1).build()
+        + PipeMareConfig().build()
+    )
+    names = {c.name for c in every}
+    assert len(names) == 7
+    assert all(len(c.derived_for) > 20 for c in every)

@@ -52,6 +52,7 @@ class LocalAccumulation(Correction):
     """
 
     name = "local_accumulation"
+    derived_for = "any optimiser (PACI used AdamW); for Adam a window makes one step, not k"
 
     def __init__(self, crossed: int = 1, start: int = 0) -> None:
         accumulation_steps(0.0, crossed)  # validates

@@ -106,6 +106,9 @@ class Correction:
     """
 
     name: ClassVar[str] = ""
+    derived_for: ClassVar[str] = ""
+    """The optimiser families the correction's formula was derived for, and what it does on the
+    others (the README's table of corrections by optimiser is built from these)."""
     active: bool = True
     """False where the correction stood aside for this run's optimiser (the config's ``"auto"``)."""
     start: int = 0

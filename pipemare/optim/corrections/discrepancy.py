@@ -56,6 +56,7 @@ class DiscrepancyCorrection(StepAveraged):
     """
 
     name = "discrepancy_correction"
+    derived_for = "any optimiser: it averages the steps the optimiser actually took"
 
     def __init__(self, decay: float = 0.1) -> None:
         velocity_decay(1.0, decay)  # validates D

@@ -66,6 +66,7 @@ class StabilityGuard(Correction):
     """
 
     name = "stability_guard"
+    derived_for = "any optimiser: it reads gradient norms"
 
     def __init__(
         self,

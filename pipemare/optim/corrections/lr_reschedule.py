@@ -36,6 +36,7 @@ class LRReschedule(Correction):
     """
 
     name = "lr_reschedule"
+    derived_for = "any optimiser: a factor on the rate, never above 1"
 
     def __init__(self, horizon: int, start: int = 0) -> None:
         if horizon < 0:

@@ -60,6 +60,11 @@ class DelayMomentum(Correction):
     """
 
     name = "delay_momentum"
+    derived_for = (
+        "Nesterov/NAdam (Ajanthan et al.); a summed momentum (SGD) keeps each gradient's total"
+        " step by a rate factor, an averaged one (Adam family, Muon) needs none; 'auto' stands"
+        " aside without momentum"
+    )
 
     def __init__(self, top: float, start: int = 0, strict: bool = True) -> None:
         if not 0.0 <= top < 1.0:

@@ -52,6 +52,11 @@ class WeightPrediction(StepAveraged):
     """
 
     name = "weight_prediction"
+    derived_for = (
+        "SGD with momentum (SpecTrain), Adam (XPipe), SGD-M/Adam/AdamW (PipeOptim); extrapolates"
+        " the step actually taken, so Muon too; 'auto' stands aside for SGD without momentum,"
+        " whose stable range it narrows"
+    )
 
     def __init__(self, decay: float = 0.0, scale: float = 1.0, strict: bool = True) -> None:
         if not 0.0 <= decay < 1.0:

@@ -72,6 +72,10 @@ class SpikeCompensation(Correction):
     """
 
     name = "spike_compensation"
+    derived_for = (
+        "heavy-ball SGD (Kosson et al.), extended here to Adam and AdamW; 'auto' stands aside"
+        " for Nesterov, dampening, Muon and other optimisers"
+    )
 
     def __init__(self, start: int = 0, strict: bool = True) -> None:
         self.start, self.strict = start, strict
