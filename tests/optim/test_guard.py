@@ -35,7 +35,7 @@ def test_the_heavy_ball_bound_is_delayed_gds_without_momentum(tau):
     assert delayed_momentum_bound(0, 0.9) == pytest.approx(3.8, abs=1e-8)  # 2(1 + β)
 
 
-@pytest.mark.parametrize(("tau", "beta"), [(1, 0.5), (1, 0.9), (4, 0.5), (4, 0.9), (8, 0.9)])
+@pytest.mark.parametrize(("tau", "beta"), [(1, 0.5), (4, 0.9), (8, 0.9)])
 def test_torch_sgd_with_momentum_is_stable_up_to_the_roots_bound(tau, beta):
     measured = largest_stable_step(tau, OFF, sgd(beta), steps=1000)
     assert measured == pytest.approx(delayed_momentum_bound(tau, beta), rel=0.03)
@@ -92,16 +92,16 @@ OPTIMIZERS = {
 # could not fail; their family is compared on a network (tests/engine/test_fine_grain.py).
 
 
-@pytest.mark.parametrize("tau", [1, 4, 8])
+@pytest.mark.parametrize("tau", [1, 8])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_the_default_is_stable_wherever_uncorrected_asynchrony_is(name, tau):
     """The default ("auto": each correction where it applies, the guard) keeps at least the
     stable step range of no correction, for every SGD family it may meet; so does the default
     without its guard (the guard is a safety net, not what makes the corrections safe)."""
     make = OPTIMIZERS[name]
-    plain = largest_stable_step(tau, OFF, make, steps=800)
-    unguarded = largest_stable_step(tau, PipeMareConfig(stability_guard=False), make, steps=800)
-    default = largest_stable_step(tau, PipeMareConfig(), make, steps=800)
+    plain = largest_stable_step(tau, OFF, make, steps=600)
+    unguarded = largest_stable_step(tau, PipeMareConfig(stability_guard=False), make, steps=600)
+    default = largest_stable_step(tau, PipeMareConfig(), make, steps=600)
     assert default >= unguarded >= plain - 2e-3
 
 
