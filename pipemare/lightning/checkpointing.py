@@ -186,8 +186,11 @@ def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> tuple[list[str
         dropped = sorted(set(optimizer_state.get("buffers", {})) - set(now["corrections"]))
         dropped = [n for n in dropped if optimizer_state["buffers"][n]]
         if dropped:
-            names = ", ".join(dropped)
-            notes.append(f"the buffers of {names} are dropped: this run does not use it")
+            names = " and ".join(
+                [", ".join(dropped[:-1]), dropped[-1]] if dropped[:-1] else dropped
+            )
+            them = "them" if len(dropped) > 1 else "it"
+            notes.append(f"the buffers of {names} are dropped: this run does not use {them}")
         started = sorted(set(now["corrections"]) - set(saved["corrections"]))
         if started:
             notes.append(f"{', '.join(started)} starts afresh: the checkpoint's run did not use it")

@@ -241,7 +241,7 @@ def test_a_resume_into_another_layout_says_what_carries_over_and_what_is_reset(t
     note = notes[0]
     assert "weights, the optimiser's state and the step count carry over" in note
     assert "random streams are reset" in note and "4 stages [2, 1, 1, 1]" in note
-    assert "the buffers of weight_prediction are dropped" in note
+    assert "the buffers of stability_guard and weight_prediction are dropped" in note
     assert "schedule changes from 'pipemare' to 'async'" in note
     assert "microbatches changes from 2 to 4" in note
 
