@@ -183,7 +183,7 @@ def _optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
 OPTIMIZERS: dict[str, tuple[float, ...]] = {
     "adam": _LRS,
     "adamw": _LRS,
-    "sgd": (1e-2, 3e-2, 1e-1),
+    "sgd": (3e-3, 1e-2, 3e-2),
     "sgdm": (1e-3, 3e-3, 1e-2),
     "nesterov": (1e-3, 3e-3, 1e-2),
     "muon": _LRS,
