@@ -97,11 +97,13 @@ class PipeMareConfig:
     guard_threshold: float = 3.0
     """The guard's trigger: the gradient norm's recent average over its long-run average."""
 
-    local_accumulation: int | None = None
+    local_accumulation: int | str | None = "auto"
     """PACI's local gradient accumulation: each stage sums ``ceil(τ_i / c)`` minibatches'
     gradients per update, so a gradient crosses about ``c`` of its stage's updates (this value;
-    None: off). It excludes weight prediction, spike compensation, delay-aware momentum and T2
-    (they count one update per minibatch): their ``"auto"`` settings stand aside for it."""
+    None: off; ``"auto"``: ``c = 1`` for SGD without momentum, which no other correction
+    serves, off otherwise). A number excludes weight prediction, spike compensation,
+    delay-aware momentum and T2 (they count one update per minibatch): their ``"auto"``
+    settings stand aside for it."""
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -128,9 +130,12 @@ class PipeMareConfig:
         if dm is not None and dm != "auto" and not in_range:
             raise ValueError(f"delay_momentum must lie in [0, 1), or be 'auto' or None, got {dm!r}")
         la = self.local_accumulation
-        if la is not None and (isinstance(la, bool) or not isinstance(la, int) or la < 1):
-            raise ValueError(f"local_accumulation must be a whole number >= 1 or None, got {la!r}")
-        if la is not None:
+        whole = isinstance(la, int) and not isinstance(la, bool) and la >= 1
+        if la is not None and la != "auto" and not whole:
+            raise ValueError(
+                f"local_accumulation must be a whole number >= 1, 'auto' or None, got {la!r}"
+            )
+        if whole:
             explicit = [
                 name
                 for name, on in (
@@ -176,10 +181,25 @@ class PipeMareConfig:
                 raise ValueError(f"{name} must be {need}, got {value!r}")
 
     @property
+    def _per_minibatch_asked(self) -> bool:
+        """Whether a correction that counts one update per minibatch is asked for by name."""
+        return (
+            self.weight_prediction is True
+            or self.spike_compensation is True
+            or self.delay_momentum not in (None, "auto")
+            or self.discrepancy_correction
+        )
+
+    @property
+    def _accumulates(self) -> bool:
+        """Whether local accumulation is asked for by number (``"auto"`` yields to the rest)."""
+        return self.local_accumulation not in (None, "auto")
+
+    @property
     def predicts(self) -> bool:
         """Whether weight prediction may run (``"auto"`` yields to T2 and local accumulation)."""
         if self.weight_prediction == "auto":
-            return not self.discrepancy_correction and self.local_accumulation is None
+            return not self.discrepancy_correction and not self._accumulates
         return bool(self.weight_prediction)
 
     @classmethod
@@ -193,6 +213,7 @@ class PipeMareConfig:
             delay_momentum=None,
             warmup_steps=0,
             stability_guard=False,
+            local_accumulation=None,
         )
 
     def for_stashing(self, schedule: str, stashes: bool) -> PipeMareConfig:
@@ -224,6 +245,7 @@ class PipeMareConfig:
             "spike_compensation": False,
             "delay_momentum": None,
             "stability_guard": False,
+            "local_accumulation": None,
             "discrepancy_correction": True,
             "reschedule_steps": FALLBACK_HORIZON,
         }
@@ -259,7 +281,7 @@ class PipeMareConfig:
         out: list[Correction] = []
         if self.lr_reschedule:
             out.append(LRReschedule(self.horizon(total_steps, steps_per_epoch), self.warmup_steps))
-        accumulates = self.local_accumulation is not None
+        accumulates = self._accumulates
         if self.delay_momentum == "auto" and not accumulates:
             out.append(DelayMomentum(AUTO_DELAY_MOMENTUM, self.warmup_steps, strict=False))
         elif self.delay_momentum not in (None, "auto"):
@@ -276,8 +298,11 @@ class PipeMareConfig:
                     strict=self.weight_prediction is True,
                 )
             )
-        if self.local_accumulation is not None:
+        if isinstance(self.local_accumulation, int):  # a number (bools were refused)
             out.append(LocalAccumulation(self.local_accumulation, self.warmup_steps))
+        elif self.local_accumulation == "auto" and not self._per_minibatch_asked:
+            # stands aside (inactive) unless the optimiser is SGD without momentum
+            out.append(LocalAccumulation(1, self.warmup_steps, strict=False))
         if self.stability_guard:  # its before_step sets the strength the others read after it
             out.append(StabilityGuard(self.guard_threshold, start=self.warmup_steps))
         return out

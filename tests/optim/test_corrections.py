@@ -19,7 +19,12 @@ from pipemare.optim.corrections import (
 from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
 from pipemare.schedule.delay import StageDelay
 
-OTHERS_OFF = {"lr_reschedule": False, "delay_momentum": None, "stability_guard": False}
+OTHERS_OFF = {
+    "lr_reschedule": False,
+    "delay_momentum": None,
+    "stability_guard": False,
+    "local_accumulation": None,
+}
 ONLY_WP = {**OTHERS_OFF, "spike_compensation": False, "weight_prediction": True}
 ONLY_SC = {**OTHERS_OFF, "weight_prediction": False, "spike_compensation": True}
 
@@ -109,6 +114,7 @@ def test_prediction_keeps_one_buffer_per_weight_and_no_stash():
         "delay_momentum": 0,
         "spike_compensation": 0,
         "weight_prediction": weights,
+        "local_accumulation": 0,  # stands aside for Adam
         "stability_guard": 5 * 8,  # five float64 numbers per stage
     }
     assert pipe.optimizer.buffer_bytes(2)["weight_prediction"] == 0  # τ = 0: nothing to predict
@@ -252,6 +258,7 @@ def test_config_switches_and_their_errors():
         "delay_momentum",
         "spike_compensation",
         "weight_prediction",
+        "local_accumulation",
         "stability_guard",
     ]
     assert names(PipeMareConfig.t1_t2()) == ["lr_reschedule", "discrepancy_correction"]
@@ -308,6 +315,7 @@ ONLY_DM = {
     "weight_prediction": False,
     "spike_compensation": False,
     "stability_guard": False,
+    "local_accumulation": None,
 }
 # (each test sets delay_momentum itself)
 
