@@ -136,16 +136,7 @@ class PipeMareConfig:
                 f"local_accumulation must be a whole number >= 1, 'auto' or None, got {la!r}"
             )
         if whole:
-            explicit = [
-                name
-                for name, on in (
-                    ("weight_prediction", self.weight_prediction is True),
-                    ("spike_compensation", self.spike_compensation is True),
-                    ("delay_momentum", self.delay_momentum not in (None, "auto")),
-                    ("discrepancy_correction", self.discrepancy_correction),
-                )
-                if on
-            ]
+            explicit = self._per_minibatch_named
             if explicit:
                 raise ValueError(
                     f"local_accumulation does not combine with {', '.join(explicit)}: they count "
@@ -181,14 +172,15 @@ class PipeMareConfig:
                 raise ValueError(f"{name} must be {need}, got {value!r}")
 
     @property
-    def _per_minibatch_asked(self) -> bool:
-        """Whether a correction that counts one update per minibatch is asked for by name."""
-        return (
-            self.weight_prediction is True
-            or self.spike_compensation is True
-            or self.delay_momentum not in (None, "auto")
-            or self.discrepancy_correction
+    def _per_minibatch_named(self) -> list[str]:
+        """The corrections counting one update per minibatch that are asked for by name."""
+        asked = (
+            ("weight_prediction", self.weight_prediction is True),
+            ("spike_compensation", self.spike_compensation is True),
+            ("delay_momentum", self.delay_momentum not in (None, "auto")),
+            ("discrepancy_correction", self.discrepancy_correction),
         )
+        return [name for name, on in asked if on]
 
     @property
     def _accumulates(self) -> bool:
@@ -300,7 +292,7 @@ class PipeMareConfig:
             )
         if isinstance(self.local_accumulation, int):  # a number (bools were refused)
             out.append(LocalAccumulation(self.local_accumulation, self.warmup_steps))
-        elif self.local_accumulation == "auto" and not self._per_minibatch_asked:
+        elif self.local_accumulation == "auto" and not self._per_minibatch_named:
             # stands aside (inactive) unless the optimiser is SGD without momentum
             out.append(LocalAccumulation(1, self.warmup_steps, strict=False))
         if self.stability_guard:  # its before_step sets the strength the others read after it
