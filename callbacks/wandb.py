@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytorch_lightning as pl
+from pytorch_lightning.utilities import rank_zero_only
 
 __all__ = ["OfflineSafeWandbLogger", "define_metrics", "find", "log_stage_table", "wandb_logger"]
 
@@ -55,6 +56,22 @@ class OfflineSafeWandbLogger(pl.loggers.WandbLogger):
             offline=offline,
             **kwargs,
         )
+        if self._wandb_init.get("anonymous") is None:  # wandb >= 0.22 warns on any value
+            self._wandb_init.pop("anonymous", None)
+
+    @rank_zero_only
+    def finalize(self, status: str) -> None:
+        """Lightning's finalisation, then one line saying where the run is (W&B's own banner is
+        silenced by the project's commands)."""
+        super().finalize(status)
+        run = self._experiment
+        if run is None or not hasattr(run, "dir"):  # never started, or disabled
+            return
+        if self._offline:
+            where = Path(run.dir).parent
+            print(f"pipemare: W&B run saved offline in {where} (upload: wandb sync {where})")
+        elif getattr(run, "url", None):
+            print(f"pipemare: W&B run at {run.url}")
 
 
 def wandb_logger(**kwargs: Any) -> OfflineSafeWandbLogger:

@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nunknown command {argv[0]!r}{hint}", file=sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     command, rest = argv[0], argv[1:]
+    from pipemare.experiments.console import quiet
+
+    quiet()  # the known chatter of Lightning and W&B (see the module)
     if command in ("fit", "validate", "test", "predict"):
         from pipemare.experiments import cli
 

@@ -25,6 +25,7 @@ __all__ = [
     "check_optimizer",
     "check_precision",
     "check_trainer",
+    "ignore_moot_warnings",
     "one_optimizer",
 ]
 
@@ -205,6 +206,22 @@ def check_optimizer(
     with warnings.catch_warnings():  # "auto" corrections that stand aside say so later
         warnings.simplefilter("ignore")
         PipeMareOptimizer(optimizer, {}, delays, config, total_steps=1, steps_per_epoch=1)
+
+
+def ignore_moot_warnings() -> None:
+    """Silence the warnings that are wrong about a pipelined run, by their exact text:
+
+    - torch's "``lr_scheduler.step()`` before ``optimizer.step()``": the pipeline steps the
+      optimiser per stage, and before its first update a non-flushing pipeline is still
+      filling, which torch reads as a wrong call order;
+    - Lightning's advice to log epoch metrics with ``sync_dist=True`` on several processes:
+      the last stage publishes every metric to every process (:mod:`pipemare.engine.lagged`),
+      so they are already the same everywhere.
+    """
+    warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+    warnings.filterwarnings(
+        "ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`"
+    )
 
 
 def check_split_points(adapter: Any, split_points: Sequence[str] | None) -> None:

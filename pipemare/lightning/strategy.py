@@ -28,7 +28,6 @@ installed, in ``lightning.pytorch`` (:mod:`~pipemare.lightning.registry`).
 from __future__ import annotations
 
 import datetime
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -132,6 +131,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         self._grads = GradStash()
         self._probes = build.ProbeRequests()
         self._pending_state: dict[str, Any] | None = None  # pipemare's part of a checkpoint
+        self._trained: dict[str, Any] | None = None  # the loaded checkpoint's run
         self._saves = SaveQueue(self._write_file, self._remove_file)  # bound: spawn pickles
         #: set by a ConvergenceMonitor: it diagnoses a non-finite loss instead of the strategy
         self.divergence_monitored = False
@@ -191,11 +191,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
             )
         if self.distributed and dist.is_initialized():
             launching.SigtermRelay(trainer, self._lightning, self).install()
-        # The pipeline steps the optimiser per stage; before its first update a non-flushing
-        # pipeline is still filling, which torch would otherwise report as a wrong call order.
-        warnings.filterwarnings(
-            "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before"
-        )
+        checks.ignore_moot_warnings()
 
     def request_probe(self, **settings: Any) -> None:
         """Ask for telemetry (:class:`pipemare.engine.telemetry.Probe`); monitors call this in
@@ -213,6 +209,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
             self.balance = build.balance_for(self, batch, step, args)
             self.pipeline = pipe = build.pipeline(self)
             self._load_pending_state()
+            build.announce(self, pipe)
             self._reports.start(build.results(self, pipe.minibatches_fed), adapter.path)
             pipe.executor.on_minibatch = lambda k, loss: self._steps_of().publish(k, float(loss))
             pipe.executor.on_nonfinite = self._reports.record_nonfinite

@@ -47,6 +47,15 @@ def test_every_config_loads_and_its_model_runs_a_batch(config, tmp_path, monkeyp
     with torch.no_grad():
         cli.model.validation_step(batch, 0)
     assert not any(tmp_path.rglob("*.tar.gz"))  # nothing was downloaded
+    # every packaged config logs to CSV and to W&B, grouped by the config's name
+    loggers = {type(log).__name__: log for log in cli.trainer.loggers}
+    assert set(loggers) == {"CSVLogger", "OfflineSafeWandbLogger"}
+    wandb_init = loggers["OfflineSafeWandbLogger"]._wandb_init
+    assert wandb_init["group"] and wandb_init["name"].startswith(
+        cli.trainer.strategy.schedule + "-P"
+    )
+    quiet = PipeMareCLI(args=["--config", str(config), *CPU, "--no-wandb"], run=False)
+    assert [type(log).__name__ for log in quiet.trainer.loggers] == ["CSVLogger"]
 
 
 def test_a_config_field_can_be_overridden(tmp_path, monkeypatch):
@@ -114,7 +123,7 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
     text = page.read_text()
     assert text.count("<tr") == 7 and "pipemare" in text and "data:image/png;base64," in text
     for task in ("mnist", "char_lm"):
-        for chart in ("convergence", "staleness", "utilization", "memory"):
+        for chart in ("convergence", "staleness", "utilization", "discrepancy", "memory"):
             assert (tmp_path / "dash" / f"{task}_{chart}.png").stat().st_size > 5000
     table = (tmp_path / "dash" / "results.md").read_text()
     answers = [line for line in table.splitlines() if line.startswith("- ")]
