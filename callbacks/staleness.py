@@ -26,6 +26,12 @@ class StalenessMonitor(common.Monitor):
     that contains a pipeline (re)fill, after a drain for validation, measures smaller delays than
     the steady state.
 
+    The discrepancy is sampled on every ``discrepancy_every_n_steps``-th minibatch, starting
+    with the first, and logged by the first logging step after the sample's backward: so every
+    stage has it from early on (0 while no update has come between a sample's passes: on the
+    last stage always, on the others during the fill), then about every
+    ``discrepancy_every_n_steps`` steps; a window without a sample logs none.
+
     Args:
         log_every_n_steps: logging interval (default: the Trainer's ``log_every_n_steps``).
         discrepancy_every_n_steps: how often a stage copies its weights at a forward to measure
@@ -92,9 +98,8 @@ def _mean_delays(delays: list[tuple[int, int, int, int]]) -> list[tuple[int, flo
 
 def _mean_discrepancy(samples: list[Any]) -> dict[int, tuple[float, float]]:
     per_stage: dict[int, list[Any]] = {}
-    for s in samples:
-        if s.delay > 0:  # no update between the passes: nothing to measure
-            per_stage.setdefault(s.stage, []).append(s)
+    for s in samples:  # with no update between the passes (delay 0) it measures 0, as it is
+        per_stage.setdefault(s.stage, []).append(s)
     return {
         i: (statistics.fmean(s.corrected for s in v), statistics.fmean(s.uncorrected for s in v))
         for i, v in per_stage.items()

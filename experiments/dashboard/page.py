@@ -5,8 +5,8 @@ per task: the runs ranked by their best monitored value with each one's gap to g
 monitored metric and the training loss against steps and against pipeline time (what P
 devices take; replayed from measured action times for stages simulated in one process, whose
 own serial wall time is shown apart and labelled as such), the delays per stage (derived and
-measured), utilisation per stage, and memory (weights, optimiser state, PipeDream's stash,
-correction buffers, activations held).
+measured), utilisation and weight discrepancy per stage ("n/a" where a stage logged none), and
+memory (weights, optimiser state, PipeDream's stash, correction buffers, activations held).
 """
 
 from __future__ import annotations
@@ -95,6 +95,14 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
             staleness_plot(task, task_runs, out),
             bars_plot(
                 task, task_runs, out, "utilization", "utilisation", f"{task}_utilization.png"
+            ),
+            bars_plot(
+                task,
+                task_runs,
+                out,
+                "discrepancy",
+                "weight discrepancy ||w_fwd - w_bkwd|| / ||w||",
+                f"{task}_discrepancy.png",
             ),
             memory_plot(task, task_runs, out),
         ]

@@ -133,13 +133,10 @@ def bars_plot(
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / len(values)
     for j, (run, v) in enumerate(values):
-        ax.bar(
-            np.arange(len(v)) + j * width,
-            v,
-            width,
-            color=_color(run),
-            label=f"{run.variant} (mean {np.nanmean(v):.2f})",
-        )
+        x = np.arange(len(v)) + j * width
+        ax.bar(x, v, width, color=_color(run), label=f"{run.variant} (mean {np.nanmean(v):.2g})")
+        for xi in x[np.isnan(v)]:  # a stage that logged none: say so rather than show nothing
+            ax.text(xi, 0, "n/a", ha="center", va="bottom", fontsize=6, rotation=90)
     ax.set_xlabel("stage")
     ax.set_ylabel(label)
     ax.grid(alpha=0.3, axis="y")

@@ -206,16 +206,35 @@ def pipeline(strategy: Any) -> Pipeline:
         **_clipping(trainer, fitting),
         **_run_length(trainer, fitting),
     )
+    return pipe
+
+
+def announce(strategy: Any, pipe: Pipeline) -> None:
+    """One line on the run's layout: stages, cut, schedule and the corrections with their
+    settings; outside fit, those of the run that trained the loaded checkpoint (evaluation
+    applies none)."""
     api = strategy._lightning
     if strategy.distributed:
         api.rank_zero_info(strategy.rank_layout.describe())
+    run = f"schedule {strategy.schedule!r}, N={strategy.microbatches}"
+    if strategy._fitting:
+        run += f", corrections: {pipe.optimizer.describe() or 'none'}"
+    elif strategy._trained is not None:
+        trained = strategy._trained
+        described = trained.get("described")
+        if described is None:  # written before the settings were saved: the names only
+            described = ", ".join(trained.get("corrections", []))
+        run = (
+            f"evaluating a checkpoint trained with schedule {trained['schedule']!r}, "
+            f"N={trained['microbatches']}, corrections: {described or 'none'}"
+        )
+    else:
+        run += " (evaluation applies no corrections)"
     api.rank_zero_info(
-        f"pipemare: {stages} stages "
+        f"pipemare: {pipe.num_stages} stages "
         f"({'one per process' if strategy.distributed else 'in one process'}), "
-        f"layers per stage {strategy.balance}, schedule {strategy.schedule!r}, "
-        f"N={strategy.microbatches}, corrections: {pipe.optimizer.describe() or 'none'}"
+        f"layers per stage {list(pipe.balance)}, {run}"
     )
-    return pipe
 
 
 def _transport(strategy: Any) -> Any:

@@ -8,7 +8,7 @@ Loading needs no scattering: every process reads the whole checkpoint and keeps 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ __all__ = [
     "load_pipemare_state",
     "module_state",
     "optimizer_state",
+    "trained_layout",
     "warn_layout_changes",
     "warn_run_changes",
 ]
@@ -157,7 +158,19 @@ def layout(pipe: Pipeline) -> dict[str, Any]:
         "schedule": pipe.schedule,
         "microbatches": pipe.microbatches,
         "corrections": [c.name for c in pipe.optimizer.corrections],
+        # what the run's log line says, e.g. for a validation of these weights to report
+        "described": pipe.optimizer.describe(),
     }
+
+
+def trained_layout(checkpoint: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The layout (:func:`layout`) of the run that wrote a Lightning ``checkpoint``; None for
+    a checkpoint pipemare did not write, or one written outside training."""
+    for state in checkpoint.get("optimizer_states") or []:
+        saved = state.get("pipemare", {}).get("layout") if isinstance(state, Mapping) else None
+        if saved is not None:
+            return dict(saved)
+    return None
 
 
 def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> tuple[list[str], list[str]]:

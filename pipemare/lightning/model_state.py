@@ -31,6 +31,7 @@ class ModelStateHooks(StrategyBase):
     _adapter: ModuleAdapter | None
     _saves: SaveQueue  # built with _write_file and _remove_file
     _pending_state: dict[str, Any] | None  # pipemare's part of a checkpoint, to load
+    _trained: dict[str, Any] | None  # the layout of the run that wrote the loaded checkpoint
     _reports: TrainingReports
     _lightning: LightningAPI
     if TYPE_CHECKING:
@@ -113,6 +114,12 @@ class ModelStateHooks(StrategyBase):
         if self._adapter is not None:
             assert self.lightning_module is not None
             self._saves.poll(self.lightning_module, self.pipeline, self._state_names)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Lightning's, noting how the checkpoint's run was laid out and corrected, which
+        validate, test and predict report (they restore no optimiser state)."""
+        self._trained = checkpointing.trained_layout(checkpoint)
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         states = checkpoint["optimizer_states"]
