@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -235,9 +236,12 @@ def test_spike_compensation_waits_for_the_warmup_and_leaves_plain_sgd_alone():
 
 def test_auto_corrections_stand_aside_where_they_do_not_apply():
     rms = lambda ps: torch.optim.RMSprop(ps, lr=0.1)  # noqa: E731
-    with pytest.warns(UserWarning, match="spike compensation is off"):
+    with warnings.catch_warnings():  # "auto" stands aside quietly, saying why
+        warnings.simplefilter("error")
         _, opt = single(rms, PipeMareConfig())
     assert "spike_compensation" not in opt.describe()
+    (sc,) = [c for c in opt.corrections if c.name == "spike_compensation"]
+    assert "supports SGD, Adam and AdamW" in str(sc.stood_aside)
     with pytest.raises(ValueError, match="supports SGD, Adam and AdamW"):
         single(rms, PipeMareConfig(spike_compensation=True))
     with pytest.raises(ValueError, match="heavy-ball"):

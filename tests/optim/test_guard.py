@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import warnings
 
 import pytest
 import torch
@@ -186,7 +187,8 @@ def test_muon_adamw_runs_under_the_guard():
         {"params": [model[0].weight, model[1].weight], "use_muon": True},
         {"params": [model[0].bias, model[1].bias], "use_muon": False},
     ]
-    with pytest.warns(UserWarning, match="spike compensation is off"):
+    with warnings.catch_warnings():  # "auto" stands aside quietly, saying why
+        warnings.simplefilter("error")
         opt = PipeMareOptimizer(MuonAdamW(groups), stages, derive_delays("pipemare", 2, 1))
     assert opt.guard is not None and opt.guard.active
 

@@ -5,6 +5,7 @@ kinds' momentum as an average."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -106,7 +107,8 @@ def test_the_default_corrections_read_both_kinds_momentum_as_an_average():
     model = net()
     stages = {0: list(model[:2].parameters()), 1: list(model[2:].parameters())}
     opt = MuonAdamW(muon_param_groups(model), lr=1e-2)
-    with pytest.warns(UserWarning, match="spike compensation is off"):
+    with warnings.catch_warnings():  # "auto" stands aside quietly, saying why
+        warnings.simplefilter("error")
         wrapped = PipeMareOptimizer(opt, stages, derive_delays("pipemare", 2, 1), PipeMareConfig())
     names = {c.name: c for c in wrapped.corrections}
     assert names["delay_momentum"].active and names["weight_prediction"].active

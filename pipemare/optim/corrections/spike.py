@@ -14,7 +14,6 @@ For Adam and AdamW the first moment ``m̂`` plays the momentum's part with ``m =
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -67,8 +66,8 @@ class SpikeCompensation(Correction):
 
     Args:
         start: the first step it applies to (T3's warm-up steps have no delay).
-        strict: refuse an optimiser it does not support; otherwise stand aside with a warning
-            (the default config's ``"auto"``).
+        strict: refuse an optimiser it does not support; otherwise stand aside quietly (the
+            default config's ``"auto"``), saying why in :attr:`stood_aside`.
     """
 
     name = "spike_compensation"
@@ -79,6 +78,8 @@ class SpikeCompensation(Correction):
 
     def __init__(self, start: int = 0, strict: bool = True) -> None:
         self.start, self.strict = start, strict
+        #: why an ``"auto"`` spike compensation is off for this optimiser (None: it is on)
+        self.stood_aside: str | None = None
 
     def bind(self, view: StageView) -> None:
         super().bind(view)
@@ -88,7 +89,7 @@ class SpikeCompensation(Correction):
         if self.strict:
             raise ValueError(f"{problem}; or switch it off (spike_compensation=False)")
         self.active = False
-        warnings.warn(f"{problem}: spike compensation is off for this run", stacklevel=2)
+        self.stood_aside = problem
 
     def describe(self) -> dict[str, Any]:
         return {"active": self.active}
@@ -97,6 +98,7 @@ class SpikeCompensation(Correction):
         return self.view.delays[stage].forward * self.view.stage_strength(stage)
 
     def lr_factor(self, stage: int, step: int) -> float:
+        """``a`` of :func:`spike_coefficients` for the stage's delay (1 without momentum)."""
         if not self._applies(step):
             return 1.0
         # The optimiser's own step becomes a·(its update); the b term is added after it.
