@@ -25,6 +25,7 @@ class Divergence:
     reason: str
 
     def message(self) -> str:
+        """The one line a divergence is reported with: step, stage, reason and loss."""
         return (
             f"pipemare: training diverged at step {self.step} in stage {self.stage}: "
             f"{self.reason} (loss {self.loss:.4g})"

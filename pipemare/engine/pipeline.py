@@ -212,6 +212,7 @@ class Pipeline:
 
     @property
     def minibatches_fed(self) -> int:
+        """Minibatches fed to the first stage so far (in flight ones included)."""
         return self.executor.fed // self.microbatches
 
     def step(self, batch: Any) -> torch.Tensor | None:

@@ -52,6 +52,7 @@ class Tie:
 
     @property
     def stages(self) -> list[int]:
+        """Every stage that holds the parameter, the owner first."""
         return [self.owner, *sorted(self.copies)]
 
 
@@ -110,6 +111,7 @@ class TiedWeights:
         ties: from :func:`untie`, identical in every process.
         local: the stages this process runs.
         transport: the pipeline's transport (its ``connect`` is called for the tie channels).
+        microbatches: N, the microbatches of each minibatch.
     """
 
     def __init__(
@@ -212,6 +214,7 @@ class TiedWeights:
     # -- a holder's side ----------------------------------------------------------------------
 
     def weights_ready(self, stage: int) -> bool:
+        """Whether holder ``stage`` has the owners' weights for its next forward waiting."""
         return all(
             self.transport.ready(tie.owner, stage, TIE_WEIGHT)
             for tie in self.ties

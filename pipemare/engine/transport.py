@@ -140,9 +140,9 @@ class DistributedTransport(Transport):
         device: this process's device; CUDA selects NCCL.
         stage_of_rank: which stage each rank runs (default: rank ``r`` runs stage ``r``).
         layout: ``D`` data-parallel copies of the pipeline
-        (:class:`~pipemare.engine.layout.RankLayout`):
-            this process talks to the ranks of its own copy, and :attr:`replica_group` joins
-            the ranks that hold its stage in every copy.
+            (:class:`~pipemare.engine.layout.RankLayout`): this process talks to the ranks of
+            its own copy, and :attr:`replica_group` joins the ranks that hold its stage in
+            every copy.
         depth: messages posted ahead per neighbour and channel.
         stall_timeout: seconds any wait for another stage may take before this process
             fails, naming that stage (see :mod:`pipemare.engine.watchdog`).
@@ -250,6 +250,7 @@ class DistributedTransport(Transport):
         self._sent: list[tuple[Any, torch.Tensor, int]] = []
 
     def rank_of(self, stage: int) -> int:
+        """The global rank that runs ``stage`` in this process's copy of the pipeline."""
         return self._rank_of[stage]
 
     def connect(self, src: int, dst: int, channel: str) -> None:

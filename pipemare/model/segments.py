@@ -325,7 +325,9 @@ def segment_module(
 
     Args:
         module: any module whose forward ``torch.export`` can trace; it is not changed.
-        args, kwargs: example arguments for ``module(*args, **kwargs)``: a batch of at least 2.
+        args: example positional arguments for ``module(*args, **kwargs)``: a batch of at
+            least 2.
+        kwargs: example keyword arguments, likewise.
         split_points: module names, each a cut before that module (``"transformer.h.2"``), or
             :class:`Cut`s. By default, the model's own pipeline plan (Hugging Face
             ``_pp_plan``) where it ships one, else around each of its repeated blocks.

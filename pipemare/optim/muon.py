@@ -105,9 +105,13 @@ class MuonAdamW(torch.optim.Optimizer):
         params: groups that each say ``use_muon`` (e.g. :func:`muon_param_groups`).
         lr: both kinds' learning rate unless a group sets its own.
         weight_decay: decoupled, both kinds.
-        momentum, nesterov, ns_steps, adjust_lr: Muon's (``adjust_lr``: "match_rms_adamw"
-            scales its update to AdamW's RMS, "original" by ``sqrt(max(1, rows/cols))``).
-        betas, eps: AdamW's.
+        momentum: Muon's momentum.
+        nesterov: whether Muon's momentum is Nesterov's.
+        ns_steps: Muon's Newton-Schulz iterations.
+        adjust_lr: how Muon's update is scaled: "match_rms_adamw" to AdamW's RMS, "original"
+            by ``sqrt(max(1, rows/cols))``.
+        betas: AdamW's.
+        eps: AdamW's.
 
     Example:
         >>> net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 2))

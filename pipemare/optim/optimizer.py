@@ -117,10 +117,12 @@ class PipeMareOptimizer:
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
+        """The wrapped optimiser's parameter groups (what LR schedulers read and set)."""
         return self.optimizer.param_groups
 
     @property
     def stages(self) -> tuple[int, ...]:
+        """The stages this optimiser steps (in one process: all of them)."""
         return tuple(self._groups)
 
     def record(self, minibatch: int) -> None:
@@ -157,6 +159,7 @@ class PipeMareOptimizer:
         return float(base) * self.lr_factor(stage, minibatch)
 
     def stage_parameters(self, stage: int) -> list[nn.Parameter]:
+        """The parameters ``stage`` updates, in its groups' order."""
         return [p for group in self._groups[stage] for p in group]
 
     @torch.no_grad()

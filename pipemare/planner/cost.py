@@ -46,10 +46,12 @@ class Layout:
 
     @property
     def batch_size(self) -> int:
+        """The global batch: replicas × microbatches × microbatch size."""
         return self.replicas * self.microbatches * self.microbatch_size
 
     @property
     def samples_per_s(self) -> float:
+        """Modelled throughput: the global batch over the modelled step time."""
         return self.batch_size / self.step_s if self.step_s > 0 else math.inf
 
 

@@ -104,6 +104,7 @@ class Profile:
 
     @property
     def num_layers(self) -> int:
+        """The layers of the profiled Sequential."""
         return len(self.layers[0])
 
     def at(self, microbatch_size: int) -> tuple[tuple[LayerProfile, ...], int]:

@@ -43,6 +43,8 @@ __all__ = [
 
 
 class Op(enum.Enum):
+    """What an action does: a forward or backward pass of a microbatch, or an update."""
+
     FORWARD = "F"
     BACKWARD = "B"
     UPDATE = "U"

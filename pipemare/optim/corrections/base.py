@@ -79,9 +79,12 @@ class StageView:
     strength: Callable[[int], float] | None = None
 
     def stage_strength(self, stage: int) -> float:
+        """How strongly the corrections act on ``stage`` now (``strength``; 1 without it)."""
         return 1.0 if self.strength is None else self.strength(stage)
 
     def stage_momentum(self, stage: int, step: int) -> float:
+        """The momentum of ``stage``'s update of minibatch ``step`` (``momentum``; without it,
+        the first param group's own)."""
         if self.momentum is None:
             return group_momentum(self.optimizer.param_groups[0])
         return self.momentum(stage, step)
@@ -108,7 +111,8 @@ class Correction:
     name: ClassVar[str] = ""
     derived_for: ClassVar[str] = ""
     """The optimiser families the correction's formula was derived for, and what it does on the
-    others (the README's table of corrections by optimiser is built from these)."""
+    others (the documentation's table of corrections by optimiser, under "Every optimiser" on the
+    Schedules and corrections page, is built from these)."""
     active: bool = True
     """False where the correction stood aside for this run's optimiser (the config's ``"auto"``)."""
     start: int = 0
@@ -123,6 +127,7 @@ class Correction:
         return self.active and step >= self.start
 
     def lr_factor(self, stage: int, step: int) -> float:
+        """The factor on ``stage``'s learning rate for its update of minibatch ``step``."""
         return 1.0
 
     def holds(self, stage: int, minibatch: int) -> bool:
@@ -136,6 +141,7 @@ class Correction:
         return momentum
 
     def before_step(self, stage: int, params: Params) -> None:
+        """Before the user's optimiser steps ``stage``, with its gradients in place."""
         return None
 
     def after_step(self, stage: int, minibatch: int, params: Params, hparams: HParams) -> None:
@@ -157,9 +163,11 @@ class Correction:
         return {}
 
     def load_buffers(self, buffers: Mapping[nn.Parameter, torch.Tensor]) -> None:
+        """Restore buffers that :meth:`buffers` returned (a checkpoint's)."""
         return None
 
     def buffer_bytes(self, stage: int) -> int:
+        """The bytes of the buffers this correction keeps for ``stage``'s parameters."""
         mine = {id(p) for p in self.view.params.get(stage, ())}
         return sum(b.numel() * b.element_size() for p, b in self.buffers().items() if id(p) in mine)
 
@@ -206,6 +214,7 @@ class StepAverage:
         return u
 
     def before(self, params: Params, gamma: float) -> None:
+        """The half of the update that runs before the optimiser step: ``u ← γu + (1-γ) w_old``."""
         foreach_pair(
             [self._buffer(p) for p in params],
             params,
@@ -214,6 +223,7 @@ class StepAverage:
         )
 
     def after(self, params: Params, gamma: float) -> None:
+        """The half that runs after it: ``u ← u - (1-γ) w_new``, leaving ``u = -δ``."""
         foreach_pair(
             [self.neg[p] for p in params],
             params,

@@ -56,7 +56,8 @@ class StabilityGuard(Correction):
 
     Args:
         threshold: the ratio of the fast to the slow average that counts as a runaway.
-        fast, slow: the two averages' decays per update.
+        fast: the fast average's decay per update.
+        slow: the slow average's decay per update.
         warmup: updates of a stage before the guard may act.
         refractory: updates after a halving before the next one.
         recovery: updates after the last halving before the factor doubles back (and again
@@ -117,6 +118,7 @@ class StabilityGuard(Correction):
 
     @torch.no_grad()
     def before_step(self, stage: int, params: Params) -> None:
+        """Update the stage's two averages of the gradient norm; halve or restore its factor."""
         s = self._stage_state(stage)
         grads = [p.grad for p in params if p.grad is not None]
         if s is None or not grads or not self.active:
@@ -140,12 +142,14 @@ class StabilityGuard(Correction):
             s[_SINCE] = 0
 
     def lr_factor(self, stage: int, step: int) -> float:
+        """The stage's current factor, between ``floor`` and 1."""
         return self.factor(stage) if self._applies(step) else 1.0
 
     def buffers(self) -> dict[nn.Parameter, torch.Tensor]:
         return self.state
 
     def load_buffers(self, buffers: Mapping[nn.Parameter, torch.Tensor]) -> None:
+        """Restore the per-stage averages and factors from a checkpoint."""
         self.state = {p: b.detach().to(torch.float64).cpu().clone() for p, b in buffers.items()}
 
     def describe(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class LRReschedule(Correction):
         self.horizon, self.start = horizon, start
 
     def lr_factor(self, stage: int, step: int) -> float:
+        """T1's factor (:func:`lr_factor`) for the stage's forward delay."""
         if not self._applies(step):
             return 1.0
         return lr_factor(self.view.delays[stage].forward, step - self.start, self.horizon)

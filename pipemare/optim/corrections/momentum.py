@@ -103,6 +103,8 @@ class DelayMomentum(Correction):
         return momentum + (raised - momentum) * self.view.stage_strength(stage)
 
     def lr_factor(self, stage: int, step: int) -> float:
+        """For summed (SGD) momentum ``(1 - m_i)/(1 - m)``, keeping each gradient's total step
+        ``η/(1 - m)``; 1 for an averaged momentum (the Adam family, Muon)."""
         if self.adam_family or not self._applies(step):
             return 1.0
         user = group_momentum(self.view.optimizer.param_groups[0])
