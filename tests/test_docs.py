@@ -1,0 +1,141 @@
+"""The documentation site: it builds in strict mode, and everything its API pages render has a
+docstring (mkdocstrings leaves an undocumented object out silently, so only a test sees it)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+API = ROOT / "docs" / "api"
+#: a `::: identifier` line of an API page and the indented options below it
+_DIRECTIVE = re.compile(r"^::: (?P<ident>[\w.]+)\n(?P<body>(?:[ \t]+.*\n|\n(?=[ \t]))*)", re.M)
+
+
+def directives() -> list[tuple[str, dict[str, Any]]]:
+    """Every object the API pages render, with the mkdocstrings options it is rendered with."""
+    found = []
+    for page in sorted(API.glob("*.md")):
+        for match in _DIRECTIVE.finditer(page.read_text()):
+            body = yaml.safe_load(textwrap.dedent(match["body"])) or {}
+            found.append((match["ident"], body.get("options") or {}))
+    return found
+
+
+def resolve(identifier: str) -> Any:
+    """The object a dotted identifier names: a module, or an attribute of one."""
+    module, _, rest = identifier, "", ""
+    while True:
+        try:
+            obj: Any = importlib.import_module(module)
+            break
+        except ModuleNotFoundError:
+            module, _, last = module.rpartition(".")
+            rest = f"{last}.{rest}" if rest else last
+    for name in filter(None, rest.split(".")):
+        obj = getattr(obj, name)
+    return obj
+
+
+def own_doc(cls: type) -> str | None:
+    """A class's own docstring (not a base's, nor the signature a dataclass writes in)."""
+    doc = vars(cls).get("__doc__")
+    if not doc or doc.startswith(f"{cls.__name__}("):
+        return None
+    return doc
+
+
+def member_doc(cls: type, name: str) -> str | None:
+    """A member's docstring, its own or, for an override, the one it overrides (as
+    ``inspect.getdoc`` finds it, through every base of ``cls``)."""
+    for klass in cls.__mro__:
+        raw = vars(klass).get(name)
+        if isinstance(raw, (staticmethod, classmethod)):
+            raw = raw.__func__
+        if isinstance(raw, property) or inspect.isfunction(raw):
+            doc = inspect.getdoc(raw)
+            if doc:
+                return doc
+    return None
+
+
+def public_methods(cls: type) -> list[str]:
+    """The functions and properties a class defines itself under public names."""
+    names = []
+    for name, raw in vars(cls).items():
+        if isinstance(raw, (staticmethod, classmethod)):
+            raw = raw.__func__
+        if not name.startswith("_") and (inspect.isfunction(raw) or isinstance(raw, property)):
+            names.append(name)
+    return names
+
+
+def undocumented(identifier: str, obj: Any, options: dict[str, Any]) -> list[str]:
+    """What of ``obj``, as its page renders it, has no docstring."""
+    missing = []
+    if isinstance(obj, ModuleType):
+        if not inspect.getdoc(obj):
+            missing.append(identifier)
+        names = options.get("members") or getattr(obj, "__all__", [])
+        for name in names:
+            missing += undocumented(f"{identifier}.{name}", getattr(obj, name), {})
+    elif inspect.isclass(obj):
+        if not own_doc(obj):
+            missing.append(identifier)
+        names = options.get("members") or public_methods(obj)
+        names = [*names, *(options.get("inherited_members") or [])]
+        missing += [f"{identifier}.{name}" for name in names if not member_doc(obj, name)]
+    elif inspect.isroutine(obj) and not inspect.getdoc(obj):
+        missing.append(identifier)
+    return missing
+
+
+def test_every_object_the_api_pages_render_has_a_docstring():
+    rendered = directives()
+    assert len(rendered) >= 10, rendered
+    missing = [
+        name for ident, options in rendered for name in undocumented(ident, resolve(ident), options)
+    ]
+    assert not missing, f"no docstring: {missing}"
+
+
+def test_the_api_reference_names_every_name_the_package_exports():
+    import pipemare
+
+    text = "\n".join(page.read_text() for page in API.glob("*.md"))
+    absent = [name for name in pipemare.__all__ if not re.search(rf"\b{name}\b", text)]
+    assert not absent, f"not in docs/api/: {absent}"
+
+
+def test_the_site_builds_strictly(tmp_path):
+    pytest.importorskip("mkdocs")
+    pytest.importorskip("mkdocstrings_handlers.python")
+    site = tmp_path / "site"
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    strategy = (site / "api" / "strategy" / "index.html").read_text()
+    assert "PipeMareStrategy" in strategy and "reported_step" in strategy
+    assert "microbatches" in strategy  # the arguments' table, from the class docstring
+    callbacks = (site / "api" / "callbacks" / "index.html").read_text()
+    assert "StalenessMonitor" in callbacks
+    results = (site / "results" / "index.html").read_text()
+    plot = "experiments/results/protocol/mnist_protocol.png"
+    assert plot in results and (site / plot).is_file()
