@@ -70,7 +70,7 @@ class PipeMareConfig:
     weight_prediction: bool | str = "auto"
     """Run each delayed forward with ``w + s δ``, the weights its update will meet: ``True``,
     ``False`` or ``"auto"``: on unless T2 is on (they exclude each other) or the optimiser is
-    SGD without momentum (where prediction narrows the stable step range, see README)."""
+    SGD without momentum (where prediction narrows the stable step range: docs/schedules.md)."""
 
     prediction_decay: float = 0.0
     """γ of the step average the prediction extrapolates (0: the last step)."""

@@ -1,5 +1,5 @@
 """Bad input, tried as a new user would: each case refused before training with what to do,
-or handled correctly. The README's "Bad input" table lists every case and its test; cases
+or handled correctly. The table in docs/bad-input.md lists every case and its test; cases
 tested elsewhere are named there, not tested again here."""
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Checkpoints leave the run alone, and a resume continues as documented.
 
-Documented semantics (README, "Checkpoints and resuming"): saving never drains the pipeline, so
-a run that checkpoints every k steps computes exactly what a run that never checkpoints does;
-the checkpoint of step t holds what every stage would hold had the pipeline been drained
-after step t; resuming from it continues exactly as that drained run, mid-epoch included
-(with a resumable DataLoader). Checked in one process (simulated stages) and with a real
-SIGKILL of one of two processes, then a resume on two processes.
+Documented semantics (docs/checkpoints.md, "Checkpoints and resuming, exactly"): saving never
+drains the pipeline, so a run that checkpoints every k steps computes exactly what a run that
+never checkpoints does; the checkpoint of step t holds what every stage would hold had the
+pipeline been drained after step t; resuming from it continues exactly as that drained run,
+mid-epoch included (with a resumable DataLoader). Checked in one process (simulated stages)
+and with a real SIGKILL of one of two processes, then a resume on two processes.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class LocalAccumulation(Correction):
         start: the first step it applies to (T3's warm-up steps update every minibatch).
         strict: run whatever the optimiser; otherwise (the config's ``"auto"``) only for SGD
             without momentum, the one family none of the other corrections serves, where the
-            protocol measured it best (README, "Every optimiser").
+            protocol measured it best (docs/schedules.md, "Every optimiser").
     """
 
     name = "local_accumulation"

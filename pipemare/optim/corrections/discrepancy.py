@@ -4,7 +4,7 @@ A delayed backward pass should use the weights its forward ran with. Without a s
 estimates them from a velocity kept per weight, ``δ ← γ_i δ + (1 - γ_i)(w_new - w_old)``:
 the backward uses ``w - Δ_i δ``, with ``Δ_i = τ_fwd,i - τ_bkwd,i`` the updates between the two
 passes and ``γ_i = D ** (1/Δ_i)``. D = 0.1 left the least discrepancy in the project's
-measurement (README, "The PipeMare techniques").
+measurement (docs/schedules.md, "Staleness corrections").
 """
 
 from __future__ import annotations
