@@ -54,6 +54,7 @@ class PipeMareCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """``--no-wandb``, and the defaults of a config that names no logger or summary."""
         parser.add_argument(
             "--no-wandb", action="store_true", help="log to CSV only: drop the config's W&B loggers"
         )
@@ -62,6 +63,8 @@ class PipeMareCLI(LightningCLI):
         )
 
     def before_instantiate_classes(self) -> None:
+        """Apply ``--no-wandb``, name and group the W&B runs, quiet evaluation's checkpoint
+        callback (see the class)."""
         config = self.config[self.subcommand] if self.subcommand else self.config
         if self.subcommand in ("validate", "test", "predict"):
             # a ModelCheckpoint restored outside fit warns that the new logger version moved
@@ -86,6 +89,7 @@ class PipeMareCLI(LightningCLI):
         config.trainer.logger = loggers
 
     def instantiate_classes(self) -> None:
+        """Lightning's, with a class's own refusal shown instead of jsonargparse's report."""
         try:
             super().instantiate_classes()
         except ValueError as err:  # a class refused its arguments; jsonargparse buries why

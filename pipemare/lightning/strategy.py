@@ -333,6 +333,8 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register pipemare's names in Lightning's strategy registry (Lightning calls this
+        for each strategy class)."""
         registry.register_strategies(cls, strategy_registry)
 
 
@@ -356,6 +358,7 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
         split_points: cuts of a module that is not a Sequential, each before the named module
             (``["gpt.transformer.h.2"]``); default its pipeline plan or its repeated blocks.
         start_method: how Lightning starts processes: ``popen`` (default), ``spawn``, ``fork``.
+        timeout: the process group's timeout (default 30 minutes).
         stall_timeout: seconds a process waits for another stage before it fails, naming that
             stage, its rank, host and PID (default 300; raise it if one rank can be busy that
             long alone, e.g. writing a very large checkpoint). A live process that makes no

@@ -24,8 +24,8 @@ SHORT = {
     "char_gpt": ["--trainer.max_steps=30", "--trainer.val_check_interval=15"],
 }
 
-#: what every stage logs (README, "Watching it train"); a stage without parameters has no
-#: weight discrepancy
+#: what every stage logs (docs/watching.md); a stage without parameters has no weight
+#: discrepancy
 PER_STAGE = (
     "tau_fwd",
     "tau_bkwd",
