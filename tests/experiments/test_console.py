@@ -61,9 +61,10 @@ WARNING_LOCATION = re.compile(r"\.py:\d+: ")  # how Python and Lightning print a
 
 def pipemare(args: list[str], cwd: Path) -> str:
     """Run ``pipemare ARGS`` in ``cwd`` as a user would, without an API key; its console."""
-    env = dict(os.environ, WANDB_MODE="offline", HOME=str(cwd), OMP_NUM_THREADS="1")
-    env.pop("WANDB_API_KEY", None)
-    env.pop("WANDB_SILENT", None)
+    # nothing of W&B's from this process: no key, no banner setting, and no service an
+    # earlier test started here (a run attached to it would be written by this process's)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(WANDB_MODE="offline", HOME=str(cwd), OMP_NUM_THREADS="1")
     done = subprocess.run(
         [sys.executable, "-m", "pipemare", *args],
         cwd=cwd,
