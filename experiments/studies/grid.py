@@ -54,6 +54,9 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     "pipemare-LA": ("pipemare", PipeMareConfig(local_accumulation=1)),
     # the default before the stability guard joined it (pipemare 0.3)
     "pipemare-noguard": ("pipemare", PipeMareConfig(stability_guard=False)),
+    # Zmushko et al.'s error feedback (c = 1) alone, and added to the default
+    "pipemare-EF": ("pipemare", PipeMareConfig(**_ALONE, error_feedback=1.0)),
+    "pipemare+EF": ("pipemare", PipeMareConfig(error_feedback=1.0)),
 }
 
 

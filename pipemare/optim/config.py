@@ -10,6 +10,7 @@ from pipemare.optim.corrections import (
     Correction,
     DelayMomentum,
     DiscrepancyCorrection,
+    ErrorFeedback,
     LocalAccumulation,
     LRReschedule,
     SpikeCompensation,
@@ -105,6 +106,12 @@ class PipeMareConfig:
     delay-aware momentum and T2 (they count one update per minibatch): their ``"auto"``
     settings stand aside for it."""
 
+    error_feedback: float | str | None = None
+    """Error feedback on the delayed update (Zmushko et al., 2026): after a delayed stage's
+    update ``d_t``, add ``c (d_t - d_{t-1})``; a number ``c`` for every delayed stage (the
+    paper's 1, at a one-step delay), ``"delay"``: ``c = τ_i`` per stage; None: off
+    (:class:`~pipemare.optim.corrections.ErrorFeedback`)."""
+
     def __post_init__(self) -> None:
         self._check_types()
         if self.reschedule_steps is not None and self.reschedule_steps < 0:
@@ -142,6 +149,11 @@ class PipeMareConfig:
                     f"local_accumulation does not combine with {', '.join(explicit)}: they count "
                     "one update per minibatch; switch them off or leave them 'auto'"
                 )
+        ef = self.error_feedback
+        number = isinstance(ef, (int, float)) and not isinstance(ef, bool)
+        valid = number and math.isfinite(float(ef)) and float(ef) >= 0  # type: ignore[arg-type]
+        if ef is not None and ef != "delay" and not valid:
+            raise ValueError(f"error_feedback must be a number >= 0, 'delay' or None, got {ef!r}")
         if self.guard_threshold <= 1.0:
             raise ValueError(f"guard_threshold must be > 1, got {self.guard_threshold}")
         if self.weight_prediction is True and self.discrepancy_correction:
@@ -154,7 +166,7 @@ class PipeMareConfig:
     def _check_types(self) -> None:
         """Refuse a value of the wrong type (a string from YAML, a fractional step count, NaN)."""
         for name, value in dataclasses.asdict(self).items():
-            if name in ("delay_momentum", "local_accumulation"):
+            if name in ("delay_momentum", "local_accumulation", "error_feedback"):
                 continue  # checked with their ranges
             if value is None and name in _OPTIONAL:
                 continue
@@ -290,6 +302,8 @@ class PipeMareConfig:
                     strict=self.weight_prediction is True,
                 )
             )
+        if self.error_feedback is not None:
+            out.append(ErrorFeedback(self.error_feedback, self.warmup_steps))
         if isinstance(self.local_accumulation, int):  # a number (bools were refused)
             out.append(LocalAccumulation(self.local_accumulation, self.warmup_steps))
         elif self.local_accumulation == "auto" and not self._per_minibatch_named:

@@ -15,6 +15,8 @@ correction                 what it changes                          source
                            while its gradient norm runs away        (this project)
 ``local_accumulation``     a stage sums ``ceil(τ/c)`` minibatches'   Elam et al. (PACI), 2026
                            gradients per update
+``error_feedback``         adds ``c(d_t - d_{t-1})`` after a        Zmushko et al., 2026
+                           delayed stage's update ``d_t``
 =========================  =======================================  ==============================
 
 T3 (synchronous warm-up) is a schedule switch: ``PipeMareConfig.warmup_steps``.
@@ -28,6 +30,7 @@ from pipemare.optim.corrections.discrepancy import (
     velocity_decay,
     velocity_update,
 )
+from pipemare.optim.corrections.error_feedback import ErrorFeedback
 from pipemare.optim.corrections.guard import StabilityGuard
 from pipemare.optim.corrections.lr_reschedule import LRReschedule, lr_factor
 from pipemare.optim.corrections.momentum import DelayMomentum, delay_momenta
@@ -38,6 +41,7 @@ __all__ = [
     "Correction",
     "DelayMomentum",
     "DiscrepancyCorrection",
+    "ErrorFeedback",
     "LRReschedule",
     "LocalAccumulation",
     "SpikeCompensation",
