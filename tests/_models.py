@@ -50,3 +50,29 @@ def three_class_points(n: int, batch: int = 12) -> DataLoader:
     gen = torch.Generator().manual_seed(0)
     x, y = torch.randn(n, 5, generator=gen), torch.randint(0, 3, (n,), generator=gen)
     return DataLoader(TensorDataset(x, y), batch_size=batch)
+
+
+def train_toy_pipeline(make_optimizer, config, epochs: int = 7) -> tuple[Pipeline, float, float]:
+    """A 3-stage Tanh MLP on a separable 2-class toy set (seed 0) trained for ``epochs`` epochs
+    of 8 minibatches under ``config``: the pipeline, and the summed loss of the first epoch and
+    of the last."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2)
+    )
+    x = torch.randn(256, 4)
+    y = (x[:, 0] > 0).long()
+    pipe = Pipeline(
+        model,
+        make_optimizer(model.parameters()),
+        nn.functional.cross_entropy,
+        stages=3,
+        schedule="pipemare",
+        config=config,
+    )
+    sums = []
+    for _ in range(epochs):
+        sums.append(
+            sum(float(pipe.step((x[i : i + 32], y[i : i + 32]))) for i in range(0, 256, 32))
+        )
+    return pipe, sums[0], sums[-1]
