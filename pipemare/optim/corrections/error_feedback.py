@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipemare.optim.corrections.base import Correction, Params, StageView
+from pipemare.optim.corrections.base import Correction, Params
 
 __all__ = ["ErrorFeedback", "stable_step"]
 
@@ -83,10 +83,6 @@ class ErrorFeedback(Correction):
         self.coefficient, self.start = coefficient, start
         self.previous: dict[nn.Parameter, torch.Tensor] = {}  # d_{t-1}, one per weight
         self._before: dict[int, list[torch.Tensor]] = {}  # the stage's weights before its step
-
-    def bind(self, view: StageView) -> None:
-        super().bind(view)
-        self.previous, self._before = {}, {}
 
     def stage_coefficient(self, stage: int) -> float:
         """``c`` of ``stage`` now (0 on a stage without delay; the guard's strength on it)."""
