@@ -130,6 +130,8 @@ def run_protocol(
     for _ in range(extend):  # a best rate at the sweep's edge: one more rate beyond it
         more = []
         for key, js in sweep.items():
+            if any(load_result(out, j).refused for j in js):
+                continue  # refused at setup: another rate would be refused too
             rates = sorted({j.lr for j in js})
             best_rate = _best_lr(out, TASKS[key[0]], js)
             if len(rates) > 1 and best_rate in (rates[0], rates[-1]):

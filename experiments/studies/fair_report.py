@@ -118,6 +118,10 @@ def tabulate(
                     k for k in seeded if k[0] == t and k[1] == v and (v in SYNC or k[2:] == (p, n))
                 )
                 runs = [load_result(out, j) for j in seeded[key]]
+                refused = next((r.refused for r in runs if r.refused), None)
+                if refused:
+                    rows.append({"P": p, "N": n, "schedule": v, "refused": refused})
+                    continue
                 best = [r.best(higher) for r in runs]
                 reach = [_first_reach(r, target, higher) for r in runs]
                 steps_to = statistics.fmean(reach)
@@ -189,7 +193,12 @@ def _compact(results: dict[str, Any]) -> list[str]:
     """One table over tasks: best quality per (P, N) and schedule, and pipemare's time ratio."""
     tasks = results["tasks"]
     variants = list(
-        dict.fromkeys(r["schedule"] for t in tasks.values() for r in t["rows"] if "best" in r)
+        dict.fromkeys(
+            r["schedule"]
+            for t in tasks.values()
+            for r in t["rows"]
+            if "best" in r or "refused" in r
+        )
     )
     head = ["P", "N"]
     for t in tasks:
@@ -202,9 +211,12 @@ def _compact(results: dict[str, Any]) -> list[str]:
             rows = {x["schedule"]: x for x in r["rows"] if x["P"] == p and x["N"] == n}
             for v in variants:
                 x = rows.get(v)
-                cells.append("" if x is None else f"{x['best']:.3f} ± {x['spread']:.3f}")
+                if x is None or "refused" in x:
+                    cells.append("" if x is None else "refused")
+                else:
+                    cells.append(f"{x['best']:.3f} ± {x['spread']:.3f}")
             x = rows.get("pipemare")
-            cells.append("" if x is None else _fmt(x["time_vs_gpipe"], ".2f"))
+            cells.append("" if x is None or "refused" in x else _fmt(x["time_vs_gpipe"], ".2f"))
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -227,6 +239,13 @@ def markdown(results: dict[str, Any]) -> str:
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for row in r["rows"]:
+            if "refused" in row:
+                reason = row["refused"].replace("|", "/")
+                lines.append(
+                    f"| {row['P']} | {row['N']} | {row['schedule']} | | refused at setup: "
+                    f"{reason} | | | | |"
+                )
+                continue
             if "best" not in row:
                 lines.append(
                     f"| {row['P']} | {row['N']} | {row['schedule']} (time only) | | | | | "

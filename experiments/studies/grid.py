@@ -57,6 +57,9 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # Zmushko et al.'s error feedback (c = 1) alone, and added to the default
     "pipemare-EF": ("pipemare", PipeMareConfig(**_ALONE, error_feedback=1.0)),
     "pipemare+EF": ("pipemare", PipeMareConfig(error_feedback=1.0)),
+    # the default with delay-aware momentum rising with the delay itself, not its share
+    "pipemare-DMwindow": ("pipemare", PipeMareConfig(delay_momentum_rise="window")),
+    "pipemare-DMstretch": ("pipemare", PipeMareConfig(delay_momentum_rise="stretch")),
 }
 
 

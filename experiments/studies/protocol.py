@@ -258,6 +258,9 @@ class RunResult:
     train_loss: list[float]
     seconds: float
     diverged: bool = False
+    refused: str | None = None
+    """Why the pipeline refused this configuration at setup (a correction the optimiser does
+    not support, asked for by name); such a run has no curve."""
 
     def best(self, higher: bool) -> float:
         finite = [m for m in self.metric if math.isfinite(m)]
@@ -316,19 +319,25 @@ def train(
     """One run of ``task``: the validation metric every ``eval_every`` steps, live weights.
 
     A run whose training loss stops being finite, or whose gradients the engine refuses as not
-    finite, ends there (its later points are NaN).
+    finite, ends there (its later points are NaN). A configuration the pipeline refuses at setup
+    (a correction asked for by name that the task's optimiser does not support) is returned
+    with the reason in ``refused`` and no curve, so a study records it and goes on.
     """
     torch.manual_seed(seed)
     model = task.build()
     x, y, xv, yv = task.data()
-    pipe = _pipeline(task, model, schedule, stages, microbatches, lr, config, seed)
+    result = RunResult(
+        task.name, schedule, variant or schedule, stages, microbatches, lr, seed, [], [], [], 0.0
+    )
+    try:
+        pipe = _pipeline(task, model, schedule, stages, microbatches, lr, config, seed)
+    except ValueError as refusal:
+        result.refused = str(refusal)
+        return result
     steps = steps or task.steps
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(x), generator=gen)
     pos = 0
-    result = RunResult(
-        task.name, schedule, variant or schedule, stages, microbatches, lr, seed, [], [], [], 0.0
-    )
     start = time.perf_counter()
     for k in range(1, steps + 1):
         if pos + task.batch > len(x):
@@ -368,12 +377,15 @@ def step_time(
     of the last ``steps`` through the schedule with each stage on a device of its own
     (:func:`pipemare.engine.telemetry.replay_timeline`; communication taken as free) and divides the
     makespan by ``steps``; the median of ``repeats`` such windows. Run it alone on the
-    machine: the durations are measured.
+    machine: the durations are measured. NaN for a configuration the pipeline refuses.
     """
     torch.manual_seed(0)
     model = task.build()
     x, y, _, _ = task.data()
-    pipe = _pipeline(task, model, schedule, stages, microbatches, 1e-4, config, 0)
+    try:
+        pipe = _pipeline(task, model, schedule, stages, microbatches, 1e-4, config, 0)
+    except ValueError:
+        return math.nan
     measured = []
     for _ in range(repeats):
         probe = Probe(timeline=True)

@@ -17,6 +17,7 @@ from pipemare.optim.corrections import (
     StabilityGuard,
     WeightPrediction,
 )
+from pipemare.optim.corrections.momentum import RISES
 
 __all__ = ["AUTO_DELAY_MOMENTUM", "FALLBACK_HORIZON", "PipeMareConfig"]
 
@@ -88,6 +89,12 @@ class PipeMareConfig:
     this value at the most delayed one (Ajanthan et al.'s Nesterov method without a weight
     stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); ``"auto"``:
     0.99 where the optimiser has momentum (the Adam family, SGD with momentum); None: off."""
+
+    delay_momentum_rise: str = "share"
+    """How a stage's momentum follows its delay ``τ_i``, up to ``delay_momentum``: ``"share"``
+    (linear in ``τ_i/τ_max``, Ajanthan et al.), ``"window"`` (the averaging window grows by
+    ``τ_i`` updates) or ``"stretch"`` (it grows by the factor ``1 + τ_i``); the formulas are in
+    :mod:`pipemare.optim.corrections.momentum`."""
 
     stability_guard: bool = True
     """Halve a stage's rate and the strength of its corrections while its gradient norm runs
@@ -168,6 +175,10 @@ class PipeMareConfig:
         for name, value in dataclasses.asdict(self).items():
             if name in ("delay_momentum", "local_accumulation", "error_feedback"):
                 continue  # checked with their ranges
+            if name == "delay_momentum_rise":
+                if value not in RISES:
+                    raise ValueError(f"{name} must be one of {RISES}, got {value!r}")
+                continue
             if value is None and name in _OPTIONAL:
                 continue
             if name in _FLAGS:
@@ -287,9 +298,20 @@ class PipeMareConfig:
             out.append(LRReschedule(self.horizon(total_steps, steps_per_epoch), self.warmup_steps))
         accumulates = self._accumulates
         if self.delay_momentum == "auto" and not accumulates:
-            out.append(DelayMomentum(AUTO_DELAY_MOMENTUM, self.warmup_steps, strict=False))
+            out.append(
+                DelayMomentum(
+                    AUTO_DELAY_MOMENTUM,
+                    self.warmup_steps,
+                    strict=False,
+                    rise=self.delay_momentum_rise,
+                )
+            )
         elif self.delay_momentum not in (None, "auto"):
-            out.append(DelayMomentum(float(self.delay_momentum), self.warmup_steps))
+            out.append(
+                DelayMomentum(
+                    float(self.delay_momentum), self.warmup_steps, rise=self.delay_momentum_rise
+                )
+            )
         if self.spike_compensation is True or (self.spike_compensation and not accumulates):
             out.append(SpikeCompensation(self.warmup_steps, strict=self.spike_compensation is True))
         if self.discrepancy_correction:

@@ -242,7 +242,11 @@ class PipeMareOptimizer:
         for c in self.corrections:
             settings = c.describe()
             if settings.get("active", True):
-                shown = ", ".join(f"{k}={v:g}" for k, v in settings.items() if k != "active")
+                shown = ", ".join(
+                    f"{k}={v}" if isinstance(v, str) else f"{k}={v:g}"
+                    for k, v in settings.items()
+                    if k != "active"
+                )
                 parts.append(f"{c.name}({shown})" if shown else c.name)
         return ", ".join(parts)
 

@@ -131,3 +131,26 @@ def test_a_run_the_engine_stops_on_non_finite_gradients_is_a_divergence_not_a_cr
         assert type(again) is type(error) and str(again) == str(error)
     run = train(TASKS["plain@sgd"], "async", 8, 1, 30.0, seed=0, steps=60)
     assert run.diverged and math.isnan(run.metric[-1]) and len(run.train_loss) < 60
+
+
+def test_a_variant_the_optimiser_refuses_is_recorded_and_the_protocol_goes_on(tmp_path):
+    # pipemare-SC insists on spike compensation, which Muon + AdamW refuses at setup
+    results = fair.run_protocol(
+        tmp_path,
+        ["digits@muon"],
+        ["gpipe", "pipemare-SC"],
+        grid=((4, 1),),
+        seeds=2,
+        workers=1,
+        steps=4,
+        lrs=(1e-3, 3e-3),
+        time_steps=2,
+    )
+    rows = {r["schedule"]: r for r in results["tasks"]["digits@muon"]["rows"] if r["N"] == 1}
+    assert "spike_compensation=False" in rows["pipemare-SC"]["refused"]
+    assert math.isfinite(rows["gpipe"]["best"])  # the other schedule ran and was tabulated
+    runs = [json.loads(p.read_text()) for p in (tmp_path / "runs").glob("*pipemare-SC*.json")]
+    # two rates and the second seed, no rate beyond the sweep's edge for a refusal
+    assert len(runs) == 3 and all(r["refused"] and not r["metric"] for r in runs)
+    text = (tmp_path / "results.md").read_text()
+    assert "| 4 | 1 | pipemare-SC | | refused at setup: " in text

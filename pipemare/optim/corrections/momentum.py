@@ -9,9 +9,20 @@ code runs it as torch's NAdam with ``β1 = 0.99`` on stashed weights (PluralisRe
 ``run.bash``: ``--momentum 0.99``); their variant without a weight stash gives each stage a
 momentum that grows with its delay, 0.9 at the last stage to 0.99 at the first.
 
-This correction is that schedule of momenta. Stage ``i`` with forward delay ``τ_i`` updates
-with ``m_i = m + (m_max - m) τ_i / τ_max``, ``m`` the user's momentum (β1 of the Adam family,
-SGD's and Muon's ``momentum``) and ``τ_max`` the longest delay of the pipeline. For the Adam
+This correction is that schedule of momenta, with three ways (``rise``) for stage ``i``, whose
+forward delay is ``τ_i`` updates, to get from ``m``, the user's momentum (β1 of the Adam family,
+SGD's and Muon's ``momentum``), to at most ``m_max``:
+
+- ``"share"`` (Ajanthan et al.'s schedule): ``m_i = m + (m_max - m) τ_i / τ_max``, ``τ_max`` the
+  longest delay of the pipeline. The most delayed stage gets ``m_max`` however short its delay:
+  at N = 4 a stage under one update late goes from 0.9 to 0.99.
+- ``"window"``: the momentum's averaging window, ``1/(1 - m)`` updates, grows by the delay:
+  ``1/(1 - m_i) = 1/(1 - m) + τ_i``. A stage late by a fraction of an update keeps about its
+  momentum; at τ = 15 Adam's 0.9 becomes 0.96.
+- ``"stretch"``: the window is stretched by ``1 + τ_i``: ``1/(1 - m_i) = (1 + τ_i)/(1 - m)``;
+  0.9 becomes 0.95 at τ = 1 and reaches 0.99 at τ = 9.
+
+The last two are capped at ``m_max``; all three leave an undelayed stage at ``m``. For the Adam
 family and Muon, whose momentum is an average, that is all. For SGD, whose momentum buffer is
 a sum, the stage's rate is scaled by ``(1 - m_i)/(1 - m)``, so every gradient still moves the
 weights by ``η/(1 - m)`` in total and only the way it is spread over the following updates
@@ -32,20 +43,37 @@ from pipemare.optim.corrections.base import (
     momentum_is_average,
 )
 
-__all__ = ["DelayMomentum", "delay_momenta"]
+__all__ = ["RISES", "DelayMomentum", "delay_momenta"]
+
+#: The ways a stage's momentum may rise with its delay (see the module's docstring).
+RISES = ("share", "window", "stretch")
 
 
-def delay_momenta(user: float, top: float, delays: list[float]) -> list[float]:
-    """Each stage's momentum: ``user`` at no delay, ``top`` at the longest delay, linear between.
+def delay_momenta(user: float, top: float, delays: list[float], rise: str = "share") -> list[float]:
+    """Each stage's momentum: ``user`` at no delay, rising with the delay by ``rise``, at most
+    ``top`` (``"share"``: ``top`` at the longest delay, linear between).
 
     Example:
         >>> delay_momenta(0.9, 0.99, [3.0, 1.5, 0.0])
         [0.99, 0.945, 0.9]
+        >>> delay_momenta(0.9, 0.99, [15.0, 0.5, 0.0], rise="window")
+        [0.96, 0.904761904762, 0.9]
+        >>> delay_momenta(0.9, 0.99, [15.0, 1.0, 0.0], rise="stretch")
+        [0.99, 0.95, 0.9]
     """
-    longest = max(delays, default=0.0)
-    if longest <= 0:
-        return [user for _ in delays]
-    return [round(user + (top - user) * d / longest, 12) for d in delays]
+    if rise not in RISES:
+        raise ValueError(f"delay_momentum_rise must be one of {RISES}, got {rise!r}")
+    if rise == "share":
+        longest = max(delays, default=0.0)
+        if longest <= 0:
+            return [user for _ in delays]
+        return [round(user + (top - user) * d / longest, 12) for d in delays]
+    window = 1.0 / (1.0 - user)
+    out = []
+    for d in delays:
+        grown = window + d if rise == "window" else window * (1.0 + d)
+        out.append(round(max(user, min(top, 1.0 - 1.0 / grown)), 12))
+    return out
 
 
 class DelayMomentum(Correction):
@@ -54,6 +82,8 @@ class DelayMomentum(Correction):
     Args:
         top: the momentum of the stage with the longest delay (Ajanthan et al.: 0.99).
         start: the first step it applies to (T3's warm-up steps have no delay).
+        rise: how the momentum follows the delay: ``"share"``, ``"window"`` or ``"stretch"``
+            (:data:`RISES`, the module's docstring).
         strict: refuse an optimiser without momentum; otherwise (the config's ``"auto"``) stand
             aside for it and for SGD without momentum, where the momentum would be new rather
             than raised.
@@ -66,10 +96,14 @@ class DelayMomentum(Correction):
         " aside without momentum"
     )
 
-    def __init__(self, top: float, start: int = 0, strict: bool = True) -> None:
+    def __init__(
+        self, top: float, start: int = 0, strict: bool = True, rise: str = "share"
+    ) -> None:
         if not 0.0 <= top < 1.0:
             raise ValueError(f"delay_momentum must lie in [0, 1), got {top}")
-        self.top, self.start, self.strict = top, start, strict
+        if rise not in RISES:
+            raise ValueError(f"delay_momentum_rise must be one of {RISES}, got {rise!r}")
+        self.top, self.start, self.strict, self.rise = top, start, strict, rise
         self.adam_family = True
 
     def bind(self, view: StageView) -> None:
@@ -99,7 +133,7 @@ class DelayMomentum(Correction):
     def momentum(self, stage: int, step: int, momentum: float) -> float:
         if not self._applies(step):
             return momentum
-        raised = delay_momenta(momentum, self.top, self._delays())[stage]
+        raised = delay_momenta(momentum, self.top, self._delays(), self.rise)[stage]
         return momentum + (raised - momentum) * self.view.stage_strength(stage)
 
     def lr_factor(self, stage: int, step: int) -> float:
@@ -111,4 +145,4 @@ class DelayMomentum(Correction):
         return (1.0 - self.momentum(stage, step, user)) / (1.0 - user)
 
     def describe(self) -> dict[str, Any]:
-        return {"active": self.active, "max": self.top}
+        return {"active": self.active, "max": self.top, "rise": self.rise}
