@@ -60,6 +60,7 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # the default with delay-aware momentum rising with the delay itself, not its share
     "pipemare-DMwindow": ("pipemare", PipeMareConfig(delay_momentum_rise="window")),
     "pipemare-DMstretch": ("pipemare", PipeMareConfig(delay_momentum_rise="stretch")),
+    "pipemare-DMdepth": ("pipemare", PipeMareConfig(delay_momentum_rise="depth")),
 }
 
 

@@ -163,7 +163,9 @@ def check_trainer(module: Any, trainer: Any) -> None:
     if not module.automatic_optimization:
         raise ValueError(
             "pipemare applies each stage's optimiser step itself; manual optimization "
-            "(self.automatic_optimization = False) is not supported"
+            "(self.automatic_optimization = False) is not supported. Return one optimiser from "
+            "configure_optimizers (parameter groups for parts with other settings; "
+            "pipemare.optim.MuonAdamW for Muon + AdamW)"
         )
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
@@ -191,7 +193,8 @@ def one_optimizer() -> Iterator[None]:
             "several (Lightning runs several only with manual optimization, which pipemare "
             "does not support). Return one optimiser, with a parameter group for each part "
             "that needs other settings, e.g. torch.optim.Adam([{'params': body.parameters()}"
-            ", {'params': head.parameters(), 'lr': 1e-4}])"
+            ", {'params': head.parameters(), 'lr': 1e-4}]); for Muon on the weight matrices "
+            "and AdamW on the rest, pipemare.optim.MuonAdamW(muon_param_groups(model))"
         ) from err
 
 

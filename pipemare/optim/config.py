@@ -93,7 +93,8 @@ class PipeMareConfig:
     delay_momentum_rise: str = "share"
     """How a stage's momentum follows its delay ``τ_i``, up to ``delay_momentum``: ``"share"``
     (linear in ``τ_i/τ_max``, Ajanthan et al.), ``"window"`` (the averaging window grows by
-    ``τ_i`` updates) or ``"stretch"`` (it grows by the factor ``1 + τ_i``); the formulas are in
+    ``τ_i`` updates), ``"stretch"`` (it grows by the factor ``1 + τ_i``) or ``"depth"``
+    (Ajanthan et al.'s rise per update of delay at N = 1, kept at every N); the formulas are in
     :mod:`pipemare.optim.corrections.momentum`."""
 
     stability_guard: bool = True

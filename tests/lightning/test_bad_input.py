@@ -254,7 +254,8 @@ RMSPROP = lambda ps: torch.optim.RMSprop(ps, lr=0.01)  # noqa: E731
             PipeMareStrategy(stages=2),
             TwoOptimisers(),
             r"pipemare steps one optimiser, stage by stage; configure_optimizers returned several"
-            r".* Return one optimiser, with a parameter group for each part",
+            r".* Return one optimiser, with a parameter group for each part.*"
+            r"pipemare.optim.MuonAdamW\(muon_param_groups\(model\)\)",
         ),
         (
             PipeMareStrategy(stages=2, config=PipeMareConfig(spike_compensation=True)),

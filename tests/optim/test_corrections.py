@@ -410,6 +410,7 @@ def test_each_rise_follows_its_formula_and_the_window_barely_moves_a_short_delay
         ("share", [0.99, 0.945]),  # linear in τ_i/τ_max: the most delayed stage gets the cap
         ("window", [1 - 1 / 12, 1 - 1 / 11]),  # 1/(1 - m_i) = 1/(1 - m) + τ_i
         ("stretch", [1 - 1 / 30, 1 - 1 / 20]),  # 1/(1 - m_i) = (1 + τ_i)/(1 - m)
+        ("depth", [0.99, 0.945]),  # slope (0.99 - m)/(P - 1) per update: at N = 1 the share's
     ]:
         cfg = PipeMareConfig(**ONLY_DM, delay_momentum=0.99, delay_momentum_rise=rise)
         _, opt = three_stages(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), cfg)
@@ -423,6 +424,7 @@ def test_each_rise_follows_its_formula_and_the_window_barely_moves_a_short_delay
     assert delay_momenta(0.9, 0.99, delays, "share")[0] == 0.99
     assert delay_momenta(0.9, 0.99, delays, "window")[0] == pytest.approx(1 - 1 / 10.75)
     assert delay_momenta(0.95, 0.99, delays, "window")[0] == pytest.approx(1 - 1 / 20.75)
+    assert delay_momenta(0.9, 0.99, delays, "depth")[0] == pytest.approx(0.9 + 0.09 * 0.75 / 3)
     # the cap holds, and no rule lowers a momentum
     assert delay_momenta(0.9, 0.95, [100.0, 0.0], "window") == [0.95, 0.9]
     assert delay_momenta(0.97, 0.95, [3.0, 0.0], "stretch") == [0.97, 0.97]

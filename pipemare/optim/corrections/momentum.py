@@ -21,6 +21,10 @@ SGD's and Muon's ``momentum``), to at most ``m_max``:
   momentum; at τ = 15 Adam's 0.9 becomes 0.96.
 - ``"stretch"``: the window is stretched by ``1 + τ_i``: ``1/(1 - m_i) = (1 + τ_i)/(1 - m)``;
   0.9 becomes 0.95 at τ = 1 and reaches 0.99 at τ = 9.
+- ``"depth"``: Ajanthan et al.'s slope per update of delay, ``(m_max - m)/(P - 1)`` for P
+  stages, as they set it on the fully asynchronous pipeline (N = 1, where stage ``i`` is
+  ``P - 1 - i`` updates late): ``m_i = m + (m_max - m) τ_i/(P - 1)``. At N = 1 it is
+  ``"share"``; with N microbatches the delays, and so the rise, are about N times smaller.
 
 The last two are capped at ``m_max``; all three leave an undelayed stage at ``m``. For the Adam
 family and Muon, whose momentum is an average, that is all. For SGD, whose momentum buffer is
@@ -46,7 +50,7 @@ from pipemare.optim.corrections.base import (
 __all__ = ["RISES", "DelayMomentum", "delay_momenta"]
 
 #: The ways a stage's momentum may rise with its delay (see the module's docstring).
-RISES = ("share", "window", "stretch")
+RISES = ("share", "window", "stretch", "depth")
 
 
 def delay_momenta(user: float, top: float, delays: list[float], rise: str = "share") -> list[float]:
@@ -60,14 +64,16 @@ def delay_momenta(user: float, top: float, delays: list[float], rise: str = "sha
         [0.96, 0.904761904762, 0.9]
         >>> delay_momenta(0.9, 0.99, [15.0, 1.0, 0.0], rise="stretch")
         [0.99, 0.95, 0.9]
+        >>> delay_momenta(0.9, 0.99, [0.5, 0.25, 0.0], rise="depth")
+        [0.9225, 0.91125, 0.9]
     """
     if rise not in RISES:
         raise ValueError(f"delay_momentum_rise must be one of {RISES}, got {rise!r}")
-    if rise == "share":
-        longest = max(delays, default=0.0)
+    if rise in ("share", "depth"):
+        longest = max(delays, default=0.0) if rise == "share" else len(delays) - 1
         if longest <= 0:
             return [user for _ in delays]
-        return [round(user + (top - user) * d / longest, 12) for d in delays]
+        return [round(user + (top - user) * min(d / longest, 1.0), 12) for d in delays]
     window = 1.0 / (1.0 - user)
     out = []
     for d in delays:
