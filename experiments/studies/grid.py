@@ -61,6 +61,8 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     "pipemare-DMwindow": ("pipemare", PipeMareConfig(delay_momentum_rise="window")),
     "pipemare-DMstretch": ("pipemare", PipeMareConfig(delay_momentum_rise="stretch")),
     "pipemare-DMdepth": ("pipemare", PipeMareConfig(delay_momentum_rise="depth")),
+    # the default before 0.5: the most delayed stage gets the top momentum at any N
+    "pipemare-DMshare": ("pipemare", PipeMareConfig(delay_momentum_rise="share")),
 }
 
 

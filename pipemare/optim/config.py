@@ -90,12 +90,11 @@ class PipeMareConfig:
     stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); ``"auto"``:
     0.99 where the optimiser has momentum (the Adam family, SGD with momentum); None: off."""
 
-    delay_momentum_rise: str = "share"
-    """How a stage's momentum follows its delay ``τ_i``, up to ``delay_momentum``: ``"share"``
-    (linear in ``τ_i/τ_max``, Ajanthan et al.), ``"window"`` (the averaging window grows by
-    ``τ_i`` updates), ``"stretch"`` (it grows by the factor ``1 + τ_i``) or ``"depth"``
-    (Ajanthan et al.'s rise per update of delay at N = 1, kept at every N); the formulas are in
-    :mod:`pipemare.optim.corrections.momentum`."""
+    delay_momentum_rise: str = "depth"
+    """How a stage's momentum follows its delay ``τ_i``: ``"depth"`` (Ajanthan et al.'s rise
+    per update of delay at N = 1, kept at every N), ``"share"`` (the most delayed stage gets
+    ``m_max`` at any N; the default before 0.5), ``"window"`` or ``"stretch"``: the formulas in
+    :mod:`pipemare.optim.corrections.momentum`, the measurements in docs/results.md."""
 
     stability_guard: bool = True
     """Halve a stage's rate and the strength of its corrections while its gradient norm runs

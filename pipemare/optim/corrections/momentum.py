@@ -9,7 +9,7 @@ code runs it as torch's NAdam with ``β1 = 0.99`` on stashed weights (PluralisRe
 ``run.bash``: ``--momentum 0.99``); their variant without a weight stash gives each stage a
 momentum that grows with its delay, 0.9 at the last stage to 0.99 at the first.
 
-This correction is that schedule of momenta, with three ways (``rise``) for stage ``i``, whose
+This correction is that schedule of momenta, with four ways (``rise``) for stage ``i``, whose
 forward delay is ``τ_i`` updates, to get from ``m``, the user's momentum (β1 of the Adam family,
 SGD's and Muon's ``momentum``), to at most ``m_max``:
 
@@ -23,10 +23,14 @@ SGD's and Muon's ``momentum``), to at most ``m_max``:
   0.9 becomes 0.95 at τ = 1 and reaches 0.99 at τ = 9.
 - ``"depth"``: Ajanthan et al.'s slope per update of delay, ``(m_max - m)/(P - 1)`` for P
   stages, as they set it on the fully asynchronous pipeline (N = 1, where stage ``i`` is
-  ``P - 1 - i`` updates late): ``m_i = m + (m_max - m) τ_i/(P - 1)``. At N = 1 it is
+  ``P - 1 - i`` updates late): ``m_i = m + (m_max - m) τ_i/(P - 1)`` (the denominator never
+  below the longest delay, so a lone delayed stage gets the share's rise). At N = 1 it is
   ``"share"``; with N microbatches the delays, and so the rise, are about N times smaller.
+  The default of :class:`~pipemare.optim.PipeMareConfig`, chosen by the fair protocol
+  (docs/results.md): at N = 1 it keeps the share's gains, at N = 4 it no longer costs the
+  quality the share's 0.99 did.
 
-The last two are capped at ``m_max``; all three leave an undelayed stage at ``m``. For the Adam
+All four are capped at ``m_max`` and leave an undelayed stage at ``m``. For the Adam
 family and Muon, whose momentum is an average, that is all. For SGD, whose momentum buffer is
 a sum, the stage's rate is scaled by ``(1 - m_i)/(1 - m)``, so every gradient still moves the
 weights by ``η/(1 - m)`` in total and only the way it is spread over the following updates
@@ -70,7 +74,11 @@ def delay_momenta(user: float, top: float, delays: list[float], rise: str = "sha
     if rise not in RISES:
         raise ValueError(f"delay_momentum_rise must be one of {RISES}, got {rise!r}")
     if rise in ("share", "depth"):
-        longest = max(delays, default=0.0) if rise == "share" else len(delays) - 1
+        longest = max(delays, default=0.0)
+        if (
+            rise == "depth"
+        ):  # never steeper than the share: a pipeline's delays reach P - 1 at N = 1
+            longest = max(longest, len(delays) - 1)
         if longest <= 0:
             return [user for _ in delays]
         return [round(user + (top - user) * min(d / longest, 1.0), 12) for d in delays]
@@ -88,8 +96,8 @@ class DelayMomentum(Correction):
     Args:
         top: the momentum of the stage with the longest delay (Ajanthan et al.: 0.99).
         start: the first step it applies to (T3's warm-up steps have no delay).
-        rise: how the momentum follows the delay: ``"share"``, ``"window"`` or ``"stretch"``
-            (:data:`RISES`, the module's docstring).
+        rise: how the momentum follows the delay: ``"share"``, ``"window"``, ``"stretch"`` or
+            ``"depth"`` (:data:`RISES`, the module's docstring).
         strict: refuse an optimiser without momentum; otherwise (the config's ``"auto"``) stand
             aside for it and for SGD without momentum, where the momentum would be new rather
             than raised.
