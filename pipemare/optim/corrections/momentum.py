@@ -75,9 +75,8 @@ def delay_momenta(user: float, top: float, delays: list[float], rise: str = "sha
         raise ValueError(f"delay_momentum_rise must be one of {RISES}, got {rise!r}")
     if rise in ("share", "depth"):
         longest = max(delays, default=0.0)
-        if (
-            rise == "depth"
-        ):  # never steeper than the share: a pipeline's delays reach P - 1 at N = 1
+        # depth: the delays of P stages reach P - 1 at N = 1; never steeper than the share
+        if rise == "depth":
             longest = max(longest, len(delays) - 1)
         if longest <= 0:
             return [user for _ in delays]
