@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from pipemare.optim import MuonAdamW, muon_param_groups
+from pipemare.optim import MuonAdamW, RotatedAdamW, muon_param_groups
 
 
 class GPTModule(pl.LightningModule):
@@ -50,6 +50,8 @@ class GPTModule(pl.LightningModule):
     def configure_optimizers(self):
         if self.optimizer == "muon":
             return MuonAdamW(muon_param_groups(self.gpt), lr=self.lr, weight_decay=0.01)
+        if self.optimizer == "rotated":
+            return RotatedAdamW(self.gpt.parameters(), lr=self.lr, weight_decay=0.01)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 

@@ -63,6 +63,9 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     "pipemare-DMdepth": ("pipemare", PipeMareConfig(delay_momentum_rise="depth")),
     # the default before 0.5: the most delayed stage gets the top momentum at any N
     "pipemare-DMshare": ("pipemare", PipeMareConfig(delay_momentum_rise="share")),
+    # the default without delay-aware momentum (Adam in a rotated basis, where it hurt on the
+    # misaligned quadratic)
+    "pipemare-noDM": ("pipemare", PipeMareConfig(delay_momentum=None)),
 }
 
 

@@ -46,8 +46,8 @@ class Task:
         tuned: whether the defaults were chosen on this task (at least one task is not).
         optimizer: what trains it (:data:`OPTIMIZERS`): ``"adam"``, ``"adamw"``, ``"sgd"``,
             ``"sgdm"`` (SGD with heavy-ball momentum 0.9), ``"nesterov"`` (the same with
-            Nesterov's) or ``"muon"`` (Muon on the hidden matrices, AdamW on the rest, one
-            optimiser).
+            Nesterov's), ``"muon"`` (Muon on the hidden matrices, AdamW on the rest, one
+            optimiser) or ``"rotated"`` (:class:`~pipemare.optim.RotatedAdamW`).
     """
 
     name: str
@@ -163,6 +163,10 @@ def _optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
     if name == "nesterov":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
+    if name == "rotated":
+        from pipemare.optim import RotatedAdamW
+
+        return RotatedAdamW(model.parameters(), lr=lr)
     if name == "muon":
         from pipemare.optim import MuonAdamW, muon_param_groups
 
@@ -187,6 +191,7 @@ OPTIMIZERS: dict[str, tuple[float, ...]] = {
     "sgdm": (1e-3, 3e-3, 1e-2),
     "nesterov": (1e-3, 3e-3, 1e-2),
     "muon": _LRS,
+    "rotated": _LRS,
 }
 
 
@@ -237,6 +242,9 @@ for _base in ("mnist", "digits", "plain"):
         TASKS[f"{_base}@{_opt}"] = _with(TASKS[_base], _opt)
 for _base in ("char_lm", "char_gpt"):
     TASKS[f"{_base}@muon"] = _with(TASKS[_base], "muon")
+# Adam in a rotated basis (basis rotation, arXiv 2602.03515) where the Adam gaps are largest
+for _base in ("char_lm", "char_gpt", "plain"):
+    TASKS[f"{_base}@rotated"] = _with(TASKS[_base], "rotated")
 # the plain network with every optimiser family
 for _opt in ("sgd", "nesterov", "adamw"):
     TASKS[f"plain@{_opt}"] = _with(TASKS["plain"], _opt)

@@ -8,5 +8,6 @@ Reads delays from :mod:`pipemare.schedule`; knows nothing of processes or Lightn
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.muon import MuonAdamW, muon_param_groups
 from pipemare.optim.optimizer import PipeMareOptimizer
+from pipemare.optim.rotated import RotatedAdamW
 
-__all__ = ["MuonAdamW", "PipeMareConfig", "PipeMareOptimizer", "muon_param_groups"]
+__all__ = ["MuonAdamW", "PipeMareConfig", "PipeMareOptimizer", "RotatedAdamW", "muon_param_groups"]

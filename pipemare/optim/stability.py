@@ -22,7 +22,13 @@ from pipemare.schedule.delay import StageDelay
 if TYPE_CHECKING:
     from pipemare.optim.config import PipeMareConfig
 
-__all__ = ["delayed_gd_bound", "delayed_momentum_bound", "largest_stable_step"]
+__all__ = [
+    "delayed_gd_bound",
+    "delayed_momentum_bound",
+    "delayed_quadratic_progress",
+    "largest_stable_step",
+    "misaligned_curvature",
+]
 
 
 def delayed_gd_bound(delay: int) -> float:
@@ -73,38 +79,101 @@ def delayed_momentum_bound(delay: int, momentum: float, tol: float = 1e-9) -> fl
     return low
 
 
+def misaligned_curvature(size: int, condition: float = 100.0, seed: int = 0) -> torch.Tensor:
+    """``V diag(λ) Vᵀ``: eigenvalues log-spaced from 1 to ``condition``, eigenvectors a random
+    rotation ``V`` (float64), so no stiff direction is a coordinate (the setting where basis
+    rotation says Adam suffers from delay, arXiv 2602.03515)."""
+    g = torch.Generator().manual_seed(seed)
+    rotation, _ = torch.linalg.qr(torch.randn(size, size, generator=g, dtype=torch.float64))
+    eigenvalues = torch.logspace(0, math.log10(condition), size, dtype=torch.float64)
+    return rotation @ torch.diag(eigenvalues) @ rotation.T
+
+
+def _delayed_trace(
+    rate: float,
+    delay: int,
+    optimizer: Callable[[list[nn.Parameter], float], torch.optim.Optimizer],
+    config: PipeMareConfig,
+    steps: int,
+    curvature: torch.Tensor | None = None,
+) -> list[float]:
+    """``|u|`` after each update on ``f(u) = u²/2`` with gradients ``delay`` updates late,
+    the start first (cut short at a blow-up, which ends it with inf). With ``curvature`` ``S``
+    (n × n), ``u`` is an n × n matrix from a seeded draw, ``f(u) = tr(u S uᵀ)/2``, its
+    gradient ``u S``, and ``|u|`` is ``sqrt(2 f)``."""
+    from pipemare.optim.optimizer import PipeMareOptimizer
+
+    if curvature is None:
+        u = nn.Parameter(torch.ones(1, dtype=torch.float64))
+    else:
+        start = torch.randn(curvature.shape, generator=torch.Generator().manual_seed(1))
+        u = nn.Parameter(start.to(torch.float64))
+
+    def gradient(w: torch.Tensor) -> torch.Tensor:
+        return w.clone() if curvature is None else w @ curvature
+
+    def size(w: torch.Tensor) -> float:
+        if curvature is None:
+            return abs(float(w))
+        return math.sqrt(max(float(torch.einsum("ij,jk,ik->", w, curvature, w)), 0.0))
+
+    delays = (StageDelay(float(delay), 0.0, ((delay, 0),)),)
+    opt = PipeMareOptimizer(optimizer([u], rate), {0: [u]}, delays, config, total_steps=steps)
+    queue: list[torch.Tensor] = []
+    trace = [size(u.detach())]
+    applied = 0
+    for t in range(steps):
+        opt.record(t)
+        # the forward of minibatch t, whose gradient becomes update t (now: version `applied`)
+        with opt.forward_weights(0, t - applied):
+            queue.append(gradient(u.detach()))
+        if len(queue) > delay:
+            g = queue.pop(0)  # accumulated as autograd does (a held update keeps .grad)
+            u.grad = g if u.grad is None else u.grad + g
+            opt.step(0, applied)
+            applied += 1
+        trace.append(size(u.detach()))
+        if not math.isfinite(trace[-1]) or trace[-1] > 1e12:
+            return [*trace[:-1], math.inf]
+    return trace
+
+
 def _delayed_quadratic(
     rate: float,
     delay: int,
     optimizer: Callable[[list[nn.Parameter], float], torch.optim.Optimizer],
     config: PipeMareConfig,
     steps: int,
+    curvature: torch.Tensor | None = None,
 ) -> float:
-    """Growth of ``|u|`` on ``f(u) = u²/2`` with gradients ``delay`` updates late: the last
-    window's peak over the first window's (below 1: the iteration contracts)."""
-    from pipemare.optim.optimizer import PipeMareOptimizer
+    """Growth of ``|u|`` (:func:`_delayed_trace`): the last window's peak over the first
+    window's (below 1: the iteration contracts)."""
+    trace = _delayed_trace(rate, delay, optimizer, config, steps, curvature)
+    if not math.isfinite(trace[-1]):
+        return math.inf
+    window = max((len(trace) - 1) // 8, 2 * delay + 2)
+    return max(trace[-window:]) / max(max(trace[1 : window + 1]), 1e-300)
 
-    u = nn.Parameter(torch.ones(1, dtype=torch.float64))
-    delays = (StageDelay(float(delay), 0.0, ((delay, 0),)),)
-    opt = PipeMareOptimizer(optimizer([u], rate), {0: [u]}, delays, config, total_steps=steps)
-    queue: list[torch.Tensor] = []
-    trace: list[float] = []
-    applied = 0
-    for t in range(steps):
-        opt.record(t)
-        # the forward of minibatch t, whose gradient becomes update t (now: version `applied`)
-        with opt.forward_weights(0, t - applied):
-            queue.append(u.detach().clone())  # ∇f at the forward's weights, curvature 1
-        if len(queue) > delay:
-            g = queue.pop(0)  # accumulated as autograd does (a held update keeps .grad)
-            u.grad = g if u.grad is None else u.grad + g
-            opt.step(0, applied)
-            applied += 1
-        trace.append(abs(float(u.detach())))
-        if not math.isfinite(trace[-1]) or trace[-1] > 1e12:
-            return math.inf
-    window = max(steps // 8, 2 * delay + 2)
-    return max(trace[-window:]) / max(max(trace[:window]), 1e-300)
+
+def delayed_quadratic_progress(
+    rate: float,
+    delay: int,
+    optimizer: Callable[[list[nn.Parameter], float], torch.optim.Optimizer],
+    config: PipeMareConfig | None = None,
+    steps: int = 600,
+    curvature: torch.Tensor | None = None,
+) -> float:
+    """How far ``steps`` delayed updates get: ``|u|`` at the end (its peak over the last
+    eighth) over ``|u|`` at the start; inf where it blows up. For an optimiser whose step is
+    normalised (the Adam family), which never blows up on a quadratic, this is what the delay
+    costs: the rate range where it stays small is its useful range."""
+    from pipemare.optim.config import PipeMareConfig
+
+    cfg = config if config is not None else PipeMareConfig.off()
+    trace = _delayed_trace(rate, delay, optimizer, cfg, steps, curvature)
+    if not math.isfinite(trace[-1]):
+        return math.inf
+    return max(trace[-max(steps // 8, 1) :]) / max(trace[0], 1e-300)
 
 
 def largest_stable_step(
@@ -114,6 +183,7 @@ def largest_stable_step(
     steps: int = 600,
     high: float = 8.0,
     tol: float = 1e-3,
+    curvature: torch.Tensor | None = None,
 ) -> float:
     """The largest ``αλ`` for which the delayed quadratic contracts, under ``config``.
 
@@ -125,6 +195,9 @@ def largest_stable_step(
         delay: τ.
         config: the corrections (default: none). T1's horizon is the whole run.
         optimizer: ``(params, lr) -> optimiser`` (default: plain SGD).
+        curvature: ``S`` for a matrix weight on ``tr(u S uᵀ)/2`` (e.g.
+            :func:`misaligned_curvature`); the bound of plain SGD there is
+            ``2 sin(π/(4τ+2)) / λ_max``.
     """
     from pipemare.optim.config import PipeMareConfig
 
@@ -133,7 +206,7 @@ def largest_stable_step(
     low, hi = 0.0, high
     while hi - low > tol:
         mid = (low + hi) / 2
-        if _delayed_quadratic(mid, delay, make, cfg, steps) < 1.0:
+        if _delayed_quadratic(mid, delay, make, cfg, steps, curvature) < 1.0:
             low = mid
         else:
             hi = mid

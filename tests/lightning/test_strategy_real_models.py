@@ -149,10 +149,12 @@ def test_muon_with_adamw_trains_the_tied_gpt_through_gpipe_as_on_one_device():
     _same(piped, plain)
 
 
-def test_a_muon_run_resumes_from_its_checkpoint_as_the_uninterrupted_run(tmp_path):
-    """The asynchronous default with Muon + AdamW: the checkpoint carries both kinds' state
-    (Muon's momentum, AdamW's moments) and the corrections' buffers. Each epoch validates,
-    which drains the pipeline in both runs (a resume starts from an empty pipeline)."""
+@pytest.mark.parametrize(("optimizer", "lr"), [("muon", 0.02), ("rotated", 3e-3)])
+def test_a_run_resumes_from_its_checkpoint_as_the_uninterrupted_run(tmp_path, optimizer, lr):
+    """The asynchronous default with Muon + AdamW, and with AdamW in a rotated basis: the
+    checkpoint carries the optimiser's state (Muon's momentum, AdamW's moments, the rotated
+    basis and its factors) and the corrections' buffers. Each epoch validates, which drains the
+    pipeline in both runs (a resume starts from an empty pipeline)."""
 
     def fit(module, epochs, ckpt_path=None, callbacks=()):
         config = PipeMareConfig(reschedule_steps=3)  # the same horizon in the shorter run
@@ -163,7 +165,7 @@ def test_a_muon_run_resumes_from_its_checkpoint_as_the_uninterrupted_run(tmp_pat
         t.fit(module, tokens(), tokens(16), ckpt_path=ckpt_path)
         return t
 
-    base = GPTModule(lr=0.02, optimizer="muon")
+    base = GPTModule(lr=lr, optimizer=optimizer)
     full, first, resumed = (copy.deepcopy(base) for _ in range(3))
     before = _val(base, tokens())
     fit(full, 3)
