@@ -19,9 +19,12 @@ def _bytes(tensors: Any) -> int:
 
 
 def memory_report(trainer: pl.Trainer) -> dict[str, Any]:
-    """Per stage, in MB: weights, optimiser state, PipeDream's weight stash (peak), the
+    """Per stage, in MB: weights, optimiser state (and the part of it that is a rotated basis,
+    :class:`~pipemare.optim.RotatedAdamW`'s factors), PipeDream's weight stash (peak), the
     corrections' buffers (in all and per correction); and the peak number of microbatches whose
     activations a stage held."""
+    from pipemare.optim.rotated import extra_state_bytes
+
     pipe = getattr(trainer.strategy, "pipeline", None)
     if pipe is None:
         return {}
@@ -41,6 +44,7 @@ def memory_report(trainer: pl.Trainer) -> dict[str, Any]:
                 "stage": stage.index,
                 "weights_mb": _bytes(params) * mb,
                 "optimizer_state_mb": _bytes(state) * mb,
+                "rotated_basis_mb": extra_state_bytes(pipe.optimizer.optimizer, params) * mb,
                 "stash_mb": stage.peak_stashed_versions * _bytes(params) * mb,
                 "correction_buffers_mb": sum(buffers.values()) * mb,
                 "corrections_mb": {name: size * mb for name, size in buffers.items()},

@@ -82,11 +82,17 @@ def _drop_unvisited(
     return vectors * (values > floor).to(vectors.dtype)
 
 
-def extra_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the basis factors (``L``, ``R``, ``Q_L``, ``Q_R``) beyond AdamW's own state."""
+def extra_state_bytes(
+    optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor] | None = None
+) -> int:
+    """Bytes of the basis factors (``L``, ``R``, ``Q_L``, ``Q_R``) beyond AdamW's own state, for
+    ``params`` (default: all); 0 for an optimiser that keeps none."""
+    states = (
+        optimizer.state.values() if params is None else [optimizer.state.get(p, {}) for p in params]
+    )
     return sum(
         t.numel() * t.element_size()
-        for state in optimizer.state.values()
+        for state in states
         for key, t in state.items()
         if key in _FACTORS and isinstance(t, torch.Tensor)
     )
