@@ -116,9 +116,11 @@ class RotatedAdamW(torch.optim.Optimizer):
         >>> net = torch.nn.Linear(4, 3)
         >>> opt = RotatedAdamW(net.parameters(), lr=1e-3)
         >>> net(torch.randn(5, 4)).sum().backward(); opt.step()
-        >>> sorted(opt.state[net.weight]), sorted(opt.state[net.bias])
-        (['exp_avg', 'exp_avg_sq', 'left', 'q_left', 'q_right', 'right', 'step'], ['exp_avg', 'exp_avg_sq', 'step'])
-    """  # noqa: E501
+        >>> sorted(opt.state[net.weight])  # the first gradient seeded the factors
+        ['exp_avg', 'exp_avg_sq', 'left', 'q_left', 'q_right', 'right', 'started', 'step']
+        >>> sorted(opt.state[net.bias])  # a vector: AdamW's state
+        ['exp_avg', 'exp_avg_sq', 'step']
+    """
 
     def __init__(
         self,
