@@ -19,13 +19,13 @@ corrections read (:func:`pipemare.optim.corrections.base.momentum_is_average`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["MuonAdamW", "muon_param_groups", "orthogonalize"]
+__all__ = ["MuonAdamW", "muon_param_groups", "orthogonalize", "step_each"]
 
 #: Coefficients of the quintic Newton-Schulz iteration (Jordan et al., 2024).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -53,6 +53,24 @@ def orthogonalize(matrix: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> to
         gram = x @ x.T
         x = a * x + (b * gram + c * gram @ gram) @ x
     return (x.T if tall else x).to(matrix.dtype)
+
+
+def step_each(
+    optimizer: torch.optim.Optimizer,
+    closure: Callable[[], Any] | None,
+    update: Callable[[torch.Tensor, dict[str, Any]], None],
+) -> Any:
+    """An optimiser's ``step``: the closure's loss (if any), then ``update(p, group)`` for
+    every parameter that has a gradient."""
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                update(p, group)
+    return loss
 
 
 def _muon_scale(shape: torch.Size, adjust: str) -> float:
@@ -165,19 +183,13 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if group["use_muon"]:
-                    self._muon(p, group)
-                else:
-                    self._adamw(p, group)
-        return loss
+        return step_each(self, closure, self._step)
+
+    def _step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
+        if group["use_muon"]:
+            self._muon(p, group)
+        else:
+            self._adamw(p, group)
 
     def _muon(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         state = self.state[p]

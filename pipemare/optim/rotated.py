@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from pipemare.optim.muon import step_each
+
 __all__ = ["RotatedAdamW", "extra_state_bytes"]
 
 _FACTORS = ("left", "right", "q_left", "q_right")
@@ -161,15 +163,7 @@ class RotatedAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._step(p, group)
-        return loss
+        return step_each(self, closure, self._step)
 
     def _step(self, p: torch.Tensor, group: dict[str, Any]) -> None:
         grad = p.grad
