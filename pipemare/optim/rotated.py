@@ -181,7 +181,8 @@ class RotatedAdamW(torch.optim.Optimizer):
                     keep = side <= group["max_dim"]
                     state[key] = p.new_zeros((side, side) if keep else (0, 0), dtype=_wide(p))
                     eye = torch.eye(side, dtype=_wide(p), device=p.device)
-                    state["q_" + key] = eye if keep else state[key].clone()  # AdamW's basis
+                    # the identity until the first gradient seeds it (or if its eigh fails)
+                    state["q_" + key] = eye if keep else state[key].clone()
             else:
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if rotated and not state["started"]:  # the first gradient only seeds the basis
@@ -192,7 +193,7 @@ class RotatedAdamW(torch.optim.Optimizer):
         t = int(state["step"])
         beta1, beta2 = group["betas"]
         state["exp_avg"].lerp_(grad, 1 - beta1)
-        if rotated:  # in the basis the past gradients gave (the first step: AdamW's own)
+        if rotated:  # in the basis the earlier gradients gave
             raw = _as_matrix(grad).to(_wide(p))
             g = self._rotate(state, raw)
             m = self._rotate(state, _as_matrix(state["exp_avg"]).to(_wide(p)))
