@@ -122,12 +122,14 @@ def _char_gpt() -> nn.Sequential:
     blocks: 14 blocks of width 32 as in ``char_lm``, the tie spanning the first and last stage."""
     from pipemare.experiments.tasks.gpt import GPT
     from pipemare.model.segments import segment_module
-    from pipemare.optim import muon_param_groups
+    from pipemare.optim import muon_param_groups, rotated_param_groups
 
     model = GPT(256, 32, 4, 14, _CONTEXT)
     segmented = segment_module(model, (torch.zeros(2, _CONTEXT, dtype=torch.long),))
     # the trace keeps the parameters but not their modules' types, which say what Muon takes
+    # and what RotatedAdamW leaves unrotated
     segmented.muon_hidden = muon_param_groups(model)[0]["params"]
+    segmented.unrotated = rotated_param_groups(model)[1]["params"]
     return segmented
 
 
@@ -152,6 +154,15 @@ def _digits_task(
     return Task(name, build, data, loss, "acc", batch, 1200, eval_every=50, lrs=_LRS, tuned=tuned)
 
 
+def _split(model: nn.Module, chosen: list[nn.Parameter], key: str, value: bool) -> list[dict]:
+    """``model``'s parameters in two groups: ``chosen`` with ``key=value``, the rest with not."""
+    mine = {id(p) for p in chosen}
+    return [
+        {"params": [p for p in model.parameters() if id(p) in mine], key: value},
+        {"params": [p for p in model.parameters() if id(p) not in mine], key: not value},
+    ]
+
+
 def _optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     if name == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr)
@@ -164,21 +175,19 @@ def _optimizer(name: str, model: nn.Module, lr: float) -> torch.optim.Optimizer:
     if name == "nesterov":
         return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True)
     if name == "rotated":
-        from pipemare.optim import RotatedAdamW
+        from pipemare.optim import RotatedAdamW, rotated_param_groups
 
-        return RotatedAdamW(model.parameters(), lr=lr)
+        plain = getattr(model, "unrotated", None)  # a traced model: its original's choice
+        if plain is None:
+            return RotatedAdamW(rotated_param_groups(model), lr=lr)
+        return RotatedAdamW(_split(model, plain, "rotate", False), lr=lr)
     if name == "muon":
         from pipemare.optim import MuonAdamW, muon_param_groups
 
         hidden = getattr(model, "muon_hidden", None)  # a traced model: its original's choice
         if hidden is None:
             return MuonAdamW(muon_param_groups(model), lr=lr, weight_decay=0.01)
-        mine = {id(p) for p in hidden}
-        groups = [
-            {"params": [p for p in model.parameters() if id(p) in mine], "use_muon": True},
-            {"params": [p for p in model.parameters() if id(p) not in mine], "use_muon": False},
-        ]
-        return MuonAdamW(groups, lr=lr, weight_decay=0.01)
+        return MuonAdamW(_split(model, hidden, "use_muon", True), lr=lr, weight_decay=0.01)
     raise ValueError(f"unknown optimizer {name!r}: one of {sorted(OPTIMIZERS)}")
 
 

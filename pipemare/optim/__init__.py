@@ -8,6 +8,13 @@ Reads delays from :mod:`pipemare.schedule`; knows nothing of processes or Lightn
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.muon import MuonAdamW, muon_param_groups
 from pipemare.optim.optimizer import PipeMareOptimizer
-from pipemare.optim.rotated import RotatedAdamW
+from pipemare.optim.rotated import RotatedAdamW, rotated_param_groups
 
-__all__ = ["MuonAdamW", "PipeMareConfig", "PipeMareOptimizer", "RotatedAdamW", "muon_param_groups"]
+__all__ = [
+    "MuonAdamW",
+    "PipeMareConfig",
+    "PipeMareOptimizer",
+    "RotatedAdamW",
+    "muon_param_groups",
+    "rotated_param_groups",
+]

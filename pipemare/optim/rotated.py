@@ -56,10 +56,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
 from pipemare.optim.muon import step_each
 
-__all__ = ["RotatedAdamW", "extra_state_bytes"]
+__all__ = ["RotatedAdamW", "extra_state_bytes", "rotated_param_groups"]
 
 _FACTORS = ("left", "right", "q_left", "q_right")
 
@@ -100,6 +101,42 @@ def extra_state_bytes(
     )
 
 
+def rotated_param_groups(
+    module: nn.Module, exclude: Iterable[str] = (), **settings: Any
+) -> list[dict[str, Any]]:
+    """Two param groups of ``module`` for :class:`RotatedAdamW`: rotated, and stepped by plain
+    AdamW (``rotate=False``), split as the Muon recipe splits them.
+
+    AdamW gets every ``nn.Embedding``'s weight, the last ``nn.Linear``'s (the classifier or
+    language-model head, tied or not) and the parameters ``exclude`` names (as
+    ``named_parameters`` spells them); every other matrix is rotated, and vectors are AdamW's in
+    either group. A vocabulary-sized side is where the rotation went wrong: an embedding's
+    gradient touches the few rows its batch's tokens name, so its factor over the vocabulary
+    follows whichever tokens came lately (on the protocol's tied GPT, rotating it made gpipe
+    train slower than Adam's). ``settings`` (``lr``, ``weight_decay``, ...) go into both groups.
+
+    Example:
+        >>> net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10))
+        >>> [(len(g["params"]), g["rotate"]) for g in rotated_param_groups(net)]
+        [(3, True), (2, False)]
+    """
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    plain_ids = {
+        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
+    }
+    plain_ids |= {id(linears[-1].weight)} if linears else set()
+    skip = set(exclude)
+    rotated: list[nn.Parameter] = []
+    plain: list[nn.Parameter] = []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            (plain if id(p) in plain_ids or name in skip else rotated).append(p)
+    return [
+        {"params": rotated, "rotate": True, **settings},
+        {"params": plain, "rotate": False, **settings},
+    ]
+
+
 class RotatedAdamW(torch.optim.Optimizer):
     """AdamW whose second moment lives in each weight matrix's estimated eigenbasis (see the
     module for the update and its memory).
@@ -113,6 +150,8 @@ class RotatedAdamW(torch.optim.Optimizer):
         shampoo_beta: ``β_s``, the decay of the factors ``L`` and ``R`` (SOAP's 0.95).
         every: steps between eigendecompositions of the factors (SOAP's 10).
         max_dim: a side longer than this keeps the identity basis (an embedding's vocabulary).
+        rotate: ``False`` steps a group's matrices by plain AdamW (see
+            :func:`rotated_param_groups`).
 
     Example:
         >>> net = torch.nn.Linear(4, 3)
@@ -134,6 +173,7 @@ class RotatedAdamW(torch.optim.Optimizer):
         shampoo_beta: float = 0.95,
         every: int = 10,
         max_dim: int = 2048,
+        rotate: bool = True,
     ) -> None:
         if lr < 0 or weight_decay < 0 or eps < 0:
             raise ValueError(
@@ -158,6 +198,7 @@ class RotatedAdamW(torch.optim.Optimizer):
             "shampoo_beta": shampoo_beta,
             "every": every,
             "max_dim": max_dim,
+            "rotate": rotate,
         }
         super().__init__(params, defaults)
 
@@ -169,7 +210,8 @@ class RotatedAdamW(torch.optim.Optimizer):
         grad = p.grad
         assert grad is not None
         state = self.state[p]
-        rotated = p.ndim >= 2
+        # a matrix keeps the kind of state it began with, should its group's flag change
+        rotated = "q_left" in state if state else p.ndim >= 2 and group["rotate"]
         if not state:
             state["step"] = torch.zeros((), dtype=torch.float32)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)

@@ -13,7 +13,7 @@ from torch import nn
 
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
 from pipemare.experiments.bench.memory import optimizer_bytes
-from pipemare.optim import RotatedAdamW
+from pipemare.optim import RotatedAdamW, rotated_param_groups
 from pipemare.optim.rotated import extra_state_bytes
 from pipemare.optim.stability import (
     delayed_gd_bound,
@@ -36,10 +36,12 @@ def grads(model, seed):
         p.grad = torch.randn(p.shape, generator=g)
 
 
-def test_without_a_basis_it_steps_exactly_as_adamw():
-    """``max_dim=0`` keeps no factor on either side: every parameter is AdamW's."""
+@pytest.mark.parametrize("setting", [{"max_dim": 0}, {"rotate": False}])
+def test_without_a_basis_it_steps_exactly_as_adamw(setting):
+    """``max_dim=0`` keeps no factor on either side, ``rotate=False`` none at all: every
+    parameter is AdamW's."""
     a, b = net(), net()
-    ours = RotatedAdamW(a.parameters(), lr=1e-2, weight_decay=0.1, max_dim=0)
+    ours = RotatedAdamW(a.parameters(), lr=1e-2, weight_decay=0.1, **setting)
     ref = torch.optim.AdamW(b.parameters(), lr=1e-2, weight_decay=0.1)
     for k in range(5):
         grads(a, k), grads(b, k)
@@ -47,6 +49,49 @@ def test_without_a_basis_it_steps_exactly_as_adamw():
     for x, y in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-7)
     assert extra_state_bytes(ours) == 0
+
+
+def test_embeddings_and_a_tied_head_are_left_to_adamw():
+    """:func:`rotated_param_groups` on the GPT (blocks in a ModuleList, head tied to the token
+    embedding): both embeddings, and so the head, are AdamW's; every block matrix is rotated;
+    ``exclude`` adds by name. Stepped, the AdamW group keeps no basis."""
+    from pipemare.experiments.tasks.gpt import GPT
+
+    torch.manual_seed(0)
+    gpt = GPT(32, 8, 2, 2, 4)
+    rotated, plain = rotated_param_groups(gpt, lr=1e-3)
+    assert (rotated["rotate"], plain["rotate"], plain["lr"]) == (True, False, 1e-3)
+    assert {id(p) for p in plain["params"]} == {id(gpt.wte.weight), id(gpt.wpe.weight)}
+    assert gpt.lm_head.weight is gpt.wte.weight
+    matrices = [p for p in gpt.blocks.parameters() if p.ndim == 2]
+    assert matrices and all(any(p is q for q in rotated["params"]) for p in matrices)
+    assert len(rotated["params"]) + 2 == len(list(gpt.parameters()))
+    _, more = rotated_param_groups(gpt, exclude=["blocks.0.qkv.weight"])
+    assert any(p is gpt.blocks[0].qkv.weight for p in more["params"])
+
+    opt = RotatedAdamW(rotated_param_groups(gpt), lr=1e-3)
+    for _ in range(2):
+        gpt(torch.randint(0, 32, (3, 4))).sum().backward()
+        opt.step()
+    assert "q_left" not in opt.state[gpt.wte.weight]
+    assert "q_left" in opt.state[gpt.blocks[0].qkv.weight]
+    assert extra_state_bytes(opt, [gpt.wte.weight, gpt.wpe.weight]) == 0
+
+
+def test_a_matrix_keeps_its_kind_of_state_when_its_group_changes():
+    """A group switched to ``rotate=False`` mid-run (or a state dict loaded into one) keeps
+    stepping its matrices in the basis their state holds, instead of failing on its shape."""
+    model = net()
+    opt = RotatedAdamW(model.parameters(), lr=1e-2)
+    for k in range(3):
+        grads(model, k)
+        opt.step()
+    opt.param_groups[0]["rotate"] = False
+    before = model[0].weight.clone()
+    grads(model, 3)
+    opt.step()
+    assert not torch.equal(model[0].weight, before)
+    assert "q_left" in opt.state[model[0].weight]
 
 
 def eigenbasis(factor):
