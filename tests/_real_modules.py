@@ -12,12 +12,13 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from pipemare.optim import MuonAdamW, RotatedAdamW, muon_param_groups
+from pipemare.optim import MuonAdamW, RotatedAdamW, muon_param_groups, rotated_param_groups
 
 
 class GPTModule(pl.LightningModule):
     """``optimizer="muon"``: Muon on the blocks' matrices and AdamW on the rest (embedding and
-    tied head, norms, biases), one optimiser over two kinds of group."""
+    tied head, norms, biases), one optimiser over two kinds of group; ``"rotated"``:
+    RotatedAdamW with the embedding and tied head left to AdamW (``rotated_param_groups``)."""
 
     def __init__(
         self,
@@ -51,7 +52,7 @@ class GPTModule(pl.LightningModule):
         if self.optimizer == "muon":
             return MuonAdamW(muon_param_groups(self.gpt), lr=self.lr, weight_decay=0.01)
         if self.optimizer == "rotated":
-            return RotatedAdamW(self.gpt.parameters(), lr=self.lr, weight_decay=0.01)
+            return RotatedAdamW(rotated_param_groups(self.gpt), lr=self.lr, weight_decay=0.01)
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
