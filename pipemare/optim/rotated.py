@@ -202,6 +202,15 @@ class RotatedAdamW(torch.optim.Optimizer):
         }
         super().__init__(params, defaults)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        rotate = self.param_groups[-1]["rotate"]
+        if not isinstance(rotate, bool):
+            raise ValueError(
+                f"a param group's rotate must be True or False, got {rotate!r}: pass "
+                "rotated_param_groups(model), or groups that say rotate=True or rotate=False"
+            )
+
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:
         return step_each(self, closure, self._step)

@@ -294,3 +294,5 @@ def test_bad_settings_are_refused():
     for kwargs in ({"lr": -1.0}, {"betas": (0.9, 1.0)}, {"shampoo_beta": 1.5}, {"every": 0}):
         with pytest.raises(ValueError, match="must"):
             RotatedAdamW([nn.Parameter(torch.zeros(2, 2))], **kwargs)
+    with pytest.raises(ValueError, match="rotate must be True or False"):
+        RotatedAdamW([{"params": [nn.Parameter(torch.zeros(2, 2))], "rotate": "no"}])
