@@ -110,10 +110,11 @@ def rotated_param_groups(
     AdamW gets every ``nn.Embedding``'s weight, the last ``nn.Linear``'s (the classifier or
     language-model head, tied or not) and the parameters ``exclude`` names (as
     ``named_parameters`` spells them); every other matrix is rotated, and vectors are AdamW's in
-    either group. A vocabulary-sized side is where the rotation went wrong: an embedding's
-    gradient touches the few rows its batch's tokens name, so its factor over the vocabulary
-    follows whichever tokens came lately (on the protocol's tied GPT, rotating it made gpipe
-    train slower than Adam's). ``settings`` (``lr``, ``weight_decay``, ...) go into both groups.
+    either group. On the protocol's tied GPT, rotating the embedding's vocabulary side made
+    synchronous training slower than Adam's, and leaving it to AdamW made it faster
+    (docs/results.md). A likely reason: an embedding's gradient touches only the rows its
+    batch's tokens name, so a factor over the vocabulary follows whichever tokens came lately.
+    ``settings`` (``lr``, ``weight_decay``, ...) go into both groups.
 
     Example:
         >>> net = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 4), nn.Linear(4, 10))
