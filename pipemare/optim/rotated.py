@@ -105,7 +105,8 @@ def rotated_param_groups(
     module: nn.Module, exclude: Iterable[str] = (), **settings: Any
 ) -> list[dict[str, Any]]:
     """Two param groups of ``module`` for :class:`RotatedAdamW`: rotated, and stepped by plain
-    AdamW (``rotate=False``), split as the Muon recipe splits them.
+    AdamW (``rotate=False``): the embeddings and the head, which the Muon recipe leaves to AdamW
+    too (convolutions, which it also leaves, are rotated here).
 
     AdamW gets every ``nn.Embedding``'s weight, the last ``nn.Linear``'s (the classifier or
     language-model head, tied or not) and the parameters ``exclude`` names (as
