@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["MuonAdamW", "muon_param_groups", "orthogonalize", "step_each"]
+__all__ = ["MuonAdamW", "embedding_ids", "muon_param_groups", "orthogonalize", "step_each"]
 
 #: Coefficients of the quintic Newton-Schulz iteration (Jordan et al., 2024).
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -82,6 +82,11 @@ def _muon_scale(shape: torch.Size, adjust: str) -> float:
     raise ValueError(f"adjust_lr must be 'match_rms_adamw' or 'original', got {adjust!r}")
 
 
+def embedding_ids(module: nn.Module) -> set[int]:
+    """The ``id`` of every ``nn.Embedding`` parameter of ``module`` (a tied head's weight too)."""
+    return {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+
+
 def muon_param_groups(
     module: nn.Module, exclude: Iterable[str] = (), **settings: Any
 ) -> list[dict[str, Any]]:
@@ -99,11 +104,8 @@ def muon_param_groups(
         [2, 4]
     """
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    embedded = {
-        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
-    }
     skip = set(exclude)
-    hidden = {id(m.weight) for m in linears[:-1]} - embedded
+    hidden = {id(m.weight) for m in linears[:-1]} - embedding_ids(module)
     muon: list[nn.Parameter] = []
     rest: list[nn.Parameter] = []
     for name, p in module.named_parameters():

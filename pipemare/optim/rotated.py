@@ -58,7 +58,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare.optim.muon import step_each
+from pipemare.optim.muon import embedding_ids, step_each
 
 __all__ = ["RotatedAdamW", "extra_state_bytes", "rotated_param_groups"]
 
@@ -123,10 +123,7 @@ def rotated_param_groups(
         [(3, True), (2, False)]
     """
     linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
-    plain_ids = {
-        id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()
-    }
-    plain_ids |= {id(linears[-1].weight)} if linears else set()
+    plain_ids = embedding_ids(module) | ({id(linears[-1].weight)} if linears else set())
     skip = set(exclude)
     rotated: list[nn.Parameter] = []
     plain: list[nn.Parameter] = []
