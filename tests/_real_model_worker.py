@@ -42,6 +42,7 @@ def main() -> None:
         "val_loss": val["val_loss"],
         "balance": list(strategy.balance),
         "rank": rank,
+        "global_step": trainer.global_step,
     }
     (out / f"report-{rank}.json").write_text(json.dumps(report))
 

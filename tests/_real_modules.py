@@ -56,6 +56,38 @@ class GPTModule(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
+class ManualGPTModule(GPTModule):
+    """The GPT as the NanoGPT speedruns train it, written for Lightning's manual optimisation:
+    ``torch.optim.Muon`` on the blocks' matrices and ``AdamW`` on the rest, two optimisers,
+    each with a warm-up that ``on_train_batch_end`` steps."""
+
+    def __init__(self, lr: float = 0.02, adam_lr: float = 3e-3, **kwargs) -> None:
+        super().__init__(lr=lr, **kwargs)
+        self.adam_lr = adam_lr
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        muon, adamw = self.optimizers()
+        muon.zero_grad()
+        adamw.zero_grad()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        muon.step()
+        adamw.step()
+        self.log("train_loss", loss)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        for scheduler in self.lr_schedulers():
+            scheduler.step()
+
+    def configure_optimizers(self):
+        hidden, rest = (g["params"] for g in muon_param_groups(self.gpt))
+        muon = torch.optim.Muon(hidden, lr=self.lr, weight_decay=0.01)
+        adamw = torch.optim.AdamW(rest, lr=self.adam_lr, weight_decay=0.01)
+        warm = [torch.optim.lr_scheduler.LinearLR(o, 0.5, total_iters=4) for o in (muon, adamw)]
+        return [muon, adamw], warm
+
+
 def tokens(n: int = 64, batch: int = 8, seed: int = 0) -> DataLoader:
     """``n`` random sequences; the target of each token is the next one."""
     gen = torch.Generator().manual_seed(seed)
@@ -127,6 +159,8 @@ class HFModule(pl.LightningModule):
 SETUPS = {
     "gpt": (GPTModule, tokens, 4, 20),
     "gpt-muon": (lambda: GPTModule(lr=0.02, optimizer="muon"), tokens, 4, 20),
+    # two optimisers, each step counted: 20 batches; N = 1 as torch's Muon is bfloat16 inside
+    "gpt-manual": (ManualGPTModule, tokens, 1, 40),
     "gpt2": (lambda: HFModule("gpt2"), tokens, 2, 10),
     "llama": (lambda: HFModule("llama"), tokens, 2, 10),
     "resnet": (ResNetModule, images, 1, 8),

@@ -20,8 +20,10 @@ from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning import launching
+from pipemare.lightning.manual import steps_per_batch
 from pipemare.lightning.steps import check_last_batch, merge_published
 from pipemare.model import cuts, partition
+from pipemare.optim.chain import ChainedOptimizer
 
 __all__ = [
     "ProbeRequests",
@@ -30,6 +32,7 @@ __all__ = [
     "pipeline",
     "prepare_model",
     "results",
+    "stepped",
     "user_optimizer",
 ]
 
@@ -59,16 +62,17 @@ class ProbeRequests:
         pipe.probe.merge(**self.settings)
 
 
+def stepped(optimizers: Sequence[Any]) -> Any:
+    """What the pipeline steps of ``optimizers`` (one or more): the one, or all chained."""
+    return optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)
+
+
 def user_optimizer(optimizers: Sequence[Any], seq: nn.Sequential) -> torch.optim.Optimizer:
-    """The optimiser ``configure_optimizers`` returned, or a stand-in that never steps."""
-    if len(optimizers) > 1:
-        raise ValueError(
-            "pipemare steps one optimiser; configure_optimizers returned several: return "
-            "one, with a parameter group for each part that needs other settings"
-        )
+    """The optimiser ``configure_optimizers`` returned (several, under manual optimisation:
+    chained, :class:`~pipemare.optim.chain.ChainedOptimizer`), or a stand-in that never steps."""
     # Lightning's stand-in when configure_optimizers returns None is not the user's
     if optimizers and type(optimizers[0]).__name__ != "_MockOptimizer":
-        return optimizers[0]
+        return stepped(optimizers)
     return torch.optim.SGD(seq.parameters(), lr=0.0)  # never stepped with a real rate
 
 
@@ -143,7 +147,7 @@ def _plan_balance(strategy: Any, seq: nn.Sequential, x: Any, stages: int) -> lis
     def optimizer(params: Any) -> torch.optim.Optimizer:
         try:
             return make(params, **opt.defaults)
-        except TypeError:  # a constructor that does not take its own defaults back
+        except (TypeError, ValueError):  # a constructor that does not take its defaults back
             return torch.optim.SGD(params, lr=0.0)
 
     return auto_balance(
@@ -164,6 +168,8 @@ def _run_length(trainer: Any, fitting: bool) -> dict[str, Any]:
         return {}
     out = {}
     total = trainer.estimated_stepping_batches
+    if steps_per_batch(trainer) > 1 and trainer.max_steps != -1:  # max_steps counts each one
+        total = min(total, math.ceil(trainer.max_steps / steps_per_batch(trainer)))
     if isinstance(total, (int, float)) and math.isfinite(total):
         out["total_steps"] = int(total)
     per_epoch = trainer.num_training_batches

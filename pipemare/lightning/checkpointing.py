@@ -110,12 +110,18 @@ def _cpu(value: Any) -> Any:
     return value.cpu() if isinstance(value, torch.Tensor) else value
 
 
-def optimizer_state(param_groups: list[dict[str, Any]], snapshot: Snapshot) -> dict[str, Any]:
+def optimizer_state(
+    param_groups: list[dict[str, Any]], snapshot: Snapshot, span: tuple[int, int] | None = None
+) -> dict[str, Any]:
     """The user's optimiser state for the whole model, with pipemare's own under "pipemare".
 
     Args:
         param_groups: the optimiser's ``state_dict()["param_groups"]`` (its settings).
         snapshot: the stages' state (:class:`~pipemare.engine.snapshot.Snapshot`).
+        span: ``(offset, count)`` of this optimiser's parameters in the pipeline's numbering
+            when the pipeline steps several, chained
+            (:meth:`~pipemare.optim.chain.ChainedOptimizer.span`); pipemare's own state goes
+            with the first.
 
     Each process's optimiser only ever stepped its own stages' parameters, so the
     per-parameter states of all processes are disjoint and merge into the whole model's.
@@ -146,7 +152,11 @@ def optimizer_state(param_groups: list[dict[str, Any]], snapshot: Snapshot) -> d
             )
         extra["pipeline"]["rng"].update(part["extra"]["pipeline"]["rng"])
     merged["state"] = dict(sorted(merged["state"].items()))
-    return {**merged, "pipemare": extra}
+    if span is None:
+        return {**merged, "pipemare": extra}
+    offset, count = span
+    merged["state"] = {k - offset: v for k, v in merged["state"].items() if 0 <= k - offset < count}
+    return {**merged, "pipemare": extra} if offset == 0 else merged
 
 
 def layout(pipe: Pipeline) -> dict[str, Any]:

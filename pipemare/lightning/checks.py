@@ -159,14 +159,8 @@ def check_precision(api: LightningAPI, plugin: Any) -> None:
 
 
 def check_trainer(module: Any, trainer: Any) -> None:
-    """Refuse manual optimization, gradient accumulation and a bad clipping threshold."""
-    if not module.automatic_optimization:
-        raise ValueError(
-            "pipemare applies each stage's optimiser step itself; manual optimization "
-            "(self.automatic_optimization = False) is not supported. Return one optimiser from "
-            "configure_optimizers (parameter groups for parts with other settings; "
-            "pipemare.optim.MuonAdamW for Muon + AdamW)"
-        )
+    """Refuse gradient accumulation and a bad clipping threshold (under manual optimisation
+    Lightning refuses both itself)."""
     if trainer.accumulate_grad_batches != 1:
         raise ValueError(
             f"accumulate_grad_batches={trainer.accumulate_grad_batches}: a pipeline already "
@@ -190,11 +184,12 @@ def one_optimizer() -> Iterator[None]:
             raise
         raise ValueError(
             "pipemare steps one optimiser, stage by stage; configure_optimizers returned "
-            "several (Lightning runs several only with manual optimization, which pipemare "
-            "does not support). Return one optimiser, with a parameter group for each part "
-            "that needs other settings, e.g. torch.optim.Adam([{'params': body.parameters()}"
-            ", {'params': head.parameters(), 'lr': 1e-4}]); for Muon on the weight matrices "
-            "and AdamW on the rest, pipemare.optim.MuonAdamW(muon_param_groups(model))"
+            "several, which Lightning runs only under manual optimisation. Return one "
+            "optimiser, with a parameter group for each part that needs other settings, e.g. "
+            "torch.optim.Adam([{'params': body.parameters()}, {'params': head.parameters(), "
+            "'lr': 1e-4}]), or pipemare.optim.MuonAdamW(muon_param_groups(model)) for Muon on "
+            "the weight matrices and AdamW on the rest; or set self.automatic_optimization = "
+            "False and step both in training_step (pipemare steps them together)"
         ) from err
 
 

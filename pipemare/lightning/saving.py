@@ -31,6 +31,7 @@ from pipemare.engine.snapshot import Snapshot
 from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning import checkpointing
 from pipemare.lightning.checkpointing import StateNames
+from pipemare.optim.chain import ChainedOptimizer
 
 __all__ = ["Deferred", "SaveQueue"]
 
@@ -38,10 +39,15 @@ __all__ = ["Deferred", "SaveQueue"]
 class Deferred(dict[str, Any]):
     """Stands for a state that a snapshot still collects; empty until the write fills it."""
 
-    def __init__(self, snapshot: Snapshot, param_groups: list[dict[str, Any]] | None = None):
+    def __init__(
+        self,
+        snapshot: Snapshot,
+        param_groups: list[dict[str, Any]] | None = None,
+        span: tuple[int, int] | None = None,
+    ):
         super().__init__()
         self.snapshot = snapshot
-        self.param_groups = param_groups
+        self.param_groups, self.span = param_groups, span
 
 
 @dataclasses.dataclass
@@ -109,9 +115,11 @@ class SaveQueue:
         """``optimizer_state``: the whole optimiser state now, or a :class:`Deferred`."""
         snap = self._snapshot(pipe)
         groups = copy.deepcopy(optimizer.state_dict()["param_groups"])
+        chain = pipe.optimizer.optimizer  # several optimisers: this one's part of the chain
+        span = chain.span(optimizer) if isinstance(chain, ChainedOptimizer) else None
         if self._ready_now(pipe, snap):
-            return checkpointing.optimizer_state(groups, snap)
-        return Deferred(snap, groups)
+            return checkpointing.optimizer_state(groups, snap, span)
+        return Deferred(snap, groups, span)
 
     # -- Lightning's save_checkpoint / remove_checkpoint -------------------------------------
 
@@ -181,7 +189,7 @@ class SaveQueue:
         assert checkpoint is not None and snap is not None
         checkpoint["state_dict"] = checkpointing.module_state(module, pipe, names, snapshot=snap)
         checkpoint["optimizer_states"] = [
-            checkpointing.optimizer_state(s.param_groups or [], snap)
+            checkpointing.optimizer_state(s.param_groups or [], snap, s.span)
             if isinstance(s, Deferred)
             else s
             for s in checkpoint["optimizer_states"]

@@ -21,6 +21,7 @@ import torch
 from pipemare.engine.lagged import Results
 from pipemare.engine.microbatch import batch_size
 from pipemare.lightning.logreplay import LogRecorder, Record, merge_records
+from pipemare.lightning.manual import ManualOptimization, steps_per_batch
 from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
 
 __all__ = [
@@ -49,6 +50,8 @@ class UserSteps:
     ) -> None:
         self.module, self.adapter = module, adapter
         self.recorder = LogRecorder(module)
+        #: what a training step under manual optimisation needs (:mod:`~pipemare.lightning.manual`)
+        self.manual = ManualOptimization(module)
         self._forward_context = forward_context
         self.name, self.args, self.size = "training_step", (), 1
         #: where the last stage publishes each minibatch's ``(loss, records)``
@@ -82,6 +85,8 @@ class UserSteps:
             return self.adapter.run_with_output(self.name, out, microbatch, *self.args)
 
     def loss(self, out: Any, microbatch: Any) -> torch.Tensor:
+        if self.manual.active and self.name == "training_step":
+            return self.manual.loss(lambda: self.head(out, microbatch))
         return loss_of(self.head(out, microbatch))
 
     def publish(self, minibatch: int, value: Any) -> None:
@@ -122,7 +127,8 @@ def closes_epoch(trainer: pl.Trainer) -> bool:
     loop = trainer.fit_loop.epoch_loop
     if loop._num_ready_batches_reached():
         return True
-    return trainer.max_steps != -1 and loop.global_step + 1 >= trainer.max_steps
+    step = steps_per_batch(trainer)  # a batch may count a step per optimiser (manual)
+    return trainer.max_steps != -1 and loop.global_step + step >= trainer.max_steps
 
 
 def closes_loader(trainer: pl.Trainer, batch_idx: int, args: tuple) -> bool:

@@ -12,9 +12,8 @@ each hook delegates to the module that does its job:
   ``L`` the pipeline's depth in steps (:mod:`~pipemare.lightning.training`; shown as ``lag`` in
   the progress bar);
 - ``backward`` does nothing and ``optimizer_step`` only runs Lightning's closure: the engine
-  already applied each stage's update when the schedule called for it;
-- validation and test run pipelined after draining the pipeline (a batch's microbatches
-  overlap across stages, and in one process per stage consecutive batches overlap too);
+  already applied each stage's update (manual optimisation: :mod:`~pipemare.lightning.manual`);
+- validation and test run pipelined after draining the pipeline (their batches overlap);
 - checkpoints hold the whole model and optimiser state (:mod:`~pipemare.lightning.checkpointing`,
   written without draining by :mod:`~pipemare.lightning.saving`).
 
@@ -58,8 +57,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
     """Implementation shared by the ``pytorch_lightning`` and ``lightning.pytorch`` classes.
 
     Lightning's process properties and collectives are :class:`ProcessesMixin`'s, the hooks
-    that need the whole model (checkpoints, consolidation) :class:`ModelStateHooks`'; the rest
-    delegates to the modules named above.
+    that need the whole model :class:`ModelStateHooks`'; the rest go to the modules above.
     """
 
     strategy_name = "pipemare"
@@ -186,9 +184,8 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
         with checks.one_optimizer():
             super().setup(trainer)
         if self._fitting and self.optimizers:
-            checks.check_optimizer(
-                self.optimizers[0], self.schedule, stages, self.microbatches, self.config
-            )
+            optimizer = build.stepped(self.optimizers)
+            checks.check_optimizer(optimizer, self.schedule, stages, self.microbatches, self.config)
         if self.distributed and dist.is_initialized():
             launching.SigtermRelay(trainer, self._lightning, self).install()
         checks.ignore_moot_warnings()
@@ -236,21 +233,23 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
     # -- Lightning's step hooks ---------------------------------------------------------------
 
     def training_step(self, batch: Any, batch_idx: int, *args: Any) -> torch.Tensor:
-        pipe = self._build(batch, "training_step", (batch_idx, *args))
-        loss = self._reports.step(
-            pipe,
-            self._steps_of(),
-            batch,
-            (batch_idx, *args),
-            trainer=self._module.trainer,
-            lag=self.lag,
-            device=self.root_device,
-            monitored=self.divergence_monitored,
-        )
+        steps = self._steps_of()
+        with steps.manual.pipelined():  # under manual optimisation: see lightning.manual
+            pipe = self._build(batch, "training_step", (batch_idx, *args))
+            loss = self._reports.step(
+                pipe,
+                steps,
+                batch,
+                (batch_idx, *args),
+                trainer=self._module.trainer,
+                lag=self.lag,
+                device=self.root_device,
+                monitored=self.divergence_monitored,
+            )
         self._write_due()  # checkpoints whose step reached every stage by now
         if self.lag:
             self._module.log("lag", float(self.lag), prog_bar=True, logger=False)
-        self._grads.stash(pipe)  # Lightning zeroes gradients next; in-flight ones stay aside
+        steps.manual.after_step(lambda: self._grads.stash(pipe))
         return torch.tensor(loss, device=self.root_device)
 
     def backward(
@@ -261,6 +260,7 @@ class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
+        self._steps_of().manual.check_step()  # manual optimisation: the engine steps
         result = closure()  # runs training_step, in which the stages applied their updates
         self._grads.restore()
         return result

@@ -5,12 +5,14 @@ the delayed-quadratic theory that bounds them (:mod:`~pipemare.optim.stability`)
 Reads delays from :mod:`pipemare.schedule`; knows nothing of processes or Lightning.
 """
 
+from pipemare.optim.chain import ChainedOptimizer
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.muon import MuonAdamW, muon_param_groups
 from pipemare.optim.optimizer import PipeMareOptimizer
 from pipemare.optim.rotated import RotatedAdamW, rotated_param_groups
 
 __all__ = [
+    "ChainedOptimizer",
     "MuonAdamW",
     "PipeMareConfig",
     "PipeMareOptimizer",

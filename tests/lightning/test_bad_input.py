@@ -255,7 +255,8 @@ RMSPROP = lambda ps: torch.optim.RMSprop(ps, lr=0.01)  # noqa: E731
             TwoOptimisers(),
             r"pipemare steps one optimiser, stage by stage; configure_optimizers returned several"
             r".* Return one optimiser, with a parameter group for each part.*"
-            r"pipemare.optim.MuonAdamW\(muon_param_groups\(model\)\)",
+            r"pipemare.optim.MuonAdamW\(muon_param_groups\(model\)\).*"
+            r"self.automatic_optimization = False and step both in training_step",
         ),
         (
             PipeMareStrategy(stages=2, config=PipeMareConfig(spike_compensation=True)),

@@ -309,19 +309,86 @@ def test_unsupported_precision(precision):
         )
 
 
-def test_gradient_accumulation_and_manual_optimization_are_refused():
+def test_gradient_accumulation_is_refused():
     with pytest.raises(ValueError, match=r"use PipeMareStrategy\(microbatches=N\) instead"):
         trainer(PipeMareStrategy(stages=2), max_steps=1, accumulate_grad_batches=2).fit(
             Tiny(), tiny_data()
         )
 
-    class Manual(Tiny):
-        def __init__(self):
-            super().__init__()
-            self.automatic_optimization = False
 
-    with pytest.raises(ValueError, match=r"manual optimization.*pipemare\.optim\.MuonAdamW"):
-        trainer(PipeMareStrategy(stages=2), max_steps=1).fit(Manual(), tiny_data())
+class Manual(Tiny):
+    """Tiny under manual optimisation; ``mistake`` is what its training step does wrong."""
+
+    def __init__(self, mistake=None, **kwargs):
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.mistake = mistake
+
+    def training_step(self, batch, batch_idx):
+        opt = self.optimizers()
+        opt.zero_grad()
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        if self.mistake != "no backward":
+            self.manual_backward(loss)
+        if self.mistake == "two backwards":
+            self.manual_backward(loss)
+        if self.mistake == "clipping":
+            self.clip_gradients(opt, gradient_clip_val=1.0)
+        opt.step(closure=(lambda: loss) if self.mistake == "closure" else None)
+        if self.mistake == "scheduler":
+            self.lr_schedulers().step()
+        self.log("train_loss", loss)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.mistake == "step in a hook":
+            self.optimizers().step()
+        elif self.scheduler is not None:
+            self.lr_schedulers().step()
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "pipemare"])
+def test_manual_optimisation_trains_as_automatic(schedule):
+    """One optimiser, stepped in training_step, with a scheduler stepped per batch in
+    on_train_batch_end: the same run as Lightning's automatic optimisation with the scheduler
+    at interval "step", for the synchronous and the asynchronous schedule."""
+    step_lr = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)  # noqa: E731
+    base = Tiny(scheduler=step_lr)
+    manual, automatic = Manual(scheduler=step_lr), copy.deepcopy(base)
+    manual.load_state_dict(base.state_dict())
+    t = trainer(PipeMareStrategy(stages=3, microbatches=2, schedule=schedule), max_steps=16)
+    t.fit(manual, tiny_data())
+    trainer(PipeMareStrategy(stages=3, microbatches=2, schedule=schedule), max_steps=16).fit(
+        automatic, tiny_data()
+    )
+    assert t.global_step == 16
+    assert t.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * 0.5**5)
+    for a, b in zip(weights(manual), weights(automatic), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.equal(weights(manual)[0], weights(base)[0])  # it trained
+
+
+@pytest.mark.parametrize(
+    ("mistake", "message"),
+    [
+        ("no backward", r"called self.manual_backward 0 times in one step.*call it once"),
+        ("two backwards", r"called self.manual_backward 2 times.*on the sum of your losses"),
+        ("clipping", r"gradient clipping inside training_step is not supported.*gradient_clip_val"),
+        ("closure", r"an optimiser step cannot take a closure"),
+        ("scheduler", r"a scheduler cannot step there \(StepLR.step\(\).*on_train_batch_end"),
+        ("step in a hook", r"call opt.step\(\) only inside training_step"),
+    ],
+)
+def test_manual_optimisation_refuses_what_a_pipeline_cannot_do(mistake, message):
+    """Each refused with what to do instead; all but a step in a hook before any update."""
+    step_lr = lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=3)  # noqa: E731
+    model = Manual(mistake, scheduler=step_lr)
+    before = weights(model)
+    with pytest.raises(ValueError, match=message):
+        trainer(PipeMareStrategy(stages=3, microbatches=2), max_steps=4).fit(model, tiny_data())
+    if mistake != "step in a hook":
+        for a, b in zip(weights(model), before, strict=True):
+            assert torch.equal(a, b)
 
 
 def test_a_last_batch_too_small_to_split_is_refused_before_any_update():

@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from pipemare.optim.chain import owner_of
 from pipemare.schedule.delay import StageDelay
 
 __all__ = [
@@ -43,7 +44,8 @@ def momentum_is_average(optimizer: torch.optim.Optimizer, group: Mapping[str, An
     """Whether a group's momentum buffer is an average of gradients (the Adam family's first
     moment, Muon's ``lerp``-ed buffer: the step stays about the rate whatever the momentum) or
     a sum (heavy-ball SGD: each gradient moves the weights ``lr/(1 - m)`` in total)."""
-    return "betas" in group or "use_muon" in group or isinstance(optimizer, torch.optim.Muon)
+    owner = owner_of(optimizer, group)
+    return "betas" in group or "use_muon" in group or isinstance(owner, torch.optim.Muon)
 
 
 def set_group_momentum(group: dict[str, Any], momentum: float) -> None:

@@ -122,8 +122,18 @@ class DelayMomentum(Correction):
     def bind(self, view: StageView) -> None:
         super().bind(view)
         groups = view.optimizer.param_groups
-        self.adam_family = all(momentum_is_average(view.optimizer, g) for g in groups)
+        averaged = [momentum_is_average(view.optimizer, g) for g in groups]
+        self.adam_family = all(averaged)
         has_momentum = all("betas" in g or "momentum" in g for g in groups)
+        if any(averaged) and not self.adam_family:  # e.g. SGD and AdamW, chained
+            if self.strict:
+                raise ValueError(
+                    "delay_momentum compensates a summed (SGD) momentum by the rate and an "
+                    "averaged one (Adam, Muon) not at all, per stage; these optimisers mix both"
+                    ": switch it off (delay_momentum=None) or give every group one kind"
+                )
+            self.active = False
+            return
         if not self.strict:
             self.active = self.adam_family or (has_momentum and group_momentum(groups[0]) > 0.0)
             return
