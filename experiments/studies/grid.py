@@ -66,6 +66,8 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # the default without delay-aware momentum (Adam in a rotated basis, where it hurt on the
     # misaligned quadratic)
     "pipemare-noDM": ("pipemare", PipeMareConfig(delay_momentum=None)),
+    # the default with T1 relaxing over half the run instead of 13% (probe: long delays)
+    "pipemare-T1half": ("pipemare", PipeMareConfig(reschedule_fraction=0.5)),
 }
 
 
