@@ -145,9 +145,10 @@ def _plan_balance(strategy: Any, seq: nn.Sequential, x: Any, stages: int) -> lis
     make = type(opt)
 
     def optimizer(params: Any) -> torch.optim.Optimizer:
+        params = list(params)  # a failed constructor may have used up an iterator
         try:
             return make(params, **opt.defaults)
-        except (TypeError, ValueError):  # a constructor that does not take its defaults back
+        except TypeError:  # a constructor that does not take its own defaults back (a chain)
             return torch.optim.SGD(params, lr=0.0)
 
     return auto_balance(
@@ -168,8 +169,9 @@ def _run_length(trainer: Any, fitting: bool) -> dict[str, Any]:
         return {}
     out = {}
     total = trainer.estimated_stepping_batches
-    if steps_per_batch(trainer) > 1 and trainer.max_steps != -1:  # max_steps counts each one
-        total = min(total, math.ceil(trainer.max_steps / steps_per_batch(trainer)))
+    per_batch = steps_per_batch(trainer)  # several optimisers: max_steps counts each one
+    if per_batch > 1 and trainer.max_steps != -1:
+        total = min(total, math.ceil(trainer.max_steps / per_batch))
     if isinstance(total, (int, float)) and math.isfinite(total):
         out["total_steps"] = int(total)
     per_epoch = trainer.num_training_batches

@@ -177,6 +177,15 @@ def test_two_optimisers_under_manual_optimisation_train_through_gpipe_as_on_one_
     _same(piped, plain)
 
 
+def test_the_planner_cuts_a_module_with_two_optimisers():
+    """balance="auto" profiles the layers with the run's optimiser; a chain of two cannot be
+    rebuilt from its defaults, so the profile falls back to SGD over the same parameters."""
+    strategy = PipeMareStrategy(stages=2, balance="auto")
+    t = quiet_trainer(strategy, max_steps=4)
+    t.fit(ManualGPTModule(), tokens())
+    assert t.global_step == 4 and len(strategy.balance) == 2 and min(strategy.balance) > 0
+
+
 def test_two_optimisers_under_the_asynchronous_default_train_and_resume(tmp_path):
     """The default pipemare schedule with Muon + AdamW as two optimisers: the corrections see
     both (a Muon group's momentum is an average, as an Adam one's), the run trains, and a
