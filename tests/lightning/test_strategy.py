@@ -368,6 +368,31 @@ def test_manual_optimisation_trains_as_automatic(schedule):
     assert not torch.equal(weights(manual)[0], weights(base)[0])  # it trained
 
 
+def test_two_optimisers_count_a_step_each_and_t1_counts_batches():
+    """With two optimisers, max_steps counts both (Lightning's manual loop does): 12 steps are
+    6 batches, the run stops there, and T1's horizon derives from 6 updates, not 12."""
+
+    class TwoManual(Manual):
+        def training_step(self, batch, batch_idx):
+            first, second = self.optimizers()
+            x, y = batch
+            self.manual_backward(F.cross_entropy(self.net(x), y))
+            first.step()
+            second.step()
+
+        def configure_optimizers(self):
+            return [
+                torch.optim.SGD(self.net[:2].parameters(), lr=0.05, momentum=0.9),
+                torch.optim.Adam(self.net[2:].parameters(), lr=1e-3),
+            ]
+
+    strategy = PipeMareStrategy(stages=3, microbatches=2)
+    t = trainer(strategy, max_steps=12)
+    t.fit(TwoManual(), tiny_data())
+    assert t.global_step == 12 and strategy.pipeline.minibatches_fed == 6
+    assert strategy.pipeline.optimizer.run_state()["total_steps"] == 6
+
+
 @pytest.mark.parametrize(
     ("mistake", "message"),
     [
