@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.corrections import Correction, LRReschedule
 
@@ -33,8 +35,10 @@ def run_state(
     corrections: Sequence[Correction],
     total_steps: int | None,
     steps_per_epoch: int | None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> dict[str, Any]:
-    """What to store in a checkpoint: T1's horizon (None without T1) and what it came from.
+    """What to store in a checkpoint: T1's horizon (None without T1) and what it came from
+    (``reschedule_fraction="auto"`` as resolved for ``optimizer``).
 
     Example:
         >>> cfg = PipeMareConfig()
@@ -42,11 +46,13 @@ def run_state(
         4
     """
     t1 = _t1(corrections)
+    settings = {name: getattr(config, name) for name in SETTINGS}
+    settings["reschedule_fraction"] = config.fraction(optimizer)
     return {
         "horizon": None if t1 is None else t1.horizon,
         "total_steps": total_steps,
         "steps_per_epoch": steps_per_epoch,
-        "settings": {name: getattr(config, name) for name in SETTINGS},
+        "settings": settings,
     }
 
 

@@ -162,7 +162,10 @@ def test_good_strategy_arguments_pass():
         (dict(reschedule_steps=1.5), "reschedule_steps must be a whole number of steps"),
         (dict(lr_reschedule="yes"), "lr_reschedule must be True or False"),
         (dict(discrepancy_correction=1), "discrepancy_correction must be True or False"),
-        (dict(reschedule_fraction="0.1"), "reschedule_fraction must be a finite number"),
+        (
+            dict(reschedule_fraction="0.1"),
+            "reschedule_fraction must be a finite number in .0, 1. or .auto.",
+        ),
         (dict(prediction_scale=math.nan), "prediction_scale must be a finite number"),
         (dict(weight_prediction=1), "weight_prediction must be True, False or 'auto'"),
         (dict(delay_momentum=True), "delay_momentum must lie in"),

@@ -74,3 +74,88 @@ def test_without_t1_now_or_then_there_is_nothing_to_keep():
     assert optimiser(off, total_steps=2000).load_state_dict(on) == []
     old = {k: v for k, v in on.items() if k != "run"}  # a checkpoint from before it was stored
     assert optimiser(PipeMareConfig(), total_steps=2000).load_state_dict(old) == []
+
+
+# -- "auto": half the run for the Adam family, 0.13 for the others --------------------------------
+
+
+def _params() -> list[nn.Parameter]:
+    return [nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(3))]
+
+
+def _muon_adamw() -> torch.optim.Optimizer:
+    from pipemare.optim import ChainedOptimizer
+
+    matrix, bias = _params()
+    return ChainedOptimizer([torch.optim.Muon([matrix]), torch.optim.AdamW([bias])])
+
+
+def _adam_chain() -> torch.optim.Optimizer:
+    from pipemare.optim import ChainedOptimizer
+
+    matrix, bias = _params()
+    return ChainedOptimizer([torch.optim.Adam([matrix]), torch.optim.AdamW([bias])])
+
+
+def _muon_adamw_one() -> torch.optim.Optimizer:
+    from pipemare.optim import MuonAdamW, muon_param_groups
+
+    layer = nn.Linear(3, 3)
+    return MuonAdamW(muon_param_groups(nn.Sequential(layer)), lr=0.01)
+
+
+def _rotated() -> torch.optim.Optimizer:
+    from pipemare.optim import RotatedAdamW
+
+    return RotatedAdamW(_params())
+
+
+@pytest.mark.parametrize(
+    ("build", "fraction"),
+    [
+        (lambda: torch.optim.Adam(_params()), 0.5),
+        (lambda: torch.optim.AdamW(_params()), 0.5),
+        (lambda: torch.optim.NAdam(_params()), 0.5),
+        (_rotated, 0.5),
+        (_adam_chain, 0.5),
+        (lambda: torch.optim.SGD(_params(), lr=0.1), 0.13),
+        (lambda: torch.optim.SGD(_params(), lr=0.1, momentum=0.9), 0.13),
+        (lambda: torch.optim.Muon([_params()[0]]), 0.13),
+        (_muon_adamw, 0.13),
+        (_muon_adamw_one, 0.13),
+    ],
+    ids=["adam", "adamw", "nadam", "rotated", "adam+adamw", "sgd", "sgdm", "muon", "chain", "mix"],
+)
+def test_auto_relaxes_t1_over_half_the_run_only_where_every_group_is_adam(build, fraction):
+    optimizer = build()
+    assert PipeMareConfig().fraction(optimizer) == fraction
+    assert PipeMareConfig().horizon(total_steps=1000, optimizer=optimizer) == 1000 * fraction
+    assert PipeMareConfig(reschedule_fraction=0.2).fraction(optimizer) == 0.2  # a number rules
+
+
+def test_the_engine_optimiser_reads_its_optimiser_for_t1s_horizon():
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
+    stages = {0: list(model[0].parameters()), 1: list(model[1].parameters())}
+    delays = derive_delays("pipemare", 2, 1)
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = PipeMareOptimizer(adam, stages, delays, PipeMareConfig(), total_steps=1000)
+    assert horizon(opt) == 500 and opt.state_dict()["run"]["settings"]["reschedule_fraction"] == 0.5
+    assert "lr_reschedule(horizon=500)" in opt.describe()
+    warm = PipeMareConfig(warmup_steps=100)
+    assert horizon(PipeMareOptimizer(adam, stages, delays, warm, total_steps=1100)) == 500
+
+
+def test_a_checkpoint_from_the_old_default_resumes_with_adams_horizon_and_says_so():
+    """Before "auto" every run stored 0.13; an Adam run resumed now takes half the run, named."""
+    saved = optimiser(PipeMareConfig(), total_steps=1000).state_dict()  # SGD: 0.13, as before
+    model = nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 3))
+    stages = {0: list(model[0].parameters()), 1: list(model[1].parameters())}
+    adam = torch.optim.Adam(model.parameters(), lr=1e-3)
+    opt = PipeMareOptimizer(
+        adam, stages, derive_delays("pipemare", 2, 1), PipeMareConfig(), total_steps=1000
+    )
+    saved["optimizer"] = opt.optimizer.state_dict()
+    (note,) = opt.load_state_dict(saved)
+    assert horizon(opt) == 500
+    assert "changes from 130 steps (0.13 of the run's 1000 steps) to 500 steps" in note
+    assert "reschedule_fraction from 0.13 to 0.5" in note

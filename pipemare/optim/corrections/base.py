@@ -22,6 +22,7 @@ __all__ = [
     "StepAveraged",
     "foreach_pair",
     "group_momentum",
+    "is_adam_family",
     "momentum_is_average",
     "set_group_momentum",
 ]
@@ -46,6 +47,14 @@ def momentum_is_average(optimizer: torch.optim.Optimizer, group: Mapping[str, An
     a sum (heavy-ball SGD: each gradient moves the weights ``lr/(1 - m)`` in total)."""
     owner = owner_of(optimizer, group)
     return "betas" in group or "use_muon" in group or isinstance(owner, torch.optim.Muon)
+
+
+def is_adam_family(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> bool:
+    """Whether a group steps as the Adam family does (``betas``: a first moment averaged and a
+    step normalised by the second), not as Muon (MuonAdamW's ``use_muon`` groups, torch's Muon)
+    or SGD."""
+    muon = group.get("use_muon") or isinstance(owner_of(optimizer, group), torch.optim.Muon)
+    return "betas" in group and not muon
 
 
 def set_group_momentum(group: dict[str, Any], momentum: float) -> None:
