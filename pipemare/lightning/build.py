@@ -23,7 +23,7 @@ from pipemare.lightning import launching
 from pipemare.lightning.manual import steps_per_batch
 from pipemare.lightning.steps import check_last_batch, merge_published
 from pipemare.model import cuts, partition
-from pipemare.optim.chain import ChainedOptimizer
+from pipemare.optim.chain import ChainedOptimizer, copies_of
 
 __all__ = [
     "ProbeRequests",
@@ -142,22 +142,13 @@ def _plan_balance(strategy: Any, seq: nn.Sequential, x: Any, stages: int) -> lis
     from pipemare.planner import auto_balance
 
     opt = user_optimizer(strategy.optimizers, seq)
-    make = type(opt)
-
-    def optimizer(params: Any) -> torch.optim.Optimizer:
-        params = list(params)  # a failed constructor may have used up an iterator
-        try:
-            return make(params, **opt.defaults)
-        except TypeError:  # a constructor that does not take its own defaults back (a chain)
-            return torch.optim.SGD(params, lr=0.0)
-
     return auto_balance(
         seq,
         x,
         stages,
         strategy.microbatches,
         strategy.schedule,
-        optimizer=optimizer,
+        optimizer=copies_of(opt, seq.parameters()),  # its groups and kinds of state
         config=strategy.config,
         forward_context=strategy.precision_plugin.forward_context,
     )

@@ -15,12 +15,13 @@ chain is parameter ``i - offset`` of the optimiser whose span holds ``i``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import inspect
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["ChainedOptimizer", "owner_of"]
+__all__ = ["ChainedOptimizer", "copies_of", "owner_of", "rebuild"]
 
 
 class ChainedOptimizer(torch.optim.Optimizer):
@@ -149,6 +150,77 @@ class ChainedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"ChainedOptimizer({', '.join(type(o).__name__ for o in self.optimizers)})"
+
+
+def _construct(like: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
+    """An optimiser of ``like``'s type and defaults over ``params`` (the defaults its
+    constructor takes: AdamW's hold one it does not)."""
+    takes = inspect.signature(type(like)).parameters
+    return type(like)(params, **{k: v for k, v in like.defaults.items() if k in takes})
+
+
+def _of_kind(optimizer: torch.optim.Optimizer, params: Any) -> torch.optim.Optimizer:
+    """A fresh optimiser of ``optimizer``'s kind (a chain's first) with its defaults over
+    ``params``, which it never held: what the planner times an engine's fixed costs with."""
+    first = optimizer.optimizers[0] if isinstance(optimizer, ChainedOptimizer) else optimizer
+    params = list(params)  # a failed constructor may have used up an iterator
+    try:
+        return _construct(first, params)
+    except (TypeError, ValueError):  # one that needs its own groups (MuonAdamW's use_muon)
+        return torch.optim.SGD(params, lr=0.0)
+
+
+def rebuild(
+    optimizer: torch.optim.Optimizer,
+    old: Sequence[torch.nn.Parameter],
+    new: Sequence[torch.nn.Parameter],
+) -> torch.optim.Optimizer:
+    """The same optimiser, fresh, over ``new``: a copy of the parameters ``old`` in the same
+    order (a deep copy of the model). Each group keeps its hyperparameters and each chained
+    optimiser its type; a parameter the optimiser does not hold stays out of it.
+
+    Example:
+        >>> import copy
+        >>> net = torch.nn.Linear(2, 2)
+        >>> chain = ChainedOptimizer([torch.optim.SGD([net.weight], lr=0.1),
+        ...                           torch.optim.AdamW([net.bias], lr=0.01)])
+        >>> twin = copy.deepcopy(net)
+        >>> fresh = rebuild(chain, list(net.parameters()), list(twin.parameters()))
+        >>> fresh, [g["lr"] for g in fresh.param_groups], fresh.state == {}
+        (ChainedOptimizer(SGD, AdamW), [0.1, 0.01], True)
+    """
+    old, new = list(old), list(new)
+    if len(old) != len(new):
+        raise ValueError(f"rebuild needs as many new parameters as old: {len(new)}, {len(old)}")
+    where = {id(p): i for i, p in enumerate(old)}
+    subs = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    built = []
+    for opt in subs:
+        groups = [
+            dict(g, params=[new[where[id(p)]] for p in g["params"] if id(p) in where])
+            for g in opt.param_groups
+        ]
+        groups = [g for g in groups if g["params"]]
+        if groups:
+            built.append(_construct(opt, groups))
+    if not built:
+        raise ValueError("the optimiser holds none of the parameters to rebuild it over")
+    return built[0] if len(built) == 1 else ChainedOptimizer(built)
+
+
+def copies_of(
+    optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter]
+) -> Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]:
+    """What the planner profiles a model's copies with: ``optimizer`` :func:`rebuild` over a
+    copy of ``params`` (as many, in the same order); over other parameters (the planner's
+    trivial layers), a fresh optimiser of its kind."""
+    old = list(params)
+
+    def make(new: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        new = list(new)
+        return rebuild(optimizer, old, new) if len(new) == len(old) else _of_kind(optimizer, new)
+
+    return make
 
 
 def owner_of(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> torch.optim.Optimizer:

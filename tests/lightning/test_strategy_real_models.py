@@ -178,8 +178,8 @@ def test_two_optimisers_under_manual_optimisation_train_through_gpipe_as_on_one_
 
 
 def test_the_planner_cuts_a_module_with_two_optimisers():
-    """balance="auto" profiles the layers with the run's optimiser; a chain of two cannot be
-    rebuilt from its defaults, so the profile falls back to SGD over the same parameters."""
+    """balance="auto" profiles copies of the layers with the run's two optimisers, rebuilt over
+    the copies (pipemare.optim.chain.copies_of; tests/optim/test_chain.py checks the state)."""
     strategy = PipeMareStrategy(stages=2, balance="auto")
     t = quiet_trainer(strategy, max_steps=4)
     t.fit(ManualGPTModule(), tokens())

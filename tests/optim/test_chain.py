@@ -132,3 +132,65 @@ def test_the_corrections_read_each_groups_family_from_its_own_optimiser():
     assert wrapped.momentum(0, 10_000, group=0) == pytest.approx(0.9)
     with pytest.raises(ValueError, match="these optimisers mix both: switch it off"):
         _corrections(sgd_adamw, PipeMareConfig(delay_momentum=0.99))
+
+
+# -- the same optimiser over a copy of the model (what the planner profiles) --------------------
+
+
+def _muon_adamw_one(model):
+    from pipemare.optim import MuonAdamW, muon_param_groups
+
+    return MuonAdamW(muon_param_groups(model), lr=0.02)
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda m: ChainedOptimizer(muon_adamw(m)),
+        _muon_adamw_one,
+        lambda m: torch.optim.SGD(
+            [{"params": m[0].parameters(), "lr": 0.05}, {"params": m[2:].parameters()}],
+            lr=0.1,
+            momentum=0.9,
+        ),
+        lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, betas=(0.8, 0.95)),
+    ],
+    ids=["chain", "muon-adamw", "sgd-groups", "adamw"],
+)
+def test_rebuild_makes_a_fresh_optimiser_that_steps_a_copy_as_the_original_steps_the_model(build):
+    from pipemare.optim.chain import rebuild
+
+    model = net()
+    original = build(model)
+    twin = copy.deepcopy(model)
+    fresh = rebuild(original, list(model.parameters()), list(twin.parameters()))
+    assert type(fresh) is type(original) and not fresh.state
+    for x, y in data(3):
+        for m, opt in ((model, original), (twin, fresh)):
+            opt.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_planner_profiles_a_chain_with_its_own_state():
+    """Before rebuild, the planner profiled a chain with SGD(lr=0): no optimiser state at all."""
+    from pipemare.optim.chain import copies_of
+    from pipemare.planner import profile
+
+    model = net()
+    chain = ChainedOptimizer(muon_adamw(model))
+    prof = profile(
+        model,
+        torch.randn(4, 6),
+        optimizer=copies_of(chain, model.parameters()),  # as the strategy's planner does
+        schedule="gpipe",  # no correction buffers: the state is the optimisers'
+        repeats=1,
+        rounds=1,
+    )
+    first = prof.layers[0][0]  # Linear(6, 8): Muon on its weight, AdamW on its bias
+    muon, adamw = 8 * 6 * 4, 2 * 8 * 4  # a momentum buffer; exp_avg and exp_avg_sq
+    assert muon + adamw <= first.state_bytes <= muon + adamw + 16  # + AdamW's step counter
+    last = prof.layers[0][4]  # Linear(12, 3): AdamW on both
+    assert 2 * (12 * 3 + 3) * 4 <= last.state_bytes <= 2 * (12 * 3 + 3) * 4 + 32
