@@ -66,8 +66,8 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # the default without delay-aware momentum (Adam in a rotated basis, where it hurt on the
     # misaligned quadratic)
     "pipemare-noDM": ("pipemare", PipeMareConfig(delay_momentum=None)),
-    # T1 relaxing over half the run whatever the optimiser (the default's choice for the Adam
-    # family), and over 13% of it whatever the optimiser (the default's choice before "auto")
+    # T1 relaxing over half the run whatever the optimiser and N (the default's choice for the
+    # Adam family at N = 1), and over 13% of it always (the default's choice before "auto")
     "pipemare-T1half": ("pipemare", PipeMareConfig(reschedule_fraction=0.5)),
     "pipemare-T1short": ("pipemare", PipeMareConfig(reschedule_fraction=0.13)),
 }

@@ -30,9 +30,9 @@ FALLBACK_HORIZON = 500
 #: ``delay_momentum="auto"``'s momentum at the most delayed stage (Ajanthan et al., ICML 2025).
 AUTO_DELAY_MOMENTUM = 0.99
 
-#: ``reschedule_fraction="auto"``'s horizon, as a fraction of the run: for an optimiser whose
-#: every group is of the Adam family, and for any other (SGD, Muon, Muon + AdamW, or no
-#: optimiser to read). docs/results.md has the measurements behind both.
+#: ``reschedule_fraction="auto"``'s horizon, as a fraction of the run: at N = 1 for an
+#: optimiser whose every group is of the Adam family, and otherwise (SGD, Muon, Muon + AdamW,
+#: no optimiser to read, or N > 1). docs/results.md has the measurements behind both.
 AUTO_FRACTIONS = {"adam": 0.5, "other": 0.13}
 
 # The fields' kinds, for the type checks (the others are numbers).
@@ -65,9 +65,10 @@ class PipeMareConfig:
 
     reschedule_fraction: float | str = "auto"
     """T1's horizon as a fraction of the run's steps after the warm-up, when neither of the
-    above is set; ``"auto"``: half the run where every param group is of the Adam family
-    (Adam, AdamW, NAdam, RotatedAdamW: measured better on the language models at N = 1), 0.13
-    otherwise (AsyncPP's 12-14%; SGD, Muon, Muon + AdamW: :data:`AUTO_FRACTIONS`). Without the
+    above is set; ``"auto"``: half the run at N = 1 where every param group is of the Adam
+    family (Adam, AdamW, NAdam, RotatedAdamW: measured better on the language models there),
+    0.13 otherwise (AsyncPP's 12-14%; SGD, Muon, Muon + AdamW, and N > 1, where the delays
+    are short and the longer horizon measured worse: :data:`AUTO_FRACTIONS`). Without the
     run's length (the engine not told ``total_steps``; Lightning always tells it) the horizon
     is :data:`FALLBACK_HORIZON` steps."""
 
@@ -280,29 +281,34 @@ class PipeMareConfig:
         }
         return cls(**{**base, **settings})
 
-    def fraction(self, optimizer: torch.optim.Optimizer | None = None) -> float:
-        """T1's horizon as a fraction of the run, ``"auto"`` resolved for ``optimizer``.
+    def fraction(
+        self, optimizer: torch.optim.Optimizer | None = None, microbatches: int = 1
+    ) -> float:
+        """T1's horizon as a fraction of the run, ``"auto"`` resolved for ``optimizer`` and N.
 
         Example:
             >>> w = [torch.nn.Parameter(torch.zeros(2))]
             >>> cfg = PipeMareConfig()
             >>> cfg.fraction(torch.optim.AdamW(w)), cfg.fraction(torch.optim.SGD(w, lr=0.1))
             (0.5, 0.13)
+            >>> cfg.fraction(torch.optim.AdamW(w), microbatches=4)
+            0.13
         """
         if self.reschedule_fraction != "auto":
             return float(self.reschedule_fraction)
         groups = [] if optimizer is None else optimizer.param_groups
         adam = bool(groups) and all(is_adam_family(optimizer, g) for g in groups)  # type: ignore[arg-type]
-        return AUTO_FRACTIONS["adam" if adam else "other"]
+        return AUTO_FRACTIONS["adam" if adam and microbatches == 1 else "other"]
 
     def horizon(
         self,
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        microbatches: int = 1,
     ) -> int:
         """T1's horizon K in optimiser steps: from steps, epochs, or a fraction of the run
-        (:meth:`fraction`, for ``optimizer``).
+        (:meth:`fraction`, for ``optimizer`` and ``microbatches``).
 
         Example:
             >>> cfg = PipeMareConfig()
@@ -322,19 +328,21 @@ class PipeMareConfig:
             return round(self.reschedule_epochs * steps_per_epoch)
         if total_steps is None:
             return FALLBACK_HORIZON
-        return round(self.fraction(optimizer) * max(total_steps - self.warmup_steps, 0))
+        fraction = self.fraction(optimizer, microbatches)
+        return round(fraction * max(total_steps - self.warmup_steps, 0))
 
     def build(
         self,
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        microbatches: int = 1,
     ) -> list[Correction]:
         """The corrections this config switches on, in the order their hooks run (T1's
-        horizon read for ``optimizer``: :meth:`fraction`)."""
+        horizon read for ``optimizer`` and ``microbatches``: :meth:`fraction`)."""
         out: list[Correction] = []
         if self.lr_reschedule:
-            horizon = self.horizon(total_steps, steps_per_epoch, optimizer)
+            horizon = self.horizon(total_steps, steps_per_epoch, optimizer, microbatches)
             out.append(LRReschedule(horizon, self.warmup_steps))
         accumulates = self._accumulates
         if self.delay_momentum == "auto" and not accumulates:

@@ -101,14 +101,14 @@ class PipeMareOptimizer:
             momentum=self.momentum,
         )
         self.corrections: list[Correction] = self.config.build(
-            total_steps, steps_per_epoch, optimizer
+            total_steps, steps_per_epoch, optimizer, microbatches
         )
         self.guard = next((c for c in self.corrections if isinstance(c, StabilityGuard)), None)
         if self.guard is not None:
             view.strength = self.guard.factor
         # what T1's horizon was derived from; a resume may keep the checkpointed run's instead
         self._run = run_length.run_state(
-            self.config, self.corrections, total_steps, steps_per_epoch, optimizer
+            self.config, self.corrections, total_steps, steps_per_epoch, optimizer, microbatches
         )
         for c in self.corrections:
             c.bind(view)

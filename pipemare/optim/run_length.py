@@ -36,9 +36,10 @@ def run_state(
     total_steps: int | None,
     steps_per_epoch: int | None,
     optimizer: torch.optim.Optimizer | None = None,
+    microbatches: int = 1,
 ) -> dict[str, Any]:
     """What to store in a checkpoint: T1's horizon (None without T1) and what it came from
-    (``reschedule_fraction="auto"`` as resolved for ``optimizer``).
+    (``reschedule_fraction="auto"`` as resolved for ``optimizer`` and ``microbatches``).
 
     Example:
         >>> cfg = PipeMareConfig()
@@ -47,7 +48,7 @@ def run_state(
     """
     t1 = _t1(corrections)
     settings = {name: getattr(config, name) for name in SETTINGS}
-    settings["reschedule_fraction"] = config.fraction(optimizer)
+    settings["reschedule_fraction"] = config.fraction(optimizer, microbatches)
     return {
         "horizon": None if t1 is None else t1.horizon,
         "total_steps": total_steps,

@@ -76,7 +76,7 @@ def test_without_t1_now_or_then_there_is_nothing_to_keep():
     assert optimiser(PipeMareConfig(), total_steps=2000).load_state_dict(old) == []
 
 
-# -- "auto": half the run for the Adam family, 0.13 for the others --------------------------------
+# -- "auto": half the run for the Adam family at N = 1, 0.13 otherwise ----------------------------
 
 
 def _params() -> list[nn.Parameter]:
@@ -130,6 +130,7 @@ def test_auto_relaxes_t1_over_half_the_run_only_where_every_group_is_adam(build,
     optimizer = build()
     assert PipeMareConfig().fraction(optimizer) == fraction
     assert PipeMareConfig().horizon(total_steps=1000, optimizer=optimizer) == 1000 * fraction
+    assert PipeMareConfig().fraction(optimizer, microbatches=4) == 0.13  # short delays: 13%
     assert PipeMareConfig(reschedule_fraction=0.2).fraction(optimizer) == 0.2  # a number rules
 
 
@@ -143,6 +144,11 @@ def test_the_engine_optimiser_reads_its_optimiser_for_t1s_horizon():
     assert "lr_reschedule(horizon=500)" in opt.describe()
     warm = PipeMareConfig(warmup_steps=100)
     assert horizon(PipeMareOptimizer(adam, stages, delays, warm, total_steps=1100)) == 500
+    four = derive_delays("pipemare", 2, 4)
+    opt = PipeMareOptimizer(adam, stages, four, PipeMareConfig(), microbatches=4, total_steps=1000)
+    assert (
+        horizon(opt) == 130 and opt.state_dict()["run"]["settings"]["reschedule_fraction"] == 0.13
+    )
 
 
 def test_a_checkpoint_from_the_old_default_resumes_with_adams_horizon_and_says_so():
