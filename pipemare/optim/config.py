@@ -132,7 +132,7 @@ class PipeMareConfig:
     (:class:`~pipemare.optim.corrections.ErrorFeedback`)."""
 
     def __post_init__(self) -> None:
-        self._check_types()
+        _check_types(self)
         if self.reschedule_steps is not None and self.reschedule_steps < 0:
             raise ValueError(f"reschedule_steps must be >= 0, got {self.reschedule_steps}")
         fraction = self.reschedule_fraction
@@ -161,7 +161,7 @@ class PipeMareConfig:
                 f"local_accumulation must be a whole number >= 1, 'auto' or None, got {la!r}"
             )
         if whole:
-            explicit = self._per_minibatch_named
+            explicit = _per_minibatch_named(self)
             if explicit:
                 raise ValueError(
                     f"local_accumulation does not combine with {', '.join(explicit)}: they count "
@@ -180,45 +180,6 @@ class PipeMareConfig:
                 "run at the predicted weights, the backward's live weights already match it and "
                 "T2 would move them away; switch one off (discrepancy_correction=False)"
             )
-
-    def _check_types(self) -> None:
-        """Refuse a value of the wrong type (a string from YAML, a fractional step count, NaN)."""
-        for name, value in dataclasses.asdict(self).items():
-            if name in ("delay_momentum", "local_accumulation", "error_feedback"):
-                continue  # checked with their ranges
-            if name == "reschedule_fraction" and value == "auto":
-                continue
-            if name == "delay_momentum_rise":
-                if value not in RISES:
-                    raise ValueError(f"{name} must be one of {RISES}, got {value!r}")
-                continue
-            if value is None and name in _OPTIONAL:
-                continue
-            if name in _FLAGS:
-                ok, need = isinstance(value, bool), "True or False"
-            elif name in _SWITCHES:
-                ok, need = isinstance(value, bool) or value == "auto", "True, False or 'auto'"
-            elif name in _STEPS:
-                ok = isinstance(value, int) and not isinstance(value, bool)
-                need = "a whole number of steps"
-            else:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-                ok, need = ok and math.isfinite(value), "a finite number"
-                if name == "reschedule_fraction":
-                    need += " in [0, 1] or 'auto'"
-            if not ok:
-                raise ValueError(f"{name} must be {need}, got {value!r}")
-
-    @property
-    def _per_minibatch_named(self) -> list[str]:
-        """The corrections counting one update per minibatch that are asked for by name."""
-        asked = (
-            ("weight_prediction", self.weight_prediction is True),
-            ("spike_compensation", self.spike_compensation is True),
-            ("delay_momentum", self.delay_momentum not in (None, "auto")),
-            ("discrepancy_correction", self.discrepancy_correction),
-        )
-        return [name for name, on in asked if on]
 
     @property
     def _accumulates(self) -> bool:
@@ -376,9 +337,49 @@ class PipeMareConfig:
             out.append(ErrorFeedback(self.error_feedback, self.warmup_steps))
         if isinstance(self.local_accumulation, int):  # a number (bools were refused)
             out.append(LocalAccumulation(self.local_accumulation, self.warmup_steps))
-        elif self.local_accumulation == "auto" and not self._per_minibatch_named:
+        elif self.local_accumulation == "auto" and not _per_minibatch_named(self):
             # stands aside (inactive) unless the optimiser is SGD without momentum
             out.append(LocalAccumulation(1, self.warmup_steps, strict=False))
         if self.stability_guard:  # its before_step sets the strength the others read after it
             out.append(StabilityGuard(self.guard_threshold, start=self.warmup_steps))
         return out
+
+
+def _check_types(config: PipeMareConfig) -> None:
+    """Refuse a value of the wrong type (a string from YAML, a fractional step count, NaN)."""
+    for name, value in dataclasses.asdict(config).items():
+        if name in ("delay_momentum", "local_accumulation", "error_feedback"):
+            continue  # checked with their ranges
+        if name == "reschedule_fraction" and value == "auto":
+            continue
+        if name == "delay_momentum_rise":
+            if value not in RISES:
+                raise ValueError(f"{name} must be one of {RISES}, got {value!r}")
+            continue
+        if value is None and name in _OPTIONAL:
+            continue
+        if name in _FLAGS:
+            ok, need = isinstance(value, bool), "True or False"
+        elif name in _SWITCHES:
+            ok, need = isinstance(value, bool) or value == "auto", "True, False or 'auto'"
+        elif name in _STEPS:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+            need = "a whole number of steps"
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            ok, need = ok and math.isfinite(value), "a finite number"
+            if name == "reschedule_fraction":
+                need += " in [0, 1] or 'auto'"
+        if not ok:
+            raise ValueError(f"{name} must be {need}, got {value!r}")
+
+
+def _per_minibatch_named(config: PipeMareConfig) -> list[str]:
+    """The corrections counting one update per minibatch that are asked for by name."""
+    asked = (
+        ("weight_prediction", config.weight_prediction is True),
+        ("spike_compensation", config.spike_compensation is True),
+        ("delay_momentum", config.delay_momentum not in (None, "auto")),
+        ("discrepancy_correction", config.discrepancy_correction),
+    )
+    return [name for name, on in asked if on]
