@@ -11,9 +11,9 @@ So while the strategy runs a training step:
   them all, chained (:class:`~pipemare.optim.chain.ChainedOptimizer`), stage by stage, and
   counts one step per optimiser per batch, so ``trainer.global_step`` advances as Lightning's
   own manual loop would for a step that calls each optimiser's ``step()`` once;
-- a learning-rate scheduler stepped inside ``training_step``, gradient clipping there and
-  ``opt.step(closure)`` are refused with what to do instead: a scheduler steps in
-  ``on_train_batch_end``, which runs once per batch on every process.
+- a learning-rate scheduler stepped inside ``training_step``, gradient clipping there,
+  ``opt.step(closure)`` and ``toggle_optimizer`` are refused with what to do instead: a
+  scheduler steps in ``on_train_batch_end``, which runs once per batch on every process.
 """
 
 from __future__ import annotations
@@ -88,6 +88,16 @@ def _refuse_clipping(*args: Any, **kwargs: Any) -> None:
     )
 
 
+def _refuse_toggling(*args: Any, **kwargs: Any) -> None:
+    raise ValueError(
+        "toggle_optimizer, untoggle_optimizer and toggled_optimizer inside training_step are "
+        "not supported with pipemare: it backpropagates the step's one loss through every "
+        "stage's parameters, and a microbatch's backward runs after later forwards, so it "
+        "cannot leave one optimiser's parameters out for one step. Remove the call; to keep "
+        "parameters fixed for the whole run, set requires_grad=False on them before fit"
+    )
+
+
 def _shaped(items: list[Any], like: Any) -> Any:
     """``items`` in the shape Lightning returned ``like`` in (one object, or a list)."""
     return items if isinstance(like, list) else items[0]
@@ -121,10 +131,15 @@ class ManualOptimization:
         module.lr_schedulers = lambda: _shaped(refused, schedulers) if refused else None
         module.manual_backward = self._record
         module.clip_gradients = _refuse_clipping
+        toggles = ("toggle_optimizer", "untoggle_optimizer", "toggled_optimizer")
+        for name in toggles:
+            setattr(module, name, _refuse_toggling)
         try:
             yield
         finally:
             for name in ("optimizers", "lr_schedulers", "manual_backward", "clip_gradients"):
+                delattr(module, name)
+            for name in toggles:
                 delattr(module, name)
 
     def _record(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:

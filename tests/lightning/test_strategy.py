@@ -335,6 +335,8 @@ class Manual(Tiny):
             self.manual_backward(loss)
         if self.mistake == "clipping":
             self.clip_gradients(opt, gradient_clip_val=1.0)
+        if self.mistake == "toggle":
+            self.toggle_optimizer(opt)
         opt.step(closure=(lambda: loss) if self.mistake == "closure" else None)
         if self.mistake == "scheduler":
             self.lr_schedulers().step()
@@ -400,6 +402,7 @@ def test_two_optimisers_count_a_step_each_and_t1_counts_batches():
         ("two backwards", r"called self.manual_backward 2 times.*on the sum of your losses"),
         ("clipping", r"gradient clipping inside training_step is not supported.*gradient_clip_val"),
         ("closure", r"an optimiser step cannot take a closure"),
+        ("toggle", r"toggle_optimizer.*not supported with pipemare.*requires_grad=False"),
         ("scheduler", r"a scheduler cannot step there \(StepLR.step\(\).*on_train_batch_end"),
         ("step in a hook", r"call opt.step\(\) only inside training_step"),
     ],
