@@ -79,23 +79,28 @@ class _RefusedScheduler:
         return getattr(self._real, name)
 
 
-def _refuse_clipping(*args: Any, **kwargs: Any) -> None:
-    raise ValueError(
-        "pipemare clips each stage's gradients itself when the update is due; gradient "
-        "clipping inside training_step is not supported with pipemare. Remove the "
-        "self.clip_gradients call; to clip, use automatic optimisation with "
-        "Trainer(gradient_clip_val=...)"
-    )
+def _refusal(message: str) -> Callable[..., None]:
+    """A stand-in for a module method that a pipelined training step cannot run."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise ValueError(message)
+
+    return refuse
 
 
-def _refuse_toggling(*args: Any, **kwargs: Any) -> None:
-    raise ValueError(
-        "toggle_optimizer, untoggle_optimizer and toggled_optimizer inside training_step are "
-        "not supported with pipemare: it backpropagates the step's one loss through every "
-        "stage's parameters, and a microbatch's backward runs after later forwards, so it "
-        "cannot leave one optimiser's parameters out for one step. Remove the call; to keep "
-        "parameters fixed for the whole run, set requires_grad=False on them before fit"
-    )
+_refuse_clipping = _refusal(
+    "pipemare clips each stage's gradients itself when the update is due; gradient "
+    "clipping inside training_step is not supported with pipemare. Remove the "
+    "self.clip_gradients call; to clip, use automatic optimisation with "
+    "Trainer(gradient_clip_val=...)"
+)
+_refuse_toggling = _refusal(
+    "toggle_optimizer, untoggle_optimizer and toggled_optimizer inside training_step are "
+    "not supported with pipemare: it backpropagates the step's one loss through every "
+    "stage's parameters, and a microbatch's backward runs after later forwards, so it "
+    "cannot leave one optimiser's parameters out for one step. Remove the call; to keep "
+    "parameters fixed for the whole run, set requires_grad=False on them before fit"
+)
 
 
 def _shaped(items: list[Any], like: Any) -> Any:
