@@ -6,16 +6,19 @@ single-device training of the minibatch computes (the transparency tests check i
 quality is run once per task; their pipeline time is measured at every N, and at N = 4P, their
 best-case bubble. Then, measured alone on the machine, each configuration's pipeline time per
 step (:func:`pipemare.experiments.studies.protocol.step_time`). Outputs in ``OUT``:
-``runs/*.json`` (one per run; a re-run skips those present), ``step_times.json``,
+``runs/*.json`` (one per run, with the setup it resolved; a re-run skips those present and
+set up as the job is today, and trains again one whose setup changed), ``step_times.json``,
 ``results.json``, ``results.md`` and plots of quality against steps and against pipeline time.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import multiprocessing
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -59,10 +62,65 @@ def _configs(task: str, variant: str, grid: Iterable[tuple[int, int]]) -> list[t
     return [next(iter(grid))] if variant in SYNC else list(grid)
 
 
+@functools.cache
+def _model(task: str) -> Any:
+    import torch
+
+    torch.manual_seed(0)
+    return TASKS[task].build()
+
+
+@functools.cache
+def _expected_setup(job: Job) -> dict[str, Any]:
+    from pipemare.experiments.studies.protocol import run_setup
+
+    schedule, config = VARIANTS[job.variant]
+    task = TASKS[job.task]
+    setup = run_setup(
+        task, schedule, job.stages, job.microbatches, job.lr, config, job.steps, _model(job.task)
+    )
+    return json.loads(json.dumps(setup))  # as a stored run holds it
+
+
+def _changes(stored: dict[str, Any], now: dict[str, Any]) -> str:
+    keys = sorted(set(stored) | set(now))
+    return "; ".join(
+        f"{k}: {stored.get(k)!r} -> {now.get(k)!r}" for k in keys if stored.get(k) != now.get(k)
+    )
+
+
+def _todo(jobs: list[Job], out: Path, label: str) -> list[Job]:
+    """The jobs to train: those with no stored run, and those whose stored run was set up
+    differently from what the job resolves to today (a default changed since; said on stderr).
+    A run stored before setups were recorded is used as it is, and counted."""
+    todo, legacy = [], 0
+    for job in jobs:
+        path = out / "runs" / f"{job.key}.json"
+        if not path.exists():
+            todo.append(job)
+            continue
+        stored = json.loads(path.read_text()).get("setup")
+        if stored is None:
+            legacy += 1
+        elif stored != (now := _expected_setup(job)):
+            print(
+                f"{job.key}: set up differently now, trained again ({_changes(stored, now)})",
+                file=sys.stderr,
+            )
+            todo.append(job)
+    if legacy:
+        print(
+            f"{label}: {legacy} stored run(s) predate recorded setups and are used as they are; "
+            "delete them to train them with today's defaults",
+            file=sys.stderr,
+        )
+    return todo
+
+
 def _execute(jobs: list[Job], out: Path, workers: int, label: str) -> None:
     from tqdm import tqdm
 
-    todo = [j for j in jobs if not (out / "runs" / f"{j.key}.json").exists()]
+    todo = _todo(jobs, out, label)
     if not todo:
         return
     (out / "runs").mkdir(parents=True, exist_ok=True)

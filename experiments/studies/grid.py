@@ -52,6 +52,10 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     ),
     # PACI's local gradient accumulation (each gradient crosses one update) with T1 and the guard
     "pipemare-LA": ("pipemare", PipeMareConfig(local_accumulation=1)),
+    # the same with each gradient crossing up to two and four updates (k = ceil(τ/c) halves,
+    # quarters): more updates per stage, for Adam, whose step does not grow with the sum
+    "pipemare-LA2": ("pipemare", PipeMareConfig(local_accumulation=2)),
+    "pipemare-LA4": ("pipemare", PipeMareConfig(local_accumulation=4)),
     # the default before the stability guard joined it (pipemare 0.3)
     "pipemare-noguard": ("pipemare", PipeMareConfig(stability_guard=False)),
     # Zmushko et al.'s error feedback (c = 1) alone, and added to the default

@@ -26,7 +26,7 @@ from torch import nn
 from pipemare import NonFiniteGradientError, NonFiniteLossError, Pipeline, PipeMareConfig
 from pipemare.engine.telemetry import Probe, replay_timeline
 
-__all__ = ["OPTIMIZERS", "TASKS", "RunResult", "Task", "step_time", "train"]
+__all__ = ["OPTIMIZERS", "TASKS", "RunResult", "Task", "run_setup", "step_time", "train"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -278,6 +278,10 @@ class RunResult:
     refused: str | None = None
     """Why the pipeline refused this configuration at setup (a correction the optimiser does
     not support, asked for by name); such a run has no curve."""
+    setup: dict[str, Any] | None = None
+    """What the run was set up to train (:func:`run_setup`): a stored run whose setup differs
+    from what its job resolves to today (a default changed) is trained again. None in runs
+    stored before setups were recorded."""
 
     def best(self, higher: bool) -> float:
         finite = [m for m in self.metric if math.isfinite(m)]
@@ -295,6 +299,46 @@ def _evaluate(model: nn.Sequential, task: Task, x: torch.Tensor, y: torch.Tensor
     if task.metric == "acc":
         return float((out.argmax(-1) == y).float().mean())
     return float(task.loss(out, y))
+
+
+def _setup(task: Task, schedule: str, steps: int, pipe: Pipeline | str) -> dict[str, Any]:
+    resolved = pipe if isinstance(pipe, str) else pipe.optimizer.describe()
+    return {
+        "schedule": schedule,
+        "optimizer": task.optimizer,
+        "batch": task.batch,
+        "steps": steps,
+        # the corrections as resolved for this optimiser, P and N ("auto" settled), or the
+        # reason the pipeline refused them
+        ("refused" if isinstance(pipe, str) else "corrections"): resolved,
+    }
+
+
+def run_setup(
+    task: Task,
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    lr: float,
+    config: PipeMareConfig | None = None,
+    steps: int | None = None,
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
+    """What :func:`train` with these arguments would be set up to train, without training.
+
+    The schedule, the task's optimiser, batch and steps, and the corrections the pipeline
+    resolves for them (:meth:`~pipemare.optim.PipeMareOptimizer.describe`), so a changed default
+    shows as a changed setup. ``model``: the task's model, built once by the caller (it is
+    copied, not changed); built here otherwise.
+    """
+    import copy
+
+    model = copy.deepcopy(model) if model is not None else task.build()
+    try:
+        pipe = _pipeline(task, model, schedule, stages, microbatches, lr, config, 0)
+    except ValueError as refusal:
+        return _setup(task, schedule, steps or task.steps, str(refusal))
+    return _setup(task, schedule, steps or task.steps, pipe)
 
 
 def _pipeline(
@@ -346,12 +390,14 @@ def train(
     result = RunResult(
         task.name, schedule, variant or schedule, stages, microbatches, lr, seed, [], [], [], 0.0
     )
+    steps = steps or task.steps
     try:
         pipe = _pipeline(task, model, schedule, stages, microbatches, lr, config, seed)
     except ValueError as refusal:
         result.refused = str(refusal)
+        result.setup = _setup(task, schedule, steps, result.refused)
         return result
-    steps = steps or task.steps
+    result.setup = _setup(task, schedule, steps, pipe)
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(len(x), generator=gen)
     pos = 0

@@ -154,3 +154,48 @@ def test_a_variant_the_optimiser_refuses_is_recorded_and_the_protocol_goes_on(tm
     assert len(runs) == 3 and all(r["refused"] and not r["metric"] for r in runs)
     text = (tmp_path / "results.md").read_text()
     assert "| 4 | 1 | pipemare-SC | | refused at setup: " in text
+
+
+def test_a_stored_run_set_up_otherwise_than_today_is_trained_again(tmp_path, capsys):
+    # a run records what it resolved; a default that changes since makes its stored runs stale
+    args = (tmp_path, ["digits"], ["gpipe", "pipemare"], ((4, 1),), 1, 1, 6, (1e-3,), 2)
+    fair.run_protocol(*args, phase="runs", extend=0)
+    path = {
+        v: tmp_path / "runs" / f"digits-{v}-P4-N1-lr0.001-s0.json" for v in ("gpipe", "pipemare")
+    }
+    stored = json.loads(path["pipemare"].read_text())
+    now = stored["setup"]
+    assert now["schedule"] == "pipemare" and now["steps"] == 6 and now["optimizer"] == "adam"
+    assert "lr_reschedule(horizon=" in now["corrections"]
+    assert json.loads(path["gpipe"].read_text())["setup"]["corrections"] == ""
+    # as if stored under an earlier default, and gpipe's run from before setups were recorded
+    stored["setup"] = {**now, "corrections": "lr_reschedule(horizon=1)"}
+    stored["metric"] = [-1.0]
+    path["pipemare"].write_text(json.dumps(stored))
+    legacy = json.loads(path["gpipe"].read_text())
+    del legacy["setup"]
+    path["gpipe"].write_text(json.dumps(legacy))
+    capsys.readouterr()
+    fair.run_protocol(*args, phase="runs", extend=0)
+    told = capsys.readouterr().err
+    again = json.loads(path["pipemare"].read_text())
+    assert again["setup"] == now and again["metric"] != [-1.0]  # trained again
+    assert "digits-pipemare-P4-N1-lr0.001-s0: set up differently now" in told
+    assert "'lr_reschedule(horizon=1)' -> " in told
+    assert json.loads(path["gpipe"].read_text()) == legacy  # used as it is, and counted
+    assert "1 stored run(s) predate recorded setups" in told
+
+
+def test_a_runs_setup_is_what_its_job_resolves_to_without_training():
+    from pipemare.experiments.studies.grid import VARIANTS
+    from pipemare.experiments.studies.protocol import run_setup
+
+    for task, variant in [("plain@sgd", "pipemare"), ("digits@muon", "pipemare-SC")]:
+        schedule, config = VARIANTS[variant]
+        run = train(TASKS[task], schedule, 4, 1, 1e-3, seed=1, config=config, steps=3)
+        assert run.setup == run_setup(TASKS[task], schedule, 4, 1, 1e-3, config, steps=3)
+    assert (
+        "local_accumulation(crossed=1)"
+        in train(TASKS["plain@sgd"], "pipemare", 4, 1, 1e-3, seed=0, steps=2).setup["corrections"]
+    )  # "auto" resolved for plain SGD
+    assert "spike compensation supports" in run.setup["refused"]
