@@ -70,6 +70,12 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # the default without delay-aware momentum (Adam in a rotated basis, where it hurt on the
     # misaligned quadratic)
     "pipemare-noDM": ("pipemare", PipeMareConfig(delay_momentum=None)),
+    # T1 and the guard only: what is left of the default for an optimiser nearly insensitive
+    # to delay (Muon), without delay-aware momentum and weight prediction
+    "pipemare-T1G": (
+        "pipemare",
+        PipeMareConfig(delay_momentum=None, weight_prediction=False, spike_compensation=False),
+    ),
     # T1 relaxing over half the run whatever the optimiser and N (the default's choice for the
     # Adam family at N = 1), and over 13% of it always (the default's choice before "auto")
     "pipemare-T1half": ("pipemare", PipeMareConfig(reschedule_fraction=0.5)),
