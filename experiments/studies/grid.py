@@ -70,6 +70,8 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # the default without delay-aware momentum (Adam in a rotated basis, where it hurt on the
     # misaligned quadratic)
     "pipemare-noDM": ("pipemare", PipeMareConfig(delay_momentum=None)),
+    # delay-aware momentum asked for by value: the default before it stood aside for Muon
+    "pipemare-DM": ("pipemare", PipeMareConfig(delay_momentum=0.99)),
     # T1 and the guard only: what is left of the default for an optimiser nearly insensitive
     # to delay (Muon), without delay-aware momentum and weight prediction
     "pipemare-T1G": (

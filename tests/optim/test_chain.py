@@ -114,8 +114,11 @@ def _corrections(optimizers, config):
 
 
 def test_the_corrections_read_each_groups_family_from_its_own_optimiser():
+    # the default keeps Muon's momentum (and the AdamW beside it), as for MuonAdamW
+    names, _ = _corrections(muon_adamw, PipeMareConfig())
+    assert not names["delay_momentum"].active and names["weight_prediction"].active
     # torch's Muon says "momentum" like SGD, but its buffer is an average: read from its type
-    names, wrapped = _corrections(muon_adamw, PipeMareConfig())
+    names, wrapped = _corrections(muon_adamw, PipeMareConfig(delay_momentum=0.99))
     assert names["delay_momentum"].active and names["delay_momentum"].adam_family
     assert wrapped.lr_factor(0, 10_000) == pytest.approx(1.0)
     assert wrapped.momentum(0, 10_000, group=0) == pytest.approx(0.99)  # Muon 0.95 -> 0.99

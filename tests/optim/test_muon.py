@@ -106,13 +106,18 @@ def test_groups_that_do_not_say_their_kind_or_give_muon_a_vector_are_refused():
 def test_the_default_corrections_read_both_kinds_momentum_as_an_average():
     model = net()
     stages = {0: list(model[:2].parameters()), 1: list(model[2:].parameters())}
-    opt = MuonAdamW(muon_param_groups(model), lr=1e-2)
+    delays = derive_delays("pipemare", 2, 1)
     with warnings.catch_warnings():  # "auto" stands aside quietly, saying why
         warnings.simplefilter("error")
-        wrapped = PipeMareOptimizer(opt, stages, derive_delays("pipemare", 2, 1), PipeMareConfig())
-    names = {c.name: c for c in wrapped.corrections}
-    assert names["delay_momentum"].active and names["weight_prediction"].active
+        default = PipeMareOptimizer(MuonAdamW(muon_param_groups(model), lr=1e-2), stages, delays)
+    names = {c.name: c for c in default.corrections}
+    # the default keeps Muon's momentum (measured better) and predicts its weights
+    assert not names["delay_momentum"].active and names["weight_prediction"].active
     assert not names["spike_compensation"].active
+    assert "delay_momentum" not in default.describe()
+    # asked for by value, delay-aware momentum raises both kinds as the averages they are
+    opt = MuonAdamW(muon_param_groups(model), lr=1e-2)
+    wrapped = PipeMareOptimizer(opt, stages, delays, PipeMareConfig(delay_momentum=0.99))
     # an average keeps its step size: no rate scaling, only the momenta rise with the delay
     assert wrapped.lr_factor(0, 10_000) == pytest.approx(1.0)
     assert wrapped.momentum(0, 10_000, group=0) == pytest.approx(0.99)  # Muon: 0.95 -> 0.99

@@ -49,12 +49,16 @@ def momentum_is_average(optimizer: torch.optim.Optimizer, group: Mapping[str, An
     return "betas" in group or "use_muon" in group or isinstance(owner, torch.optim.Muon)
 
 
+def is_muon(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> bool:
+    """Whether a group steps as Muon: MuonAdamW's ``use_muon`` groups, or torch's Muon (alone or
+    chained)."""
+    return bool(group.get("use_muon")) or isinstance(owner_of(optimizer, group), torch.optim.Muon)
+
+
 def is_adam_family(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> bool:
     """Whether a group steps as the Adam family does (``betas``: a first moment averaged and a
-    step normalised by the second), not as Muon (MuonAdamW's ``use_muon`` groups, torch's Muon)
-    or SGD."""
-    muon = group.get("use_muon") or isinstance(owner_of(optimizer, group), torch.optim.Muon)
-    return "betas" in group and not muon
+    step normalised by the second), not as Muon (:func:`is_muon`) or SGD."""
+    return "betas" in group and not is_muon(optimizer, group)
 
 
 def set_group_momentum(group: dict[str, Any], momentum: float) -> None:

@@ -48,6 +48,7 @@ from pipemare.optim.corrections.base import (
     Correction,
     StageView,
     group_momentum,
+    is_muon,
     momentum_is_average,
 )
 
@@ -99,14 +100,15 @@ class DelayMomentum(Correction):
             ``"depth"`` (:data:`RISES`, the module's docstring).
         strict: refuse an optimiser without momentum; otherwise (the config's ``"auto"``) stand
             aside for it and for SGD without momentum, where the momentum would be new rather
-            than raised.
+            than raised, and for Muon (with the AdamW groups beside it), which the protocol
+            measured better without it.
     """
 
     name = "delay_momentum"
     derived_for = (
         "Nesterov/NAdam (Ajanthan et al.); a summed momentum (SGD) keeps each gradient's total"
         " step by a rate factor, an averaged one (Adam family, Muon) needs none; 'auto' stands"
-        " aside without momentum"
+        " aside without momentum and for Muon (measured better off)"
     )
 
     def __init__(
@@ -135,7 +137,12 @@ class DelayMomentum(Correction):
             self.active = False
             return
         if not self.strict:
-            self.active = self.adam_family or (has_momentum and group_momentum(groups[0]) > 0.0)
+            # stands aside for Muon (and the AdamW groups beside it): measured better off on
+            # 5 of 20 protocol cells and worse on 1 (docs/results.md, "Muon + AdamW without
+            # delay-aware momentum")
+            muon = any(is_muon(view.optimizer, g) for g in groups)
+            raisable = self.adam_family or (has_momentum and group_momentum(groups[0]) > 0.0)
+            self.active = raisable and not muon
             return
         if not has_momentum:
             raise ValueError(
