@@ -100,7 +100,8 @@ class PipeMareConfig:
     """Raise each stage's momentum with its delay, from the optimiser's own at the last stage to
     this value at the most delayed one (Ajanthan et al.'s Nesterov method without a weight
     stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); ``"auto"``:
-    0.99 where the optimiser has momentum (the Adam family, SGD with momentum); None: off."""
+    0.99 where the optimiser has momentum (the Adam family, SGD with momentum), off for Muon +
+    AdamW (measured better without it); None: off."""
 
     delay_momentum_rise: str = "depth"
     """How a stage's momentum follows its delay ``τ_i``: ``"depth"`` (Ajanthan et al.'s rise
