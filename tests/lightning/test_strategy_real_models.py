@@ -188,8 +188,9 @@ def test_the_planner_cuts_a_module_with_two_optimisers():
 
 def test_two_optimisers_under_the_asynchronous_default_train_and_resume(tmp_path):
     """The default pipemare schedule with Muon + AdamW as two optimisers: the corrections see
-    both (a Muon group's momentum is an average, as an Adam one's), the run trains, and a
-    checkpoint (one state per optimiser) resumes as the uninterrupted run."""
+    both (weight prediction on, delay-aware momentum standing aside for Muon as it does for
+    MuonAdamW), the run trains, and a checkpoint (one state per optimiser) resumes as the
+    uninterrupted run."""
 
     def fit(module, epochs, ckpt_path=None, callbacks=()):
         config = PipeMareConfig(reschedule_steps=3)
@@ -205,7 +206,7 @@ def test_two_optimisers_under_the_asynchronous_default_train_and_resume(tmp_path
     before = _val(base, tokens())
     t = fit(full, 3)
     described = t.strategy.pipeline.optimizer.describe()
-    assert "delay_momentum" in described
+    assert "weight_prediction" in described and "delay_momentum" not in described
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
     fit(first, 2, callbacks=[ckpt])
     states = torch.load(ckpt.last_model_path, weights_only=False)["optimizer_states"]
