@@ -99,9 +99,8 @@ class PipeMareConfig:
     delay_momentum: float | str | None = "auto"
     """Raise each stage's momentum with its delay, from the optimiser's own at the last stage to
     this value at the most delayed one (Ajanthan et al.'s Nesterov method without a weight
-    stash uses 0.99; SGD's rate is scaled to keep each gradient's total step); ``"auto"``:
-    0.99 where the optimiser has momentum (the Adam family, SGD with momentum), off for Muon +
-    AdamW (measured better without it); None: off."""
+    stash uses 0.99; SGD's rate keeps each gradient's total step); ``"auto"``: 0.99 for the
+    Adam family and SGD with momentum, off for Muon + AdamW (measured better off); None: off."""
 
     delay_momentum_rise: str = "depth"
     """How a stage's momentum follows its delay ``τ_i``: ``"depth"`` (Ajanthan et al.'s rise
