@@ -180,6 +180,7 @@ def tabulate(
             "gpipe_plateau_gain": _plateau(sync_runs, higher),
             "rows": rows,
         }
+    results["verdicts"] = verdicts(results)
     return results
 
 
@@ -221,9 +222,90 @@ def _compact(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+# The targets a fine-grained pipeline is held to (issue 24): within 2 accuracy points of gpipe,
+# or within 2% of its validation loss.
+MARGIN = 0.02
+
+
+def verdicts(
+    results: dict[str, Any], schedule: str = "pipemare", baseline: str = "async"
+) -> list[dict[str, Any]]:
+    """Per task and (P, N): is ``schedule`` within ``MARGIN`` of gpipe (points of accuracy, or
+    a fraction of gpipe's loss), below ``baseline`` by more than their two seed spreads, and
+    diverged where ``baseline`` did not?"""
+    cells = []
+    for t, r in results["tasks"].items():
+        higher = r["higher_is_better"]
+        for p, n in results["grid"]:
+            rows = {x["schedule"]: x for x in r["rows"] if (x["P"], x["N"]) == (p, n)}
+            ours, base = rows.get(schedule), rows.get(baseline)
+            if ours is None or base is None or "best" not in ours or "best" not in base:
+                continue  # refused at setup, or not in this protocol
+            sign = 1 if higher else -1
+            shortfall = sign * (base["best"] - ours["best"])
+            close = ours["gap"] >= -MARGIN if higher else ours["relative_gap"] <= MARGIN
+            cells.append(
+                {
+                    "task": t,
+                    "P": p,
+                    "N": n,
+                    "within_margin": close,
+                    "below_baseline": shortfall > base["spread"] + ours["spread"],
+                    "diverged_alone": ours["diverged"] > 0 and base["diverged"] == 0,
+                }
+            )
+    return cells
+
+
+def _gap(row: dict[str, Any], higher: bool) -> str:
+    """A gap to gpipe ± its seed spread as a user reads it: accuracy points, or % of gpipe's
+    loss."""
+    if higher:
+        return f"{100 * row['gap']:+.1f} ± {100 * row['spread']:.1f}"
+    gpipe = abs(row["best"] - row["gap"])
+    return f"{100 * row['relative_gap']:+.1f}% ± {100 * row['spread'] / gpipe:.1f}%"
+
+
+def _verdict_lines(results: dict[str, Any]) -> list[str]:
+    cells = verdicts(results)
+    if not cells:
+        return []
+    lines = [
+        "### pipemare against gpipe and async",
+        "",
+        f"Gap to gpipe (mean over seeds, each at its best rate) in accuracy points, or in % of "
+        f"gpipe's loss. The margin: {100 * MARGIN:.0f} points, or {100 * MARGIN:.0f}%. Below "
+        "async: by more than the two seed spreads together.",
+        "",
+        "| task | P | N | async | pipemare | within the margin | below async | "
+        "diverged where async did not |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cells:
+        r = results["tasks"][c["task"]]
+        rows = {x["schedule"]: x for x in r["rows"] if (x["P"], x["N"]) == (c["P"], c["N"])}
+        higher = r["higher_is_better"]
+        ours = rows["pipemare"]
+        lines.append(
+            f"| {c['task']} | {c['P']} | {c['N']} | {_gap(rows['async'], higher)} | "
+            f"{_gap(ours, higher)} | "
+            f"{'yes' if c['within_margin'] else '**no**'} | "
+            f"{'**yes**' if c['below_baseline'] else 'no'} | "
+            f"{'**yes**' if c['diverged_alone'] else 'no'} |"
+        )
+    for n in sorted({c["N"] for c in cells}):
+        at = [c for c in cells if c["N"] == n]
+        lines.append(
+            f"\nAt N = {n}: within the margin in {sum(c['within_margin'] for c in at)} of "
+            f"{len(at)} cells; below async in {sum(c['below_baseline'] for c in at)}; diverged "
+            f"where async did not in {sum(c['diverged_alone'] for c in at)}."
+        )
+    return [*lines, ""]
+
+
 def markdown(results: dict[str, Any]) -> str:
-    """``results.md``: the table over tasks, then one table per task."""
-    lines = ["### All tasks", "", *_compact(results), ""]
+    """``results.md``: the table over tasks, pipemare's verdicts, then one table per task."""
+    lines = ["### All tasks", "", *_compact(results), "", *_verdict_lines(results)]
     for t, r in results["tasks"].items():
         tuned = "" if r["tuned"] else " (no default was tuned on this task)"
         lines += [

@@ -64,6 +64,12 @@ def test_protocol_writes_a_table_with_each_schedule_at_its_best_rate(tmp_path):
     assert rows[(4, 1, "async")]["lr"] == best
     text = (tmp_path / "results.md").read_text()
     assert "| 4 | 2 | pipemare |" in text and "gap to gpipe" in text
+    # pipemare's verdict on each cell, in results.json and results.md
+    assert [(c["task"], c["P"], c["N"]) for c in results["verdicts"]] == [
+        ("digits", 4, 1),
+        ("digits", 4, 2),
+    ]
+    assert "### pipemare against gpipe and async" in text and "| digits | 4 | 2 | " in text
     assert (tmp_path / "digits_protocol.png").stat().st_size > 0
     # a re-run finds every run done and trains nothing
     before = {p.name: p.stat().st_mtime_ns for p in runs}
@@ -199,3 +205,58 @@ def test_a_runs_setup_is_what_its_job_resolves_to_without_training():
         in train(TASKS["plain@sgd"], "pipemare", 4, 1, 1e-3, seed=0, steps=2).setup["corrections"]
     )  # "auto" resolved for plain SGD
     assert "spike compensation supports" in run.setup["refused"]
+
+
+def _row(p, n, schedule, best, spread, gpipe, diverged=0):
+    gap = best - gpipe
+    return {
+        "P": p,
+        "N": n,
+        "schedule": schedule,
+        "best": best,
+        "spread": spread,
+        "gap": gap,
+        "relative_gap": gap / gpipe,
+        "diverged": diverged,
+    }
+
+
+def test_the_verdicts_hold_pipemare_to_gpipes_margin_and_asyncs_spread():
+    from pipemare.experiments.studies.fair_report import verdicts
+
+    acc = [  # gpipe 0.95; accuracy: the margin is 2 points
+        _row(8, 1, "gpipe", 0.95, 0.0, 0.95),
+        _row(8, 1, "async", 0.90, 0.01, 0.95),
+        _row(8, 1, "pipemare", 0.935, 0.01, 0.95),  # 1.5 points short: within
+        _row(16, 1, "async", 0.90, 0.01, 0.95),
+        _row(16, 1, "pipemare", 0.87, 0.01, 0.95),  # 3 below async, spreads 2: below
+        _row(8, 4, "async", 0.90, 0.02, 0.95, diverged=0),
+        _row(8, 4, "pipemare", 0.89, 0.02, 0.95, diverged=1),  # 6 short, 1 below async; diverged
+        {"P": 16, "N": 4, "schedule": "pipemare", "refused": "no"},
+    ]
+    loss = [  # gpipe 2.0; loss: the margin is 2% of it
+        _row(8, 1, "gpipe", 2.0, 0.0, 2.0),
+        _row(8, 1, "async", 2.2, 0.01, 2.0),
+        _row(8, 1, "pipemare", 2.05, 0.01, 2.0),  # +2.5%: outside
+        _row(16, 1, "async", 2.1, 0.02, 2.0),
+        _row(16, 1, "pipemare", 2.03, 0.02, 2.0),  # +1.5%: within
+    ]
+    grid = [(8, 1), (16, 1), (8, 4), (16, 4)]
+    results = {
+        "grid": grid,
+        "tasks": {
+            "a": {"higher_is_better": True, "rows": acc},
+            "l": {"higher_is_better": False, "rows": loss},
+        },
+    }
+    got = {
+        (c["task"], c["P"], c["N"]): (c["within_margin"], c["below_baseline"], c["diverged_alone"])
+        for c in verdicts(results)
+    }
+    assert got == {
+        ("a", 8, 1): (True, False, False),
+        ("a", 16, 1): (False, True, False),
+        ("a", 8, 4): (False, False, True),
+        ("l", 8, 1): (False, False, False),
+        ("l", 16, 1): (True, False, False),
+    }  # the refused cell and the cells the grid has no runs for are left out
