@@ -286,6 +286,13 @@ class PipeMareOptimizer:
         """What this run derived from its length (:func:`~pipemare.optim.run_length.run_state`)."""
         return dict(self._run)
 
+    def set_run_length(self, total_steps: int) -> int | None:
+        """T1's horizon, where it is a fraction of the run, derived again for a run now known
+        to be ``total_steps`` long; returns it (:func:`~pipemare.optim.run_length.rederive`)."""
+        run = run_length.rederive(self.config, self.corrections, self._run, total_steps)
+        self._run = run[0]
+        return run[1]
+
     def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
         """Restore :meth:`state_dict`; T1's horizon is the saved run's unless the config's
         settings for it changed (:func:`~pipemare.optim.run_length.keep_horizon`).

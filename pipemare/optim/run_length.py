@@ -12,6 +12,7 @@ depends on the run's length (the warm-up is given in steps).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ import torch
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.corrections import Correction, LRReschedule
 
-__all__ = ["keep_horizon", "run_state"]
+__all__ = ["keep_horizon", "rederive", "run_state"]
 
 #: The config's fields T1's horizon depends on, besides the run's length.
 SETTINGS = ("reschedule_steps", "reschedule_epochs", "reschedule_fraction", "warmup_steps")
@@ -55,6 +56,35 @@ def run_state(
         "steps_per_epoch": steps_per_epoch,
         "settings": settings,
     }
+
+
+def rederive(
+    config: PipeMareConfig,
+    corrections: Sequence[Correction],
+    state: dict[str, Any],
+    total_steps: int,
+) -> tuple[dict[str, Any], int | None]:
+    """T1's horizon derived again for a run now known to be ``total_steps`` long (a run that a
+    pipeline-time budget will stop before ``max_steps``), where it is a fraction of the run.
+
+    Returns the run state to keep, and the new horizon (None where T1 is off or its horizon is
+    given in steps or epochs, which the run's length does not move).
+
+    Example:
+        >>> cfg = PipeMareConfig()
+        >>> t1s = cfg.build(total_steps=1000)
+        >>> state, horizon = rederive(cfg, t1s, run_state(cfg, t1s, 1000, 8), 400)
+        >>> horizon, t1s[0].horizon, state["total_steps"]
+        (52, 52, 400)
+    """
+    t1, settings = _t1(corrections), state["settings"]
+    if t1 is None or settings["reschedule_steps"] is not None:
+        return state, None
+    if settings["reschedule_epochs"] is not None:
+        return state, None
+    fraction = dataclasses.replace(config, reschedule_fraction=settings["reschedule_fraction"])
+    t1.horizon = fraction.horizon(total_steps)
+    return {**state, "horizon": t1.horizon, "total_steps": total_steps}, t1.horizon
 
 
 def _basis(state: dict[str, Any]) -> str:

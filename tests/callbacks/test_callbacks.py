@@ -328,3 +328,26 @@ def test_a_pipeline_time_budget_stops_the_run_once_spent(tmp_path):
         fit(strategy(), [PipelineTimeBudget(1.0)], False, epochs=1)
     with pytest.raises(ValueError, match="must be > 0 seconds"):
         PipelineTimeBudget(0.0)
+
+
+def test_a_budget_that_ends_the_run_early_derives_t1s_horizon_from_the_steps_it_allows(
+    tmp_path,
+):
+    """T1's horizon is a fraction of max_steps at setup; a budget that will stop the run
+    sooner re-derives it from the steps the budget allows, and one that will not leaves it."""
+    from pipemare.callbacks import PipelineTimeBudget
+
+    def run(seconds):
+        strategy = PipeMareStrategy(stages=4, microbatches=2, balance="params")
+        budget = PipelineTimeBudget(seconds)
+        monitor = PipelineMonitor(log_every_n_steps=5)
+        fit(strategy, [monitor, budget], False, epochs=2, log_every_n_steps=5)
+        return budget, strategy.pipeline.optimizer.run_state()
+
+    roomy, state = run(1e9)  # never spent: the run goes its two epochs
+    assert roomy.estimated_steps is None and roomy.stopped_at is None
+    setup_horizon = state["horizon"]
+    assert setup_horizon == PipeMareConfig().horizon(state["total_steps"], microbatches=2) > 0
+    tight, state = run(1e-6)  # spent at the first check: it allows no further step
+    assert tight.estimated_steps == 0 == state["total_steps"]
+    assert state["horizon"] == 0 < setup_horizon

@@ -313,6 +313,25 @@ def test_pipeline_hands_the_run_length_to_t1():
     assert "lr_reschedule(horizon=100)" in pipe.optimizer.describe()
 
 
+def test_a_run_known_to_be_shorter_rederives_t1s_horizon_and_a_resume_keeps_it():
+    pipe = two_linear_layers_on_adam(
+        total_steps=400, config=PipeMareConfig(reschedule_fraction=0.25)
+    )
+    assert pipe.optimizer.set_run_length(160) == 40 == pipe.optimizer.corrections[0].horizon
+    state = pipe.optimizer.state_dict()
+    assert state["run"]["total_steps"] == 160  # what a checkpoint says the horizon came from
+    resumed = two_linear_layers_on_adam(
+        total_steps=400, config=PipeMareConfig(reschedule_fraction=0.25)
+    )
+    (note,) = resumed.optimizer.load_state_dict(state)
+    assert resumed.optimizer.corrections[0].horizon == 40 and "run's 160 steps" in note
+    for fixed in (PipeMareConfig(reschedule_steps=70), PipeMareConfig(lr_reschedule=False)):
+        other = two_linear_layers_on_adam(total_steps=400, config=fixed)
+        before = other.optimizer.describe()
+        assert other.optimizer.set_run_length(160) is None  # no horizon set by the run's length
+        assert other.optimizer.describe() == before
+
+
 # -- delay-aware momentum (Ajanthan et al.'s Nesterov method without a stash) ---------------------
 
 ONLY_DM = {
