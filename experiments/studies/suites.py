@@ -39,8 +39,8 @@ TASKS: dict[str, tuple[str, str, int]] = {
 
 def schedule_variants(warmup: int) -> dict[str, dict[str, Any]]:
     """The schedules compared by a study: the baselines, PipeMare's own T1+T2 (+T3), and the
-    ``pipemare`` default (T1 over 13% of the run, delay-aware momentum, spike compensation,
-    weight prediction and the stability guard)."""
+    ``pipemare`` default (for Adam at N = 1: T1 over half the run, delay-aware momentum, spike
+    compensation, weight prediction and the stability guard)."""
     t1t2 = {
         "lr_reschedule": True,
         "reschedule_steps": 500,
@@ -96,7 +96,7 @@ def _grid(
 DEFAULT_RATES: dict[tuple[str, str], float] = {
     ("mnist", "pipedream"): 1e-3,
     ("mnist", "async"): 3e-4,
-    ("mnist", "pipemare"): 1e-3,
+    ("mnist", "pipemare"): 3e-4,
     ("mnist", "pipemare-T1T2"): 1e-3,
     ("mnist", "pipemare-T1T2T3"): 3e-4,
     ("char_lm", "pipemare-T1T2"): 1e-3,
