@@ -26,7 +26,8 @@ class PipelineTimeBudget(Callback):
     default a fraction of the run, was derived from ``max_steps``. At its first check with a
     measured pipeline time the callback therefore estimates the steps the budget allows (from
     the time per step so far) and derives the horizon again from them, once, and says so. A
-    resumed run keeps its checkpoint's horizon.
+    resumed run keeps its checkpoint's horizon. The estimate is a measurement, so the horizon
+    moves with the machine's speed; ``PipeMareConfig(reschedule_steps=...)`` fixes it.
 
     Args:
         seconds: the budget.
