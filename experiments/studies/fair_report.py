@@ -222,8 +222,8 @@ def _compact(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-# The targets a fine-grained pipeline is held to (issue 24): within 2 accuracy points of gpipe,
-# or within 2% of its validation loss.
+# What the default is held to against gpipe: within 2 accuracy points, or within 2% of its
+# validation loss.
 MARGIN = 0.02
 
 
