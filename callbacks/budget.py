@@ -67,11 +67,11 @@ class PipelineTimeBudget(Callback):
         steps = trainer.global_step / steps_per_batch(trainer)  # optimiser steps per batch
         estimate = math.floor(self.seconds * steps / spent)
         estimate = trainer.strategy.broadcast(estimate, src=0)  # each rank has its own clock
-        known = None if pipe is None else pipe.optimizer.run_state().get("total_steps")
+        run = {} if pipe is None else pipe.optimizer.run_state()
+        known, was = run.get("total_steps"), run.get("horizon")
         if pipe is None or known is None or estimate >= known:
             return  # the budget does not end the run before max_steps does
         self.estimated_steps = estimate
-        was = pipe.optimizer.run_state()["horizon"]
         horizon = pipe.optimizer.set_run_length(estimate)
         if horizon is not None and horizon != was:
             rank_zero_info(

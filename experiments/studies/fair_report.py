@@ -267,7 +267,7 @@ def _gap(row: dict[str, Any], higher: bool) -> str:
 
 
 def _verdict_lines(results: dict[str, Any]) -> list[str]:
-    cells = verdicts(results)
+    cells = results["verdicts"]  # as tabulate() found them
     if not cells:
         return []
     lines = [

@@ -78,9 +78,7 @@ def rederive(
         (52, 52, 400)
     """
     t1, settings = _t1(corrections), state["settings"]
-    if t1 is None or settings["reschedule_steps"] is not None:
-        return state, None
-    if settings["reschedule_epochs"] is not None:
+    if t1 is None or (settings["reschedule_steps"], settings["reschedule_epochs"]) != (None,) * 2:
         return state, None
     fraction = dataclasses.replace(config, reschedule_fraction=settings["reschedule_fraction"])
     t1.horizon = fraction.horizon(total_steps)
