@@ -68,7 +68,11 @@ class SavedTensors:
             if param is None or param is not base:
                 if held is not None and self._buffers.get(id(base)) is not base:
                     held.add(t)
-                return t
+                # Detached: an op that saves its own output (exp, softmax, tanh) would otherwise
+                # hold that tensor from its own grad_fn, a cycle through C++ that Python's
+                # collector cannot see; a graph never run backward (a torchmetrics step value)
+                # then leaks whole. Autograd rebuilds the unpacked tensor's history itself.
+                return t.detach()
             if not track:  # only measuring: nothing changes the weights before the backward
                 return t
             offset = int(t.storage_offset() - base.storage_offset())

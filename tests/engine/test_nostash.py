@@ -8,7 +8,9 @@ its update 1 comes from a forward at version 0 and a backward at version 1.
 from __future__ import annotations
 
 import copy
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -189,3 +191,23 @@ def test_pipedream_equals_gradient_descent_on_delayed_weights(stages, microbatch
     moved = sum(((synchronous[n] - init[n]) ** 2).sum() for n in init) ** 0.5
     gap = sum(((p - synchronous[n]) ** 2).sum() for n, p in model.named_parameters()) ** 0.5
     assert gap > 0.01 * moved
+
+
+@pytest.mark.parametrize("op", [torch.exp, torch.tanh, torch.sigmoid])
+def test_a_graph_never_run_backward_is_freed(op):
+    """Ops that save their own output (exp, tanh, sigmoid) under the stage's hooks: a graph
+    nobody runs backward (a metric's step value) must die with its last reference, not live
+    on in a cycle through autograd that the collector cannot see."""
+    from pipemare.engine.memory import Held
+    from pipemare.engine.nostash import SavedTensors
+
+    layer = nn.Linear(3, 3)
+    params = {id(p): p for p in layer.parameters()}
+    saved = SavedTensors(params, {}, lambda p, version: p.detach())
+    for held in (None, Held()):
+        with saved.hooks(version=0, track=True, held=held):
+            out = op(layer(torch.randn(4, 3)))
+        alive = weakref.ref(out)
+        del out
+        gc.collect()
+        assert alive() is None
