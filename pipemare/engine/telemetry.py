@@ -25,6 +25,7 @@ __all__ = ["DiscrepancySample", "Probe", "Span", "replay_timeline", "summarize_s
 Span = tuple[int, str, int, float, float]
 _NAMES = ("F", "B", "U", "recv", "send")
 _KINDS = {name: i for i, name in enumerate(_NAMES)}
+_PENDING_SUMS = 64  # forward sums a stage keeps unread before it looks at them itself
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,7 @@ class Probe:
         self._snapshots: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         # Per stage, (microbatch, sum of its forward output) not yet looked at: a sum is NaN or
         # Inf when any element was, and keeping it costs one kernel and no synchronisation.
+        # Looked at when read, or every _PENDING_SUMS minibatches when nobody reads them.
         self._sums: dict[int, list[tuple[int, torch.Tensor]]] = collections.defaultdict(list)
         self._first_bad: dict[int, int] = {}
         self._offset = time.time() - time.perf_counter()
@@ -116,7 +118,10 @@ class Probe:
         ):
             total = _sum(output)
             if total is not None:
-                self._sums[stage.index].append((microbatch, total))
+                pending = self._sums[stage.index]
+                pending.append((microbatch, total))
+                if len(pending) >= _PENDING_SUMS:
+                    self._look_at(stage.index, pending)
 
     @torch.no_grad()
     def backward(self, stage: Any, microbatch: int, fwd_version: int) -> None:
@@ -166,14 +171,18 @@ class Probe:
         Reading synchronises with the device once; monitors call it at their logging interval.
         """
         for stage, pending in self._sums.items():
-            if not pending:
-                continue
-            finite = torch.isfinite(torch.stack([s for _, s in pending])).tolist()
-            bad = [m for (m, _), ok in zip(pending, finite, strict=True) if not ok]
-            if bad and stage not in self._first_bad:
-                self._first_bad[stage] = min(bad)
-            pending.clear()
+            self._look_at(stage, pending)
         return dict(self._first_bad)
+
+    def _look_at(self, stage: int, pending: list[tuple[int, torch.Tensor]]) -> None:
+        """Note the first non-finite sum of ``pending`` (one device sync), and forget them."""
+        if not pending:
+            return
+        finite = torch.isfinite(torch.stack([s for _, s in pending])).tolist()
+        bad = [m for (m, _), ok in zip(pending, finite, strict=True) if not ok]
+        if bad and stage not in self._first_bad:
+            self._first_bad[stage] = min(bad)
+        pending.clear()
 
     def take_spans(self) -> list[Span]:
         """The spans recorded since the last call (and forget them)."""
