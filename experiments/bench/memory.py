@@ -1,10 +1,12 @@
 """The benchmark's model (an MLP) and its byte counters: weights, optimiser state, saved
-activations, and the stash-against-buffers memory study.
+activations, the stash-against-buffers memory study, and a process's memory over a long run.
 """
 
 from __future__ import annotations
 
+import gc
 import math
+import os
 from typing import Any
 
 import torch
@@ -20,6 +22,32 @@ def mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.GELU()]
     return nn.Sequential(*layers, nn.Linear(width, classes))
+
+
+def resident_mb() -> float:
+    """This process's resident memory now (not its peak), in MB (Linux)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def live_tensors() -> int:
+    """Tensors Python can reach, after a full collection."""
+    gc.collect()
+    # by type: isinstance on some module-level objects of torch warns of their deprecation
+    return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def growth_per_1000(samples: list[tuple[int, float]]) -> float:
+    """The least-squares slope of ``(step, value)`` samples, per 1,000 steps (0 for < 2)."""
+    if len(samples) < 2:
+        return 0.0
+    n = len(samples)
+    mx = sum(s for s, _ in samples) / n
+    my = sum(v for _, v in samples) / n
+    var = sum((s - mx) ** 2 for s, _ in samples)
+    if var == 0:
+        return 0.0
+    return 1000 * sum((s - mx) * (v - my) for s, v in samples) / var
 
 
 def tensor_bytes(tensors: Any) -> int:

@@ -9,7 +9,6 @@ clock shifted to the epoch, so traces from several processes on one machine line
 from __future__ import annotations
 
 import array
-import collections
 import dataclasses
 import math
 import time
@@ -25,7 +24,7 @@ __all__ = ["DiscrepancySample", "Probe", "Span", "replay_timeline", "summarize_s
 Span = tuple[int, str, int, float, float]
 _NAMES = ("F", "B", "U", "recv", "send")
 _KINDS = {name: i for i, name in enumerate(_NAMES)}
-_PENDING_SUMS = 64  # forward sums a stage keeps unread before it looks at them itself
+_NONE_BAD = torch.iinfo(torch.int64).max  # no non-finite output seen (see Probe.forward)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,10 +76,10 @@ class Probe:
         self.discrepancy: list[DiscrepancySample] = []
         # (stage, microbatch) -> (weights the forward ran with, live weights at the forward)
         self._snapshots: dict[tuple[int, int], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        # Per stage, (microbatch, sum of its forward output) not yet looked at: a sum is NaN or
-        # Inf when any element was, and keeping it costs one kernel and no synchronisation.
-        # Looked at when read, or every _PENDING_SUMS minibatches when nobody reads them.
-        self._sums: dict[int, list[tuple[int, torch.Tensor]]] = collections.defaultdict(list)
+        # Per stage, on its device, the first microbatch whose forward output summed to NaN or
+        # Inf (_NONE_BAD: none yet): kept up to date by a few kernels per minibatch, with no
+        # synchronisation and one scalar per stage however long nobody reads it.
+        self._bad_since: dict[int, torch.Tensor] = {}
         self._first_bad: dict[int, int] = {}
         self._offset = time.time() - time.perf_counter()
         self.microbatches = 1
@@ -118,10 +117,9 @@ class Probe:
         ):
             total = _sum(output)
             if total is not None:
-                pending = self._sums[stage.index]
-                pending.append((microbatch, total))
-                if len(pending) >= _PENDING_SUMS:
-                    self._look_at(stage.index, pending)
+                bad = torch.where(torch.isfinite(total), _NONE_BAD, microbatch)
+                seen = self._bad_since.get(stage.index)
+                self._bad_since[stage.index] = bad if seen is None else torch.minimum(seen, bad)
 
     @torch.no_grad()
     def backward(self, stage: Any, microbatch: int, fwd_version: int) -> None:
@@ -168,21 +166,14 @@ class Probe:
 
         Where divergence started: the earliest such microbatch, and the lowest stage that had a
         non-finite output for it (later microbatches see the damage spread to other stages).
-        Reading synchronises with the device once; monitors call it at their logging interval.
+        Reading synchronises with each stage's device once; monitors call it at their logging
+        interval.
         """
-        for stage, pending in self._sums.items():
-            self._look_at(stage, pending)
+        for stage, bad in self._bad_since.items():
+            first = int(bad)
+            if first != _NONE_BAD and stage not in self._first_bad:
+                self._first_bad[stage] = first
         return dict(self._first_bad)
-
-    def _look_at(self, stage: int, pending: list[tuple[int, torch.Tensor]]) -> None:
-        """Note the first non-finite sum of ``pending`` (one device sync), and forget them."""
-        if not pending:
-            return
-        finite = torch.isfinite(torch.stack([s for _, s in pending])).tolist()
-        bad = [m for (m, _), ok in zip(pending, finite, strict=True) if not ok]
-        if bad and stage not in self._first_bad:
-            self._first_bad[stage] = min(bad)
-        pending.clear()
 
     def take_spans(self) -> list[Span]:
         """The spans recorded since the last call (and forget them)."""
