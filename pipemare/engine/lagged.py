@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipemare.engine.p2p import SendsInFlight
 from pipemare.engine.watchdog import Watchdog
 from pipemare.schedule.actions import Op, stream
 
@@ -146,6 +147,9 @@ class DistributedResults(Results):
         ranks: the processes that receive (default: all); must include ``source``.
         merge_group: the gloo group of every copy's last-stage process (None: one copy).
         merge: combines the values of all copies, in copy order, into one.
+        lag: the steps by which results are taken after they are published
+            (:func:`result_lag`): the source keeps that many messages, and a few more, in
+            flight to each receiver before it waits for the oldest to be delivered.
     """
 
     def __init__(
@@ -157,6 +161,7 @@ class DistributedResults(Results):
         ranks: Sequence[int] | None = None,
         merge_group: Any = None,
         merge: Callable[[list[Any]], Any] | None = None,
+        lag: int = 0,
     ) -> None:
         super().__init__(start)
         self.watchdog = watchdog
@@ -165,7 +170,8 @@ class DistributedResults(Results):
         everyone = range(dist.get_world_size()) if ranks is None else ranks
         self._peers = [r for r in everyone if r != source]
         self._merge_group, self._merge = merge_group, merge
-        self._sent: list[tuple[Any, torch.Tensor]] = []
+        # a receive is posted when the result `depth` before it is taken, `lag` steps late
+        self._sent = {p: SendsInFlight(p, lag + depth + 2, watchdog) for p in self._peers}
         self._posted: collections.deque[tuple[Any, torch.Tensor]] = collections.deque()
         self._own: dict[int, Any] = {}  # the source's own results
         if self.rank != source:
@@ -189,10 +195,10 @@ class DistributedResults(Results):
         rest = data[_CAPACITY - _HEAD :]
         tail = torch.frombuffer(bytearray(rest), dtype=torch.uint8) if rest else None
         for peer in self._peers:
-            self._sent.append((dist.isend(message, dst=peer, group=self._groups[0]), message))
+            sends = [(dist.isend(message, dst=peer, group=self._groups[0]), message)]
             if tail is not None:
-                self._sent.append((dist.isend(tail, dst=peer, group=self._groups[1]), tail))
-        self._sent = [(w, t) for w, t in self._sent if not w.is_completed()]
+                sends.append((dist.isend(tail, dst=peer, group=self._groups[1]), tail))
+            self._sent[peer].add(sends, f"the results of minibatch {minibatch}")
         self._own[minibatch] = value
 
     def _receive(self, minibatch: int) -> Any:
@@ -222,6 +228,5 @@ class DistributedResults(Results):
 
     def flush(self) -> None:
         """Wait until every published result has been delivered."""
-        for work, _ in self._sent:
-            work.wait()
-        self._sent.clear()
+        for sent in self._sent.values():
+            sent.wait_all()

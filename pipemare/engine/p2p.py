@@ -1,5 +1,6 @@
 """Point-to-point messages between two ranks: receives posted ahead of need, sends that mirror
-them, and receive buffers recycled once the receiver is done with them."""
+them and are let go once delivered, and receive buffers recycled once the receiver is done
+with them."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from pipemare.engine.errors import out_of_order
 from pipemare.engine.payload import tensors
 from pipemare.engine.watchdog import Watchdog
 
-__all__ = ["Inbox", "Outbox"]
+__all__ = ["Inbox", "Outbox", "SendsInFlight"]
+
+_SPARE = 2  # receive buffers kept per shape beyond the ``depth`` posted ones
 
 
 def _sole_owner(t: torch.Tensor) -> bool:
@@ -79,7 +82,7 @@ class Inbox:
         buffers = slot.buffers
         if signature != slot.expected:  # the posted tensors got a throwaway; fetch the real ones
             if slot.expected is not None:
-                self._pool.setdefault(slot.expected, []).append(slot.buffers)
+                self._recycle(slot.expected, slot.buffers)
             buffers = wire.buffers(signature, self.device)
             works: list[Any] = [
                 dist.irecv(t, src=self.peer, group=self.groups[2]) for t in buffers if t is not None
@@ -93,23 +96,95 @@ class Inbox:
     def release(self, microbatch: int) -> None:
         entry = self._lent.pop(microbatch, None)
         if entry is not None and all(t is None or _sole_owner(t) for t in entry[1]):
-            self._pool.setdefault(entry[0], []).append(entry[1])
+            self._recycle(entry[0], entry[1])
+
+    def _recycle(self, signature: tuple[int, ...], buffers: list[torch.Tensor | None]) -> None:
+        """Keep ``buffers`` for a later receive of ``signature``'s shapes, up to a few per
+        shape: each message whose shapes differ from its posted receive's leaves one more
+        behind, so with shapes that change (sequences of varying length) an unbounded pool
+        would grow by one for every change."""
+        free = self._pool.setdefault(signature, [])
+        if len(free) < _SPARE:
+            free.append(buffers)
+
+
+class SendsInFlight:
+    """The messages sent to one peer and not known to be delivered, oldest first, each with
+    the tensors its sends read (which must stay alive until then).
+
+    A message is let go once it is known to be delivered: NCCL reports that by itself
+    (``is_completed``), but gloo reports a send complete only after ``wait()``, even long
+    after the receiver has the data. So at most ``window`` messages stay in flight: the
+    oldest beyond them is waited for, which returns at once when, as in a running pipeline,
+    the receiver took it long ago, and otherwise holds the sender back until the receiver
+    has caught up to within ``window`` messages (never a wait per step, never a flush).
+
+    Args:
+        peer: the receiving rank.
+        window: messages kept in flight before the oldest is waited for.
+        watchdog: names the peer if a wait outlasts its deadline (None: wait unwatched).
+    """
+
+    def __init__(self, peer: int, window: int, watchdog: Watchdog | None = None) -> None:
+        if window < 1:
+            raise ValueError(f"window must be at least 1, got {window}")
+        self.peer, self.window, self.watchdog = peer, window, watchdog
+        self._messages: collections.deque[tuple[list[tuple[Any, torch.Tensor]], str]] = (
+            collections.deque()
+        )
+
+    def add(self, sends: list[tuple[Any, torch.Tensor]], what: str) -> None:
+        """One message's ``(work, tensor)`` pairs, described by ``what`` in a timeout's error."""
+        self._messages.append((sends, what))
+        while self._messages and all(w.is_completed() for w, _ in self._messages[0][0]):
+            self._messages.popleft()
+        while len(self._messages) > self.window:
+            self._wait_oldest()
+
+    def wait_all(self) -> None:
+        """Wait until every message has been delivered."""
+        while self._messages:
+            self._wait_oldest()
+
+    def _wait_oldest(self) -> None:
+        sends, what = self._messages.popleft()
+        for work, _ in sends:
+            if self.watchdog is None:
+                work.wait()
+            else:
+                self.watchdog.wait(work, self.peer, f"receipt of {what}")
+
+    def __len__(self) -> int:
+        return len(self._messages)
 
 
 class Outbox:
-    """What one stage sends to one neighbour on one channel, mirroring the receiver's posts."""
+    """What one stage sends to one neighbour on one channel, mirroring the receiver's posts.
 
-    def __init__(self, peer: int, groups: tuple[Any, Any, Any], depth: int) -> None:
-        self.peer, self.groups = peer, groups
+    The receiver posts each receive when it takes the message ``depth`` before (see
+    :class:`Inbox`), so a send completes only then; the outbox keeps ``depth + 2`` messages
+    in flight (:class:`SendsInFlight`) and waits for older ones only when the receiver has
+    fallen more than ``2 depth + 2`` messages behind.
+    """
+
+    def __init__(
+        self,
+        peer: int,
+        groups: tuple[Any, Any, Any],
+        depth: int,
+        watchdog: Watchdog | None = None,
+        channel: str = "message",
+    ) -> None:
+        self.peer, self.groups, self.channel = peer, groups, channel
         # the shapes the receiver's posted receive for the next message expects
         self._expected: collections.deque[tuple[int, ...] | None] = collections.deque(
             [None] * depth
         )
+        #: the messages sent and not known to be delivered
+        self.in_flight = SendsInFlight(peer, depth + 2, watchdog)
 
-    def send(
-        self, microbatch: int, payload: Any, device: torch.device, completed: int = 0
-    ) -> list[Any]:
-        """Post the message's sends; returns ``(work, tensor)`` pairs to keep until delivered."""
+    def send(self, microbatch: int, payload: Any, device: torch.device, completed: int = 0) -> None:
+        """Post the message's sends; its tensors are kept until it is delivered."""
         header_group, payload_group, extra_group = self.groups
         header = wire.encode(microbatch, payload, completed)
         signature = tuple(header[1:-1])
@@ -126,4 +201,4 @@ class Outbox:
                         out.append((dist.isend(t, dst=self.peer, group=payload_group), t))
             group = extra_group
         out += [(dist.isend(t, dst=self.peer, group=group), t) for t in parts]
-        return out
+        self.in_flight.add(out, f"the {self.channel} of microbatch {microbatch}")

@@ -245,9 +245,9 @@ class DistributedTransport(Transport):
                     inbox.post(None)
                 self._inbox[src, ch] = inbox
             if 0 <= dst < stages:
-                self._outbox[dst, ch] = Outbox(self._rank_of[dst], groups[ch], depth)
-        # (work, tensor kept alive until sent, receiving rank)
-        self._sent: list[tuple[Any, torch.Tensor, int]] = []
+                self._outbox[dst, ch] = Outbox(
+                    self._rank_of[dst], groups[ch], depth, self.watchdog, ch
+                )
 
     def rank_of(self, stage: int) -> int:
         """The global rank that runs ``stage`` in this process's copy of the pipeline."""
@@ -262,14 +262,13 @@ class DistributedTransport(Transport):
                 inbox.post(None)
             self._inbox[src, channel] = inbox
         if me == src:
-            self._outbox[dst, channel] = Outbox(self._rank_of[dst], groups, self._depth)
+            self._outbox[dst, channel] = Outbox(
+                self._rank_of[dst], groups, self._depth, self.watchdog, channel
+            )
 
     def send(self, src: int, dst: int, channel: str, microbatch: int, payload: Any) -> None:
-        peer = self._rank_of[dst]
         completed = self.completed.get(src, 0)
-        sent = self._outbox[dst, channel].send(microbatch, payload, self.device, completed)
-        self._sent += [(w, t, peer) for w, t in sent]
-        self._sent = [entry for entry in self._sent if not entry[0].is_completed()]
+        self._outbox[dst, channel].send(microbatch, payload, self.device, completed)
 
     def ready(self, src: int, dst: int, channel: str) -> bool:
         return True
@@ -284,6 +283,10 @@ class DistributedTransport(Transport):
         self._inbox[src, channel].release(microbatch)
 
     def flush(self) -> None:
-        for work, _, peer in self._sent:
-            self.watchdog.wait(work, peer, "receipt of what this stage sent")
-        self._sent.clear()
+        for outbox in self._outbox.values():
+            outbox.in_flight.wait_all()
+
+    def in_flight(self) -> int:
+        """Messages sent and not known to be delivered (bounded: see
+        :class:`~pipemare.engine.p2p.SendsInFlight`)."""
+        return sum(len(outbox.in_flight) for outbox in self._outbox.values())

@@ -270,4 +270,5 @@ def results(strategy: Any, start: int) -> Results:
         ranks=layout.pipelines[transport.replica],
         merge_group=merge_group,
         merge=merge_published,
+        lag=strategy.lag,
     )
