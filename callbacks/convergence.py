@@ -90,7 +90,9 @@ class ConvergenceMonitor(common.Monitor):
         self._best: float | None = None
         self._smoothed: float | None = None
         self._start = 0.0
-        self._grad: dict[int, list[float]] = {}
+        # per stage: (sum of the earlier gradient norms, how many, the latest), O(1) however
+        # long the run
+        self._grad: dict[int, tuple[float, int, float]] = {}
 
     def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
         strategy.divergence_monitored = True  # its diagnosis replaces the bare check
@@ -104,7 +106,8 @@ class ConvergenceMonitor(common.Monitor):
     ) -> None:
         if watched is not None:
             for (i, _), norm in sorted(watched[1].take_grad_norms().items()):
-                self._grad.setdefault(i, []).append(norm)
+                earlier, count, latest = self._grad.get(i, (0.0, -1, 0.0))
+                self._grad[i] = (earlier + latest, count + 1, norm)
         loss = _loss(outputs)
         if loss is not None and self.divergence is None:
             reason = self._diverged(loss, trainer.global_step)
@@ -124,7 +127,7 @@ class ConvergenceMonitor(common.Monitor):
         return None
 
     def _log(self, trainer: pl.Trainer) -> None:
-        local = {i: {"grad_norm": v[-1]} for i, v in self._grad.items() if v}
+        local = {i: {"grad_norm": latest} for i, (_, _, latest) in self._grad.items()}
         stats = common.gather_stages(trainer, local)
         wall_time = {f"{common.PREFIX}/wall_time": time.perf_counter() - self._start}
         common.log_stages(trainer, stats, wall_time)
@@ -134,9 +137,9 @@ class ConvergenceMonitor(common.Monitor):
         watched = common.probed(trainer)
         local_bad = watched[1].first_nonfinite() if watched is not None else {}
         local_growth = {
-            i: v[-1] / (sum(v[:-1]) / len(v[:-1]))
-            for i, v in self._grad.items()
-            if len(v) > 1 and sum(v[:-1]) > 0
+            i: latest / (earlier / count)
+            for i, (earlier, count, latest) in self._grad.items()
+            if count > 0 and earlier > 0
         }
         parts = common.gather(trainer, (local_bad, local_growth))  # every rank reaches this step
         bad = {i: m for b, _ in parts for i, m in b.items()}
