@@ -65,23 +65,25 @@ def table(rows: list[dict]) -> str:
     """A markdown table of the JSON rows."""
     lines = [
         "| P | kind | schedule | samples/s | × single | × torch 1F1B | of stage bound "
-        "| utilisation per stage | bubble |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| utilisation per stage | bubble | resident MB per 1,000 steps |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['error']} ||||||"
+                f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['error']} |||||||"
             )
             continue
         util = " / ".join(f"{u:.2f}" for u in r["utilisation"])
         vs_torch = f"{r['vs_torch_1f1b']:.2f}" if r.get("vs_torch_1f1b") else "-"
         # copies of a shorter pipeline have other stages than the bound measured for P stages
         bound = "-" if "copies" in r else f"{r.get('of_stage_bound', 1.0):.2f}"
+        growth = r.get("resident_mb_per_1000")  # the rank that grew most
+        grown = "-" if growth is None else f"{max(growth):+.1f}"
         lines.append(
             f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['samples_per_s']:.0f} | "
             f"{r['vs_single']:.2f} | {vs_torch} | {bound} | {util} | "
-            f"{r['bubble']:.2f} |"
+            f"{r['bubble']:.2f} | {grown} |"
         )
     return "\n".join(lines)
 

@@ -37,6 +37,24 @@ def live_tensors() -> int:
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
+def memory_now() -> tuple[float, float | None]:
+    """Resident MB of this process, and the MB its tensors hold on the current CUDA device
+    (None where CUDA is not in use)."""
+    cuda = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda = torch.cuda.memory_allocated() / 2**20
+    return resident_mb(), cuda
+
+
+def memory_growth(trace: list[tuple[int, float, float | None]]) -> dict[str, float]:
+    """MB gained per 1,000 steps over ``(step, resident MB, CUDA MB)`` samples (a least-squares
+    slope, so one allocation at the start does not read as growth)."""
+    growth = {"resident_mb_per_1000": growth_per_1000([(s, r) for s, r, _ in trace])}
+    if trace and trace[0][2] is not None:
+        growth["cuda_mb_per_1000"] = growth_per_1000([(s, c or 0.0) for s, _, c in trace])
+    return growth
+
+
 def growth_per_1000(samples: list[tuple[int, float]]) -> float:
     """The least-squares slope of ``(step, value)`` samples, per 1,000 steps (0 for < 2)."""
     if len(samples) < 2:

@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare.experiments.bench.memory import mlp, optimizer_bytes, saved_bytes, tensor_bytes
+from pipemare.experiments.bench.memory import (
+    memory_growth,
+    memory_now,
+    mlp,
+    optimizer_bytes,
+    saved_bytes,
+    tensor_bytes,
+)
 from pipemare.model import partition
 
 
@@ -115,12 +122,15 @@ def _engine(
     pipe.probe.take_spans()
     dist.barrier()
     start = time.perf_counter()
-    for _ in range(args.steps):
+    trace = []  # memory after each step: reading it costs microseconds
+    for i in range(args.steps):
         pipe.step((x, y))
+        trace.append((i, *memory_now()))
     wall = time.perf_counter() - start
     spans = [s for s in pipe.probe.take_spans() if s[3] >= 0]
     pipe.drain()
-    return {"wall_s": wall, "spans": spans, "memory": _stage_memory(pipe, opt, args, x)}
+    memory = _stage_memory(pipe, opt, args, x)
+    return {"wall_s": wall, "spans": spans, "memory": memory, "growth": memory_growth(trace)}
 
 
 class _Module:
@@ -167,6 +177,7 @@ def _lightning(
         x, y = x.tensor_split(copies)[copy_index], y.tensor_split(copies)[copy_index]
     batches = [(x, y)] * total  # whole batches: no per-sample collation in the timed steps
     seen: dict[str, Any] = {}
+    trace: list[tuple[int, float, float | None]] = []
 
     class Clock(pl.Callback):
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
@@ -176,6 +187,8 @@ def _lightning(
                 seen["start"] = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, out: Any, b: Any, i: int) -> None:
+            if i >= args.warmup:
+                trace.append((i, *memory_now()))
             if i == total - 1:
                 seen["wall"] = time.perf_counter() - seen["start"]
                 pipe = trainer.strategy.pipeline
@@ -200,7 +213,8 @@ def _lightning(
     )
     trainer.fit(_Module.make(args), DataLoader(batches, batch_size=None))
     memory = _stage_memory(seen["pipe"], seen["opt"], args, x)
-    return {"wall_s": seen["wall"], "spans": seen["spans"], "memory": memory}
+    growth = memory_growth(trace)
+    return {"wall_s": seen["wall"], "spans": seen["spans"], "memory": memory, "growth": growth}
 
 
 def _stage_bound(
@@ -270,6 +284,9 @@ def _row(
     row["bubble"] = 1 - statistics.mean(util)
     row["comm_s"] = comm
     row["memory"] = [part["memory"] for part in parts]
+    if "growth" in parts[0]:  # per rank, MB gained per 1,000 steps over the timed steps
+        for key in parts[0]["growth"]:
+            row[key] = [part["growth"][key] for part in parts]
     if stages != p:
         row["stages"], row["copies"] = stages, p // stages
     return row

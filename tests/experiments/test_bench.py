@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -41,6 +42,9 @@ def test_bench_writes_one_json_line_per_configuration_a_table_and_a_chart(tmp_pa
         assert len(r["memory"]) == stages and all(set(m) == set(MEMORY) for m in r["memory"])
         assert all(m["weights"] > 0 for m in r["memory"])
         assert r["vs_single"] == pytest.approx(r["samples_per_s"] / rows[0]["samples_per_s"])
+        if r["kind"] in ("engine", "lightning"):  # memory over the run, per rank
+            growth = r["resident_mb_per_1000"]
+            assert len(growth) == stages and all(math.isfinite(g) for g in growth)
     one_f_one_b = next(r for r in rows if r["schedule"] == "1F1B")
     assert one_f_one_b["vs_torch_1f1b"] == pytest.approx(1.0)
     # only pipedream stashes weights; only a corrected schedule keeps correction buffers
@@ -88,3 +92,14 @@ def test_the_real_model_bench_times_the_gpt_under_each_engine():
     rates = real_models.main([*small, "--context", "8", "--cut", "1"])
     assert set(rates) == {"pipemare", "pipemare-sequential", "torch-1F1B"}
     assert all(rate > 0 for rate in rates.values())
+
+
+def test_memory_growth_is_the_slope_per_thousand_steps():
+    from pipemare.experiments.bench.memory import growth_per_1000, memory_growth
+
+    # a one-off allocation at the start, then 0.05 MB per step: 50 MB per 1,000 steps
+    samples = [(s, 500.0 + 0.05 * s + (20.0 if s == 0 else 0.0)) for s in range(200)]
+    assert 45 < growth_per_1000(samples) < 55
+    level = [(s, 512.0) for s in range(100)]
+    assert growth_per_1000(level) == 0.0 and growth_per_1000(level[:1]) == 0.0
+    assert memory_growth([(s, r, None) for s, r in level]) == {"resident_mb_per_1000": 0.0}
