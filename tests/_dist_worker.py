@@ -43,7 +43,7 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def train(
     schedule: str, stages: int, transport: str, device: str = "cpu"
-) -> tuple[nn.Sequential, Pipeline]:
+) -> tuple[nn.Sequential, Pipeline, int]:
     model = build_model()
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -64,10 +64,13 @@ def train(
         seed=7,
         **clip,
     )
+    most = 0  # the most sends in flight (not known delivered) after a step
     for batch in batches():
         pipe.step(batch)
+        if transport == "distributed":
+            most = max(most, pipe.transport.in_flight())
     pipe.drain()
-    return model, pipe
+    return model, pipe, most
 
 
 def main() -> None:
@@ -78,10 +81,12 @@ def main() -> None:
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     for schedule in args.schedules:
-        _, pipe = train(schedule, world, "distributed", args.device)
+        _, pipe, most = train(schedule, world, "distributed", args.device)
         (stage,) = pipe.stages
         state = {k: v.detach().cpu().clone() for k, v in stage.module.state_dict().items()}
-        torch.save({"stage": stage.index, "state": state}, args.out / f"{schedule}-rank{rank}.pt")
+        sent = {"most": most, "after_drain": pipe.transport.in_flight()}
+        saved = {"stage": stage.index, "state": state, "in_flight": sent}
+        torch.save(saved, args.out / f"{schedule}-rank{rank}.pt")
 
 
 if __name__ == "__main__":
