@@ -1,4 +1,5 @@
-"""Callbacks that watch an asynchronous pipeline train: staleness, convergence, utilisation.
+"""Callbacks that watch an asynchronous pipeline train: staleness, convergence, utilisation,
+memory.
 
 They log through Lightning's logger interface (any logger works) and add Weights & Biases
 extras when a ``WandbLogger`` is present.
@@ -6,6 +7,7 @@ extras when a ``WandbLogger`` is present.
 
 from pipemare.callbacks.budget import PipelineTimeBudget
 from pipemare.callbacks.convergence import ConvergenceMonitor, Divergence, DivergenceError
+from pipemare.callbacks.memory import MemoryMonitor
 from pipemare.callbacks.pipeline import PipelineMonitor, chrome_trace
 from pipemare.callbacks.staleness import StalenessMonitor
 from pipemare.callbacks.wandb import OfflineSafeWandbLogger, wandb_logger
@@ -14,6 +16,7 @@ __all__ = [
     "ConvergenceMonitor",
     "Divergence",
     "DivergenceError",
+    "MemoryMonitor",
     "OfflineSafeWandbLogger",
     "PipelineMonitor",
     "PipelineTimeBudget",

@@ -12,7 +12,12 @@ import torch
 from _faults import Exploding
 
 from pipemare import PipeMareStrategy
-from pipemare.callbacks import ConvergenceMonitor, PipelineMonitor, StalenessMonitor
+from pipemare.callbacks import (
+    ConvergenceMonitor,
+    MemoryMonitor,
+    PipelineMonitor,
+    StalenessMonitor,
+)
 from pipemare.experiments.tasks.datamodules import DigitsDataModule
 
 
@@ -37,6 +42,7 @@ def main() -> None:
             PipelineMonitor(
                 log_every_n_steps=5, trace_path=args.out / "trace.json", trace_steps=(4, 8)
             ),
+            MemoryMonitor(log_every_n_steps=5),
         ],
         enable_progress_bar=False,
         enable_model_summary=False,

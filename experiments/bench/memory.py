@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import gc
 import math
-import os
 from typing import Any
 
 import torch
 from torch import nn
 
+from pipemare.callbacks.memory import memory_now
 from pipemare.model import partition
 
 
@@ -24,12 +24,6 @@ def mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(width, classes))
 
 
-def resident_mb() -> float:
-    """This process's resident memory now (not its peak), in MB (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def live_tensors() -> int:
     """Tensors Python can reach, after a full collection."""
     gc.collect()
@@ -37,13 +31,11 @@ def live_tensors() -> int:
     return sum(1 for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
 
 
-def memory_now() -> tuple[float, float | None]:
+def memory_sample() -> tuple[float, float | None]:
     """Resident MB of this process, and the MB its tensors hold on the current CUDA device
     (None where CUDA is not in use)."""
-    cuda = None
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        cuda = torch.cuda.memory_allocated() / 2**20
-    return resident_mb(), cuda
+    now = memory_now()
+    return now.get("resident_mb", now["peak_resident_mb"]), now.get("cuda_allocated_mb")
 
 
 def memory_growth(trace: list[tuple[int, float, float | None]]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from pipemare.experiments.bench.memory import (
     memory_growth,
-    memory_now,
+    memory_sample,
     mlp,
     optimizer_bytes,
     saved_bytes,
@@ -125,7 +125,7 @@ def _engine(
     trace = []  # memory after each step: reading it costs microseconds
     for i in range(args.steps):
         pipe.step((x, y))
-        trace.append((i, *memory_now()))
+        trace.append((i, *memory_sample()))
     wall = time.perf_counter() - start
     spans = [s for s in pipe.probe.take_spans() if s[3] >= 0]
     pipe.drain()
@@ -188,7 +188,7 @@ def _lightning(
 
         def on_train_batch_end(self, trainer: Any, module: Any, out: Any, b: Any, i: int) -> None:
             if i >= args.warmup:
-                trace.append((i, *memory_now()))
+                trace.append((i, *memory_sample()))
             if i == total - 1:
                 seen["wall"] = time.perf_counter() - seen["start"]
                 pipe = trainer.strategy.pipeline

@@ -21,6 +21,7 @@ from pipemare import NonFiniteLossError, PipeMareConfig, PipeMareStrategy
 from pipemare.callbacks import (
     ConvergenceMonitor,
     DivergenceError,
+    MemoryMonitor,
     PipelineMonitor,
     StalenessMonitor,
     monitors,
@@ -351,3 +352,16 @@ def test_a_budget_that_ends_the_run_early_derives_t1s_horizon_from_the_steps_it_
     tight, state = run(1e-6)  # spent at the first check: it allows no further step
     assert tight.estimated_steps == 0 == state["total_steps"]
     assert state["horizon"] == 0 < setup_horizon
+
+
+@pytest.mark.parametrize("strategy", ["pipemare", "auto"])
+def test_memory_is_logged_per_process_under_any_strategy(tmp_path, strategy):
+    logger = pl.loggers.CSVLogger(tmp_path)
+    chosen = PipeMareStrategy(stages=2, microbatches=2) if strategy == "pipemare" else "auto"
+    fit(chosen, [MemoryMonitor(log_every_n_steps=4)], logger, epochs=1, limit_train_batches=12)
+    table = rows(logger)
+    now = column(table, "pipemare/memory/resident_mb")
+    assert [step for step, _ in now] == [4, 8, 12]
+    peak = dict(column(table, "pipemare/memory/peak_resident_mb"))
+    assert all(0 < mb <= peak[step] + 1 for step, mb in now)  # a peak is never below now
+    assert dict(column(table, "pipemare/memory/rank0/resident_mb")) == dict(now)  # one process

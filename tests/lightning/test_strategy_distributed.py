@@ -212,5 +212,7 @@ def test_monitors_over_processes_divergence_timeline_utilization(tmp_path):
         "pipemare/stage0/tau_fwd_measured",
         "pipemare/stage0/discrepancy",
         "pipemare/stage1/grad_norm",
+        "pipemare/memory/rank1/resident_mb",  # every process's memory, logged by rank 0
+        "pipemare/memory/peak_resident_mb",
     ):
         assert name in header, name
