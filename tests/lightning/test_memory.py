@@ -17,7 +17,7 @@ from pipemare import SCHEDULES
 
 TESTS = Path(__file__).resolve().parents[1]
 WORKER = str(TESTS / "_soak_worker.py")
-STEPS, EVERY = 240, 40  # samples at 40, 80, ..., 240: warm-up, then the second half
+STEPS, EVERY = 160, 32  # samples at 32, 64, ..., 160: warm-up, then the second half
 RESIDENT_MB = 8.0  # allowed growth over the second half, for allocator noise
 
 
