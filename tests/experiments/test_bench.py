@@ -19,7 +19,7 @@ def test_bench_writes_one_json_line_per_configuration_a_table_and_a_chart(tmp_pa
     cmd = [
         sys.executable, "-m", "pipemare.experiments.bench", "--out", str(tmp_path),
         "--processes", "2", "--width", "16", "--depth", "3", "--batch", "8",
-        "--microbatches", "2", "--steps", "2", "--warmup", "2",
+        "--microbatches", "2", "--steps", "100", "--warmup", "2",
         "--schedules", "1f1b", "pipedream", "pipemare", "--memory-stages", "2", "3",
     ]  # fmt: skip
     env = dict(os.environ, WANDB_MODE="offline")
@@ -42,9 +42,10 @@ def test_bench_writes_one_json_line_per_configuration_a_table_and_a_chart(tmp_pa
         assert len(r["memory"]) == stages and all(set(m) == set(MEMORY) for m in r["memory"])
         assert all(m["weights"] > 0 for m in r["memory"])
         assert r["vs_single"] == pytest.approx(r["samples_per_s"] / rows[0]["samples_per_s"])
-        if r["kind"] in ("engine", "lightning"):  # memory over the run, per rank
+        if r["kind"] in ("engine", "lightning"):  # memory over the 100 steps, per rank
             growth = r["resident_mb_per_1000"]
             assert len(growth) == stages and all(math.isfinite(g) for g in growth)
+    assert "resident MB per 1,000 steps" in (tmp_path / "bench.md").read_text()
     one_f_one_b = next(r for r in rows if r["schedule"] == "1F1B")
     assert one_f_one_b["vs_torch_1f1b"] == pytest.approx(1.0)
     # only pipedream stashes weights; only a corrected schedule keeps correction buffers
@@ -76,6 +77,7 @@ def test_bench_measures_copies_of_a_pipeline_in_a_four_process_launch(tmp_path):
     assert all(0 < u <= 1.0 + 1e-6 for u in copies["utilisation"])  # every rank computed
     assert "of_stage_bound" not in copies  # the 4-stage bound does not apply to it
     assert copies["samples_per_s"] > 0 and len(copies["memory"]) == 4
+    assert "resident_mb_per_1000" not in copies  # 2 steps are too few for a slope
     # the copies hold the same stage: equal weights on ranks 0 and 2, and on 1 and 3
     w = [m["weights"] for m in copies["memory"]]
     assert w[0] == w[2] and w[1] == w[3]
