@@ -5,7 +5,7 @@ simulated) or one process per stage (torchrun). Every ``--every`` steps each pro
 its live tensors and reads its resident memory; each rank writes the samples to --out.
 
 The tests run it short; ``--steps 1536 --every 128`` is the 12 epochs of 128 steps of the
-issue that found the leaks (see docs/results.md, "Memory over a long run").
+issue that found the leaks (see docs/benchmarks.md, "Memory over a long run").
 """
 
 from __future__ import annotations
