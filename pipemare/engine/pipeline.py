@@ -51,7 +51,9 @@ class Pipeline:
         microbatches: N, microbatches per minibatch (one optimiser step).
         schedule: ``gpipe``, ``1f1b``, ``pipedream``, ``async`` or ``pipemare``.
         balance: layers per stage (a list), ``"even"`` (default) or ``"params"``.
-        config: PipeMare techniques; default: T1+T2 for ``pipemare``, none for the others.
+        config: staleness corrections; default: ``PipeMareConfig()``'s for ``pipemare``
+            (T1, weight prediction, delay-aware momentum and the rest it prints; T2 is off),
+            none for the others.
         transport: ``"inprocess"``, ``"distributed"`` or a :class:`~pipemare.Transport`.
         device: where this process's stages run (default: where the model is).
         input_fn: batch -> the model's input (default ``batch[0]``).

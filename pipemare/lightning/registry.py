@@ -41,7 +41,7 @@ def register_strategies(cls: type, strategy_registry: Any) -> None:
     """Register ``cls`` under pipemare's names in one package's StrategyRegistry (a name
     already there is kept)."""
     entries: list[tuple[str, dict[str, Any], str]] = [
-        ("pipemare", {}, "PipeMare asynchronous pipeline: T1 + T2, no flush, no weight stash"),
+        ("pipemare", {}, "PipeMare asynchronous pipeline: corrected, no flush, no weight stash"),
         ("pipemare_spawn", {"start_method": "spawn"}, "pipemare launched with spawn"),
         ("pipemare_fork", {"start_method": "fork"}, "pipemare launched with fork (notebooks)"),
     ]

@@ -82,7 +82,8 @@ class ScheduleSpec:
         flushes: whether the pipeline empties after every minibatch.
         stashes: whether the backward pass uses the weight version its forward pass used
             (PipeDream's weight stashing) instead of the weights live at backward time.
-        corrected: whether PipeMare's corrections (T1, T2) are on by default.
+        corrected: whether the staleness corrections (``PipeMareConfig()``'s) are on by
+            default.
     """
 
     name: str
