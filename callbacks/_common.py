@@ -85,25 +85,6 @@ def gather_stages(
     return merge_stages(gather(trainer, local))
 
 
-def log_stages(
-    trainer: pl.Trainer,
-    stats: dict[int, dict[str, float]],
-    extra: dict[str, float] | None = None,
-) -> None:
-    """Keep ``stats`` for the per-stage table and log them, then ``extra``, as metrics."""
-    remember(trainer, stats)
-    log(trainer, {**stage_metrics(stats), **(extra or {})})
-
-
-def remember(trainer: pl.Trainer, stats: dict[int, dict[str, float]]) -> None:
-    """Keep the latest per-stage values on the strategy, for the per-stage table."""
-    table = getattr(trainer.strategy, "stage_stats", None)
-    if table is None:
-        return
-    for stage, values in stats.items():
-        table.setdefault(stage, {}).update(values)
-
-
 def interval(trainer: pl.Trainer, every: int | None) -> int:
     default = getattr(trainer, "log_every_n_steps", 50)  # a Trainer attribute mypy cannot see
     return every if every is not None else max(int(default), 1)
@@ -152,6 +133,8 @@ class Monitor(Callback):
     def __init__(self, log_every_n_steps: int | None = None) -> None:
         self.log_every_n_steps = log_every_n_steps
         self._strategy: Any = None
+        #: the latest per-stage values this monitor logged: stage -> name -> value
+        self.stage_stats: dict[int, dict[str, float]] = {}
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._strategy = pipemare_strategy(trainer, type(self).__name__)
@@ -177,3 +160,19 @@ class Monitor(Callback):
 
     def _after_batch(self, trainer: pl.Trainer, outputs: Any, batch: Any, watched: Watched) -> None:
         """After a training batch, with what :func:`probed` found."""
+
+    def _log_stages(
+        self,
+        trainer: pl.Trainer,
+        stats: dict[int, dict[str, float]],
+        extra: dict[str, float] | None = None,
+    ) -> None:
+        """Keep ``stats`` for the per-stage table and log them, then ``extra``, as metrics."""
+        for stage, values in stats.items():
+            self.stage_stats.setdefault(stage, {}).update(values)
+        log(trainer, {**stage_metrics(stats), **(extra or {})})
+
+
+def stage_table(trainer: pl.Trainer) -> dict[int, dict[str, float]]:
+    """The latest per-stage values every pipemare monitor of ``trainer`` logged, merged."""
+    return merge_stages([cb.stage_stats for cb in trainer.callbacks if isinstance(cb, Monitor)])

@@ -95,7 +95,7 @@ class ConvergenceMonitor(common.Monitor):
         self._grad: dict[int, tuple[float, int, float]] = {}
 
     def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
-        strategy.divergence_monitored = True  # its diagnosis replaces the bare check
+        strategy.delegate_divergence()  # its diagnosis replaces the bare check
         strategy.request_probe(grad_norm_every=common.interval(trainer, self.log_every_n_steps))
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -130,7 +130,7 @@ class ConvergenceMonitor(common.Monitor):
         local = {i: {"grad_norm": latest} for i, (_, _, latest) in self._grad.items()}
         stats = common.gather_stages(trainer, local)
         wall_time = {f"{common.PREFIX}/wall_time": time.perf_counter() - self._start}
-        common.log_stages(trainer, stats, wall_time)
+        self._log_stages(trainer, stats, wall_time)
 
     def _on_divergence(self, trainer: pl.Trainer, loss: float, reason: str) -> None:
         pipe = common.pipeline(trainer)

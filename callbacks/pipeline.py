@@ -140,7 +140,7 @@ class PipelineMonitor(common.Monitor):
             ) / len(stats)
         metrics[f"{common.PREFIX}/pipeline_time"] = self._pipeline_time
         metrics[f"{common.PREFIX}/simulated"] = float(simulated)
-        common.log_stages(trainer, stats, metrics)
+        self._log_stages(trainer, stats, metrics)
         self._spans, self._samples, self._window_start = [], 0, time.perf_counter()
         self._sampled_wall, self._sampled_steps, self._window_steps = 0.0, 0, 0
 

@@ -83,7 +83,7 @@ class StalenessMonitor(common.Monitor):
         for tie in pipe.ties.ties:  # derived: the owner's forward delay
             for i in tie.copies:
                 stats.setdefault(i, {})["tau_tied"] = pipe.delays[tie.owner].forward
-        common.log_stages(trainer, stats)
+        self._log_stages(trainer, stats)
 
 
 def _mean_delays(delays: list[tuple[int, int, int, int]]) -> list[tuple[int, float, float]]:

@@ -14,6 +14,8 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_only
 
+from pipemare.callbacks._common import stage_table
+
 __all__ = ["OfflineSafeWandbLogger", "define_metrics", "find", "log_stage_table", "wandb_logger"]
 
 
@@ -101,9 +103,9 @@ def define_metrics(trainer: pl.Trainer) -> None:
 
 
 def log_stage_table(trainer: pl.Trainer, key: str = "pipemare/stages") -> None:
-    """Log the latest per-stage values (``strategy.stage_stats``) as one W&B table."""
+    """Log the latest per-stage values of pipemare's monitors as one W&B table."""
     logger = find(trainer)
-    stats: dict[int, dict[str, float]] = getattr(trainer.strategy, "stage_stats", {})
+    stats = stage_table(trainer)
     pipe = getattr(trainer.strategy, "pipeline", None)
     if logger is None or not stats or trainer.global_rank != 0:
         return

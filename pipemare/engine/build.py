@@ -16,6 +16,7 @@ from pipemare.engine.replicas import GradientAverager, broadcast_state
 from pipemare.engine.stage import Stage
 from pipemare.engine.transport import DistributedTransport, InProcessTransport, Transport
 from pipemare.model import partition
+from pipemare.model.cuts import BALANCES
 from pipemare.optim.optimizer import PipeMareOptimizer
 from pipemare.schedule.actions import ScheduleSpec, spec
 
@@ -31,20 +32,50 @@ __all__ = [
 
 
 def check_arguments(
-    model: nn.Sequential, schedule: str, stages: Any, microbatches: Any, recompute: Any
+    *, schedule: str, stages: Any, microbatches: Any, balance: Any, recompute: Any
 ) -> ScheduleSpec:
-    """Refuse what cannot be pipelined, up front; returns what ``schedule`` means."""
-    partition.check_sequential(model)
-    if not isinstance(recompute, bool):
-        raise TypeError(
-            f"recompute must be True or False, got {recompute!r}; True reruns each "
-            "stage's forward at backward time instead of keeping its activations"
-        )
-    sp = spec(schedule)
-    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int)):
-        raise ValueError(f"stages must be a whole number >= 1, got {stages!r}")
+    """Refuse a bad value of an argument the Pipeline and the strategy share, up front.
+
+    Both call this one check, so one mistake gets one error in either: a ``ValueError`` for a
+    value the argument cannot take, its kind included (``microbatches=2.5``,
+    ``recompute="yes"``). ``TypeError`` is kept for an object of the wrong class (a model that
+    is not an ``nn.Sequential``, a config that is not a ``PipeMareConfig``).
+
+    Args:
+        schedule: a name from :data:`~pipemare.schedule.actions.SCHEDULES`.
+        stages: P, or None for the default.
+        microbatches: N.
+        balance: a name from :data:`~pipemare.model.cuts.BALANCES`, a list of layer counts,
+            or None for the default.
+        recompute: whether stages rerun their forward at backward time.
+
+    Returns:
+        What ``schedule`` means.
+
+    Raises:
+        ValueError: an unknown schedule or balance name, or a value out of range.
+    """
+    sp = spec(schedule)  # a clear error for an unknown name, with a did-you-mean
+    if stages is not None and (
+        isinstance(stages, bool) or not isinstance(stages, int) or stages < 1
+    ):
+        raise ValueError(f"stages must be a positive integer (a whole number >= 1), got {stages!r}")
     if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
+    counts = isinstance(balance, (list, tuple)) and all(
+        isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in balance
+    )
+    named = isinstance(balance, str) and balance in BALANCES
+    if balance is not None and not named and not (counts and len(balance) > 0):
+        raise ValueError(
+            f"balance must be one of {', '.join(BALANCES)} or a list of layer counts (a "
+            f"whole number >= 1 per stage, e.g. [3, 2]), got {balance!r}"
+        )
+    if not isinstance(recompute, bool):
+        raise ValueError(
+            f"recompute must be True or False, got {recompute!r}; True keeps only each "
+            "stage's inputs and reruns its forward at backward time"
+        )
     return sp
 
 
@@ -86,14 +117,19 @@ def _named_transport(name: str, stages: int | None, layers: int, device: torch.d
 def choose_balance(
     model: nn.Sequential, balance: Sequence[int] | str | None, stages: int
 ) -> list[int]:
-    """Layers per stage: a list as given, ``"even"`` (the default) or by ``"params"``."""
+    """Layers per stage: a list as given, ``"even"`` (the default, None) or by ``"params"``;
+    the names chosen from a sample batch (:data:`~pipemare.model.cuts.FROM_A_SAMPLE`) are
+    refused: a bare Pipeline has no batch to measure before it is built."""
     if balance is None or balance == "even":
         return partition.even_balance(len(model), stages)
     if balance == "params":
         return partition.balance_by_params(model, stages)
     if isinstance(balance, str):
         raise ValueError(
-            f"balance must be a list of layer counts, 'even' or 'params', got {balance!r}"
+            f"balance={balance!r} is chosen from a sample batch, which a Pipeline does not have "
+            "when it is built (the strategy measures its first batch); pass the counts instead, "
+            "e.g. balance=pipemare.model.partition.balance_by_time(model, sample, stages), or "
+            "'even' or 'params'"
         )
     if len(balance) != stages:
         raise ValueError(f"balance {list(balance)} has {len(balance)} entries for {stages} stages")

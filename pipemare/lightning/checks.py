@@ -1,5 +1,5 @@
 """The strategy's checks: its arguments, the run's precision, process layout, Trainer settings,
-the cut of the Sequential and the optimiser, each refused before anything runs.
+the split points and the optimiser, each refused before anything runs.
 
 Every error says what to do instead.
 """
@@ -13,26 +13,25 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from pipemare.engine.build import check_arguments
 from pipemare.lightning.launching import START_METHODS, LightningAPI
 from pipemare.optim.config import PipeMareConfig
 from pipemare.schedule.actions import spec
 from pipemare.schedule.delay import derive_delays
 
 __all__ = [
-    "BALANCES",
-    "check_arguments",
     "check_layout",
     "check_optimizer",
     "check_precision",
+    "check_split_points",
+    "check_strategy_arguments",
     "check_trainer",
     "ignore_moot_warnings",
     "one_optimizer",
 ]
 
-BALANCES = ("time", "auto", "params", "even")
 
-
-def check_arguments(
+def check_strategy_arguments(
     *,
     stages: Any,
     microbatches: Any,
@@ -48,15 +47,16 @@ def check_arguments(
     recompute: Any,
     heartbeat_timeout: Any = 30.0,
 ) -> None:
-    """Refuse a bad constructor argument of the strategy, naming what it takes instead."""
-    spec(schedule)  # a clear error for an unknown name, before anything runs
-    if stages is not None and (
-        isinstance(stages, bool) or not isinstance(stages, int) or stages < 1
-    ):
-        raise ValueError(f"stages must be a positive integer, got {stages!r}")
-    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be an integer >= 1, got {microbatches!r}")
-    _check_balance_argument(balance)
+    """Refuse a bad constructor argument of the strategy, naming what it takes instead: those
+    it shares with the Pipeline by the engine's own check
+    (:func:`~pipemare.engine.build.check_arguments`), then its own."""
+    check_arguments(
+        schedule=schedule,
+        stages=stages,
+        microbatches=microbatches,
+        balance=balance,
+        recompute=recompute,
+    )
     if config is not None and not isinstance(config, PipeMareConfig):
         raise TypeError(
             f"config must be a pipemare.PipeMareConfig, got {type(config).__name__}; "
@@ -93,38 +93,15 @@ def check_arguments(
             "timeout (for connecting the processes) must be a datetime.timedelta, e.g. "
             f"datetime.timedelta(minutes=30), got {timeout!r}"
         )
-    if (
-        isinstance(stall_timeout, bool)
-        or not isinstance(stall_timeout, (int, float))
-        or not 0 < stall_timeout < math.inf
-    ):
-        raise ValueError(
-            f"stall_timeout must be a positive, finite number of seconds, got {stall_timeout!r}"
-        )
-    if heartbeat_timeout is not None and (
-        isinstance(heartbeat_timeout, bool)
-        or not isinstance(heartbeat_timeout, (int, float))
-        or not 0 < heartbeat_timeout < math.inf
-    ):
-        raise ValueError(
-            "heartbeat_timeout must be a positive, finite number of seconds or None (no "
-            f"heartbeat), got {heartbeat_timeout!r}"
-        )
-    if not isinstance(recompute, bool):
-        raise ValueError(
-            f"recompute must be True or False, got {recompute!r}; True keeps only each "
-            "stage's inputs and reruns its forward at backward time"
-        )
+    _check_seconds("stall_timeout", stall_timeout, "")
+    if heartbeat_timeout is not None:
+        _check_seconds("heartbeat_timeout", heartbeat_timeout, " or None (no heartbeat)")
 
 
-def _check_balance_argument(balance: Any) -> None:
-    counts = isinstance(balance, (list, tuple)) and all(
-        isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in balance
-    )
-    if balance not in BALANCES and not (counts and len(balance) > 0):
+def _check_seconds(name: str, value: Any, alternative: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ValueError(
-            f"balance must be one of {', '.join(BALANCES)} or a list of layer counts (a "
-            f"whole number >= 1 per stage, e.g. [3, 2]), got {balance!r}"
+            f"{name} must be a positive, finite number of seconds{alternative}, got {value!r}"
         )
 
 

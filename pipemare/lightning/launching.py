@@ -1,8 +1,10 @@
-"""Starting the strategy's processes: Lightning's launchers, ranks, the process group.
+"""What the strategy's processes need from Lightning: its symbols in either package, a
+torchrun restart warning and a SIGTERM check that does not block the pipeline.
 
 Lightning ships two packages (``pytorch_lightning`` and ``lightning.pytorch``) with the same
 classes under different names; :class:`LightningAPI` fetches the ones pipemare uses from
-either, so one implementation serves both.
+either, so one implementation serves both. The launch itself (the launcher, the ranks, the
+process group) is the strategy's, as in Lightning's own strategies.
 """
 
 from __future__ import annotations
@@ -11,31 +13,15 @@ import contextlib
 import datetime
 import importlib
 import os
-import signal
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 
-from pipemare.engine.heartbeat import announce
 from pipemare.lightning.checkpoint_io import AtomicCheckpointIO, LightningAtomicCheckpointIO
 
-if TYPE_CHECKING:  # the strategy's mixins join a Lightning ParallelStrategy at run time
-    from pytorch_lightning.strategies import ParallelStrategy as StrategyBase
-else:
-    StrategyBase = object
-
-__all__ = [
-    "START_METHODS",
-    "LightningAPI",
-    "SigtermRelay",
-    "StrategyBase",
-    "connect",
-    "end_launched_processes",
-    "make_launcher",
-    "set_world_ranks",
-]
+__all__ = ["START_METHODS", "LightningAPI", "SigtermRelay", "restarts_share_the_store"]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
@@ -47,6 +33,8 @@ class LightningAPI:
         fabric = "lightning_fabric" if package == "pytorch_lightning" else "lightning.fabric"
         self.package = package
         self.strategies = importlib.import_module(f"{package}.strategies")
+        #: the base of the strategy class for this package
+        self.ParallelStrategy = self.strategies.ParallelStrategy
         launchers = importlib.import_module(f"{package}.strategies.launchers")
         self.SubprocessScriptLauncher = importlib.import_module(
             f"{package}.strategies.launchers.subprocess_script"
@@ -72,50 +60,6 @@ class LightningAPI:
         self.SIGTERMException = exceptions.SIGTERMException
 
 
-def make_launcher(strategy: Any, start_method: str) -> Any:
-    """Lightning's launcher for one process per stage, or None when every stage runs here.
-
-    ``popen`` re-runs the user's script once per extra process (Lightning's default for
-    scripts; torchrun and SLURM start the processes themselves and Lightning detects them);
-    the other methods use :mod:`torch.multiprocessing`.
-    """
-    api: LightningAPI = strategy._lightning
-    if not strategy.distributed:
-        return None
-    if start_method == "popen":
-        return api.SubprocessScriptLauncher(
-            strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
-        )
-    return api.MultiProcessingLauncher(strategy, start_method=start_method)
-
-
-def set_world_ranks(strategy: Any) -> None:
-    """Tell the cluster environment and both packages' ``rank_zero_only`` this process's rank."""
-    env = strategy.cluster_environment
-    if env is not None:
-        env.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
-        env.set_world_size(strategy.num_nodes * strategy.num_processes)
-    # Loggers write from rank 0 only, whichever package's decorator guards them.
-    strategy._lightning.rank_zero_only.rank = strategy.global_rank
-    pl.utilities.rank_zero.rank_zero_only.rank = strategy.global_rank  # type: ignore[attr-defined]
-
-
-def connect(strategy: Any, timeout: Any) -> None:
-    """Seed, set the ranks and join the default process group (gloo on CPU, NCCL on CUDA)."""
-    api: LightningAPI = strategy._lightning
-    api.reset_seed()
-    set_world_ranks(strategy)
-    backend = api.backend_for_device(strategy.root_device)
-    api.init_dist_connection(strategy.cluster_environment, backend, timeout=timeout)
-    if restarts_share_the_store():
-        api.rank_zero_warn(
-            "pipemare: torchrun may restart this job (--max-restarts), and its workers share the "
-            "agent's store, which keeps the first attempt's addresses: a restart's gloo setup "
-            "then often fails connecting to the dead processes (pytorch/pytorch#135712). Start "
-            "torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment."
-        )
-
-
 def restarts_share_the_store(env: Any = None) -> bool:
     """Whether torchrun may restart this job with its workers on the agent's shared store."""
     env = os.environ if env is None else env
@@ -132,14 +76,26 @@ class SigtermRelay:
     barrier that would cost a pipeline its overlap between steps. The relay posts the same
     broadcast without waiting (in a group of its own) and reads it at the next step, so every
     process still stops at the same step, one step after rank 0 got the signal.
+
+    Args:
+        trainer: the Trainer whose training loop it serves.
+        api: Lightning's symbols, from the package the trainer belongs to.
+        stall_timeout: the strategy's deadline for another process, in seconds.
+        watchdog: the pipeline's watchdog (:class:`~pipemare.engine.watchdog.Watchdog`) once
+            there is one, else None: it names a process that never arrives.
     """
 
-    def __init__(self, trainer: Any, api: LightningAPI, strategy: Any = None) -> None:
-        self.trainer, self.api, self.strategy = trainer, api, strategy
+    def __init__(
+        self,
+        trainer: Any,
+        api: LightningAPI,
+        stall_timeout: float | None = None,
+        watchdog: Callable[[], Any] = lambda: None,
+    ) -> None:
+        self.trainer, self.api, self._watchdog = trainer, api, watchdog
         # the async broadcast runs on the group's own thread: bound it by the stall deadline
         # (not the 30-minute default), or a stopped peer would hold this process at exit
-        stall = getattr(strategy, "stall_timeout", None)
-        timeout = datetime.timedelta(seconds=stall) if stall else None
+        timeout = datetime.timedelta(seconds=stall_timeout) if stall_timeout else None
         self.group = dist.new_group(backend="gloo", timeout=timeout)
         self._pending: tuple[Any, torch.Tensor] | None = None
 
@@ -156,8 +112,7 @@ class SigtermRelay:
 
     def _wait(self, work: Any) -> None:
         """Wait with the pipeline's stall deadline; a process that never arrives is named."""
-        transport = getattr(getattr(self.strategy, "pipeline", None), "transport", None)
-        watchdog = getattr(transport, "watchdog", None)
+        watchdog = self._watchdog()
         if watchdog is None:
             work.wait()
             return
@@ -181,18 +136,3 @@ class SigtermRelay:
     def install(self) -> None:
         """Replace the training loop's own check for this trainer."""
         self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self
-
-
-def end_launched_processes(strategy: Any, error: BaseException | None = None) -> None:
-    """After an error in the process that launched the others (``start_method="popen"``), end
-    them as Lightning does after Ctrl-C: a stage left waiting, or stopped, would hold its
-    device until its own deadline, or forever. torchrun's agent and ``srun
-    --kill-on-bad-exit`` do the same for the jobs they start.
-
-    ``error`` is printed first: Lightning's launcher ends this process within seconds of a
-    child's failed exit, which can come before this process's traceback is printed."""
-    launcher = getattr(strategy, "_launcher", None)
-    if isinstance(launcher, strategy._lightning.SubprocessScriptLauncher) and launcher.procs:
-        if error is not None:
-            announce(error)
-        launcher.kill(signal.SIGKILL)

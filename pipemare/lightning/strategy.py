@@ -1,344 +1,62 @@
 """Lightning strategy: ``Trainer(strategy="pipemare")`` pipelines an unchanged LightningModule.
 
-The strategy is glue between Lightning's hooks and :class:`~pipemare.engine.pipeline.Pipeline`;
-each hook delegates to the module that does its job:
+One class, :class:`PipeMareStrategy`, its hooks in the order Lightning calls them, as in
+Lightning's own ``DDPStrategy``. It is glue between those hooks and
+:class:`~pipemare.engine.pipeline.Pipeline`, composed of helpers that own their state:
 
-- setup checks the arguments, precision, layout and cut (:mod:`~pipemare.lightning.checks`);
-  the pipeline is built at the first batch (:mod:`~pipemare.lightning.build`);
-- ``training_step`` feeds the batch to the pipeline, which runs this process's share of the
-  schedule, weight updates included, and returns without waiting for the batch to reach the
-  last stage; the user's steps run per microbatch (:mod:`~pipemare.lightning.steps`), and the
-  loss and ``self.log`` values a step reports are those of the minibatch ``L`` steps earlier,
-  ``L`` the pipeline's depth in steps (:mod:`~pipemare.lightning.training`; shown as ``lag`` in
-  the progress bar);
+- the launch is the strategy's own (Lightning's launchers, torchrun or SLURM; gloo on CPU and
+  NCCL on CUDA), with Lightning's symbols from either package and a non-blocking SIGTERM check
+  from :mod:`~pipemare.lightning.launching`; argument and setup checks are
+  :mod:`~pipemare.lightning.checks`;
+- the :class:`~pipemare.lightning.runner.PipelineRunner` builds the pipeline at the first
+  batch and drives it: ``training_step`` feeds the batch to the pipeline, which runs this
+  process's share of the schedule, weight updates included, and returns without waiting for
+  the batch to reach the last stage; the loss and ``self.log`` values a step reports are those
+  of the minibatch ``L`` steps earlier, ``L`` the pipeline's depth in steps (shown as ``lag``
+  in the progress bar); the user's steps run per microbatch through the
+  :class:`~pipemare.lightning.module_adapter.ModuleAdapter`;
 - ``backward`` does nothing and ``optimizer_step`` only runs Lightning's closure: the engine
   already applied each stage's update (manual optimisation: :mod:`~pipemare.lightning.manual`);
 - validation and test run pipelined after draining the pipeline (their batches overlap);
-- checkpoints hold the whole model and optimiser state (:mod:`~pipemare.lightning.checkpointing`,
-  written without draining by :mod:`~pipemare.lightning.saving`).
+- checkpoints hold the whole model and optimiser state, written without draining
+  (:mod:`~pipemare.lightning.checkpoint`).
 
-Two modes: one stage per process (``devices=P``: Lightning's launchers, torchrun or SLURM,
-gloo on CPU and NCCL on CUDA, see :mod:`~pipemare.lightning.launching`), or every stage in one
-process (``devices=1``, ``stages=P``). Lightning ships two packages with separate strategy
-registries; ``import pipemare`` registers the strategy in ``pytorch_lightning`` and, when
-installed, in ``lightning.pytorch`` (:mod:`~pipemare.lightning.registry`).
+Two modes: one stage per process (``devices=P``), or every stage in one process
+(``devices=1``, ``stages=P``). Lightning ships two packages with separate strategy classes and
+registries: :class:`PipeMareStrategy` is for ``pytorch_lightning``, and
+:class:`LightningPipeMareStrategy` the same strategy over ``lightning.pytorch``'s base, where
+that package is installed; ``import pipemare`` registers both (:func:`register`).
 """
 
 from __future__ import annotations
 
 import datetime
-from collections.abc import Callable, Sequence
+import importlib.util
+import signal
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from pytorch_lightning.strategies import ParallelStrategy
 
-from pipemare.engine.heartbeat import Heartbeat
+from pipemare.engine.heartbeat import Heartbeat, announce
 from pipemare.engine.lagged import result_lag
+from pipemare.engine.layout import RankLayout
 from pipemare.engine.pipeline import Pipeline
-from pipemare.lightning import build, checks, launching, registry
-from pipemare.lightning.launching import LightningAPI
-from pipemare.lightning.model_state import ModelStateHooks
-from pipemare.lightning.module_adapter import ModuleAdapter
-from pipemare.lightning.processes import ProcessesMixin
-from pipemare.lightning.saving import SaveQueue
-from pipemare.lightning.steps import UserSteps
-from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
-from pipemare.model.cuts import find_pipelined
+from pipemare.lightning import checks
+from pipemare.lightning.launching import LightningAPI, SigtermRelay, restarts_share_the_store
+from pipemare.lightning.runner import PipelineRunner, stepped
 from pipemare.optim.config import PipeMareConfig
-from pipemare.schedule.actions import spec
+from pipemare.schedule.actions import SCHEDULES, spec
 from pipemare.schedule.delay import StageDelay, derive_delays
 
-__all__ = ["PipeMareStrategy", "register"]
+__all__ = ["LightningPipeMareStrategy", "PipeMareStrategy", "register"]
 
 
-class _PipeMareStrategyMixin(ProcessesMixin, ModelStateHooks):
-    """Implementation shared by the ``pytorch_lightning`` and ``lightning.pytorch`` classes.
-
-    Lightning's process properties and collectives are :class:`ProcessesMixin`'s, the hooks
-    that need the whole model :class:`ModelStateHooks`'; the rest go to the modules above.
-    """
-
-    strategy_name = "pipemare"
-    _lightning: LightningAPI
-
-    def __init__(
-        self,
-        stages: int | None = None,
-        microbatches: int = 1,
-        schedule: str = "pipemare",
-        balance: Sequence[int] | str = "time",
-        config: PipeMareConfig | None = None,
-        sequential: str | None = None,
-        module: str | None = None,
-        split_points: Sequence[str] | None = None,
-        start_method: str = "popen",
-        timeout: datetime.timedelta = datetime.timedelta(minutes=30),
-        stall_timeout: float = 300.0,
-        recompute: bool = False,
-        heartbeat_timeout: float | None = 30.0,
-        accelerator: Any = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: Any = None,
-        checkpoint_io: Any = None,
-        precision_plugin: Any = None,
-    ) -> None:
-        if checkpoint_io is None:  # atomic on any local filesystem (lightning.checkpoint_io)
-            checkpoint_io = self._lightning.AtomicCheckpointIO()  # type: ignore[misc]
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
-        checks.check_arguments(
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            balance=balance,
-            config=config,
-            sequential=sequential,
-            module=module,
-            split_points=split_points,
-            start_method=start_method,
-            timeout=timeout,
-            stall_timeout=stall_timeout,
-            recompute=recompute,
-            heartbeat_timeout=heartbeat_timeout,
-        )
-        self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
-        self.balance: Sequence[int] | str = balance
-        self.config = (
-            config if config is not None else PipeMareConfig.for_schedule(spec(schedule).corrected)
-        )
-        self.sequential, self.recompute = sequential, recompute
-        self.module_name = module if module is not None else sequential
-        self.split_points = None if split_points is None else list(split_points)
-        self._start_method, self._timeout = start_method, timeout
-        self.stall_timeout = float(stall_timeout)
-        self.heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
-        self._num_nodes = 1
-        self._failed = False
-        self.pipeline: Pipeline | None = None
-        self._adapter: ModuleAdapter | None = None
-        self._steps: UserSteps | None = None
-        self._reports = TrainingReports()
-        self._evaluation = Evaluation()
-        self._grads = GradStash()
-        self._probes = build.ProbeRequests()
-        self._pending_state: dict[str, Any] | None = None  # pipemare's part of a checkpoint
-        self._trained: dict[str, Any] | None = None  # the loaded checkpoint's run
-        self._saves = SaveQueue(self._write_file, self._remove_file)  # bound: spawn pickles
-        #: set by a ConvergenceMonitor: it diagnoses a non-finite loss instead of the strategy
-        self.divergence_monitored = False
-        #: latest per-stage telemetry, filled by pipemare's monitors: stage -> name -> value
-        self.stage_stats: dict[int, dict[str, float]] = {}
-
-    # -- pipemare's own properties -----------------------------------------------------------
-
-    @property
-    def _known_stages(self) -> int | None:
-        """P, where known: given, one per process, or one per layer of the Sequential."""
-        if self.num_stages is not None:
-            return self.num_stages
-        seq = self._adapter.sequential if self._adapter else None
-        return len(seq) if seq is not None else None
-
-    @property
-    def delays(self) -> tuple[StageDelay, ...]:
-        """Every stage's delays, derived from the schedule (see :func:`pipemare.derive_delays`)."""
-        p = self._known_stages
-        if p is None:
-            raise RuntimeError(
-                "the number of stages is known once the Trainer set the strategy up; pass stages=P"
-            )
-        return derive_delays(self.schedule, p, self.microbatches)
-
-    @property
-    def lag(self) -> int:
-        """Steps by which a training step's reported loss and logs trail its own minibatch."""
-        return result_lag(self.schedule, self._known_stages or 1, self.microbatches)
-
-    @property
-    def reported_step(self) -> int | None:
-        """The training step (counted from 1) whose minibatch the latest step's loss and logs
-        belong to; None before any was reported."""
-        return self._reports.returned or None
-
-    # -- setup and the pipeline (built at the first batch: timing the layers needs one) -----
-
-    def setup(self, trainer: pl.Trainer) -> None:
-        self._failed = False
-        checks.check_precision(self._lightning, self.precision_plugin)
-        module = self._module
-        checks.check_trainer(module, trainer)
-        path, _ = find_pipelined(module, self.module_name)
-        self._adapter = adapter = ModuleAdapter(module, path, self.split_points)
-        checks.check_split_points(adapter, self.split_points)
-        stages = build.check_cut(self) or self.num_stages or 2  # segments: at the first batch
-        adapter.check_no_outside_parameters()
-        self._steps = UserSteps(module, self._adapter, self.precision_plugin.forward_context)
-        self.pipeline = None
-        with checks.one_optimizer():
-            super().setup(trainer)
-        if self._fitting and self.optimizers:
-            optimizer = build.stepped(self.optimizers)
-            checks.check_optimizer(optimizer, self.schedule, stages, self.microbatches, self.config)
-        if self.distributed and dist.is_initialized():
-            launching.SigtermRelay(trainer, self._lightning, self).install()
-        checks.ignore_moot_warnings()
-
-    def request_probe(self, **settings: Any) -> None:
-        """Ask for telemetry (:class:`pipemare.engine.telemetry.Probe`); monitors call this in
-        setup."""
-        self._probes.request(**settings)
-        if self.pipeline is not None:
-            self._probes.attach(self.pipeline)
-
-    def _build(self, batch: Any, step: str, args: tuple) -> Pipeline:
-        adapter = self._adapter
-        assert adapter is not None
-        if self.pipeline is None:
-            build.prepare_model(self, batch, step, args)
-            # later rebuilds (after fit, for test) cut the same way
-            self.balance = build.balance_for(self, batch, step, args)
-            self.pipeline = pipe = build.pipeline(self)
-            self._load_pending_state()
-            build.announce(self, pipe)
-            self._reports.start(build.results(self, pipe.minibatches_fed), adapter.path)
-            pipe.executor.on_minibatch = lambda k, loss: self._steps_of().publish(k, float(loss))
-            pipe.executor.on_nonfinite = self._reports.record_nonfinite
-            self._probes.attach(pipe)
-        if adapter.segmented:  # segments run the graph traced in the module's mode
-            adapter.sequential.train(adapter.pipelined.training)  # type: ignore[union-attr]
-        return self.pipeline
-
-    def _steps_of(self) -> UserSteps:
-        assert self._steps is not None, "the strategy has not been set up by a Trainer yet"
-        return self._steps
-
-    @property
-    def _module(self) -> pl.LightningModule:
-        module = self.lightning_module
-        assert module is not None, "the strategy has no LightningModule yet"
-        return module
-
-    @property
-    def _fitting(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return trainer is not None and trainer.state.fn == self._lightning.TrainerFn.FITTING
-
-    # -- Lightning's step hooks ---------------------------------------------------------------
-
-    def training_step(self, batch: Any, batch_idx: int, *args: Any) -> torch.Tensor:
-        steps = self._steps_of()
-        with steps.manual.pipelined():  # under manual optimisation: see lightning.manual
-            pipe = self._build(batch, "training_step", (batch_idx, *args))
-            loss = self._reports.step(
-                pipe,
-                steps,
-                batch,
-                (batch_idx, *args),
-                trainer=self._module.trainer,
-                lag=self.lag,
-                device=self.root_device,
-                monitored=self.divergence_monitored,
-            )
-        self._write_due()  # checkpoints whose step reached every stage by now
-        if self.lag:
-            self._module.log("lag", float(self.lag), prog_bar=True, logger=False)
-        steps.manual.after_step(lambda: self._grads.stash(pipe))
-        return torch.tensor(loss, device=self.root_device)
-
-    def backward(
-        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
-    ) -> torch.Tensor:
-        return closure_loss  # the pipeline ran every backward pass inside training_step
-
-    def optimizer_step(
-        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
-    ) -> Any:
-        self._steps_of().manual.check_step()  # manual optimisation: the engine steps
-        result = closure()  # runs training_step, in which the stages applied their updates
-        self._grads.restore()
-        return result
-
-    def _evaluate(self, step: str, batch: Any, batch_idx: int, args: tuple) -> Any:
-        pipe = self._build(batch, step, (batch_idx, *args))
-        ahead = self.num_stages - 1 if self.distributed else 0  # type: ignore[operator]
-        return self._evaluation.step(
-            pipe,
-            self._steps_of(),
-            step,
-            batch,
-            batch_idx,
-            args,
-            results=lambda start: build.results(self, start),
-            microbatches=self.microbatches,
-            ahead=ahead,
-            trainer=self._module.trainer,
-            device=self.root_device,
-        )
-
-    def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._evaluate("validation_step", batch, batch_idx, args)
-
-    def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._evaluate("test_step", batch, batch_idx, args)
-
-    def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._evaluate("predict_step", batch, batch_idx, args)
-
-    # -- starts and ends of loops: drain before evaluating, consolidate after a run ---------
-
-    def on_validation_start(self) -> None:
-        self._drain()
-
-    def on_test_start(self) -> None:
-        self._drain()
-
-    def on_predict_start(self) -> None:
-        self._drain()
-
-    def on_train_end(self) -> None:
-        self._drain()
-        self._reports.check_unreported(self.pipeline)
-        self._consolidate()
-
-    def on_validation_end(self) -> None:
-        if not self._fitting:  # validation inside fit keeps the pipeline
-            self._consolidate()
-
-    def on_test_end(self) -> None:
-        self._consolidate()
-
-    def on_predict_end(self) -> None:
-        self._consolidate()
-
-    def on_exception(self, exception: BaseException) -> None:
-        self._failed = True
-        # this process is failing: no report from its heartbeat now, and its silence tells the
-        # others (no "finished" is posted)
-        Heartbeat.finish_current(False, f"{type(exception).__name__}: {exception}")
-        self._saves.abandon(warn=self._lightning.rank_zero_warn)
-        launching.end_launched_processes(self, exception)
-
-    def teardown(self) -> None:
-        self._grads.restore()
-        if not self._failed:  # a normal end: the other processes stop watching this one
-            Heartbeat.finish_current()
-        super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register pipemare's names in Lightning's strategy registry (Lightning calls this
-        for each strategy class)."""
-        registry.register_strategies(cls, strategy_registry)
-
-
-_STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningModule.
+class PipeMareStrategy(ParallelStrategy):
+    """Asynchronous pipeline parallelism for an unchanged LightningModule.
 
     Args:
         stages: P. Default: the number of devices (one stage per process), or with
@@ -386,14 +104,456 @@ _STRATEGY_DOC = """Asynchronous pipeline parallelism for an unchanged LightningM
         trainer = Trainer(strategy=PipeMareStrategy(stages=2), devices=4)  # 2 copies x 2 stages
     """
 
-PipeMareStrategy = registry.strategy_class(
-    _PipeMareStrategyMixin, "pytorch_lightning", __name__, _STRATEGY_DOC
-)
-LightningPipeMareStrategy = registry.lightning_strategy_class(
-    _PipeMareStrategyMixin, __name__, _STRATEGY_DOC
-)
+    strategy_name = "pipemare"
+    #: Lightning's symbols from the package this class serves; its ``ParallelStrategy`` is the
+    #: base every call to Lightning's own implementation goes to (see LightningPipeMareStrategy)
+    _lightning = LightningAPI("pytorch_lightning")
+    #: pipemare's names in Lightning's registry: (name, arguments, description)
+    _REGISTERED: tuple[tuple[str, dict[str, Any], str], ...] = (
+        ("pipemare", {}, "PipeMare asynchronous pipeline: corrected, no flush, no weight stash"),
+        ("pipemare_spawn", {"start_method": "spawn"}, "pipemare launched with spawn"),
+        ("pipemare_fork", {"start_method": "fork"}, "pipemare launched with fork (notebooks)"),
+        *(
+            (f"pipemare_{name}", {"schedule": name}, f"pipemare engine with the {name!r} schedule")
+            for name in SCHEDULES
+            if name != "pipemare"
+        ),
+    )
+
+    def __init__(
+        self,
+        stages: int | None = None,
+        microbatches: int = 1,
+        schedule: str = "pipemare",
+        balance: Sequence[int] | str = "time",
+        config: PipeMareConfig | None = None,
+        sequential: str | None = None,
+        module: str | None = None,
+        split_points: Sequence[str] | None = None,
+        start_method: str = "popen",
+        timeout: datetime.timedelta = datetime.timedelta(minutes=30),
+        stall_timeout: float = 300.0,
+        recompute: bool = False,
+        heartbeat_timeout: float | None = 30.0,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        if checkpoint_io is None:  # atomic on any local filesystem (lightning.checkpoint_io)
+            checkpoint_io = self._lightning.AtomicCheckpointIO()
+        self._lightning.ParallelStrategy.__init__(
+            self,
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        checks.check_strategy_arguments(
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            balance=balance,
+            config=config,
+            sequential=sequential,
+            module=module,
+            split_points=split_points,
+            start_method=start_method,
+            timeout=timeout,
+            stall_timeout=stall_timeout,
+            recompute=recompute,
+            heartbeat_timeout=heartbeat_timeout,
+        )
+        self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self._balance = balance
+        self.config = (
+            config if config is not None else PipeMareConfig.for_schedule(spec(schedule).corrected)
+        )
+        self.sequential, self.recompute = sequential, recompute
+        self.module_name = module if module is not None else sequential
+        self.split_points = None if split_points is None else list(split_points)
+        self._start_method, self._timeout = start_method, timeout
+        self.stall_timeout = float(stall_timeout)
+        self.heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
+        self._num_nodes = 1
+        self._failed = False
+        self._divergence_delegated = False
+        self._runner = PipelineRunner(
+            self, self._lightning, self._write_file, self._remove_file, self._end_launched
+        )
+
+    # -- where this process sits: Lightning's properties ---------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed(self) -> bool:
+        """One stage per process (else every stage runs in this process)."""
+        return self.num_processes * self.num_nodes > 1
+
+    @property
+    def is_distributed(self) -> bool:  # Lightning reads it for sync_dist and samplers
+        return self.distributed
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, int]:
+        # every stage of a copy of the pipeline sees the same batches; the copies split them
+        if not self.distributed:
+            return {"num_replicas": 1, "rank": 0}
+        layout = self.rank_layout
+        return {"num_replicas": layout.replicas, "rank": layout.position(self.global_rank)[0]}
+
+    # -- the pipeline's shape ------------------------------------------------------------------
+
+    @property
+    def num_stages(self) -> int | None:
+        """P: given, or one per process; None in one process until the model is cut."""
+        world = self.num_processes * self.num_nodes
+        if self.distributed:
+            return self.stages if self.stages is not None else world
+        return self.stages
+
+    @property
+    def rank_layout(self) -> RankLayout:
+        """Which processes form each copy of the pipeline and which hold each stage's replicas
+        (:class:`~pipemare.engine.layout.RankLayout`): ``devices * num_nodes / stages`` copies."""
+        stages = self.num_stages if self.distributed else 1
+        assert stages is not None
+        return RankLayout(self.num_processes * self.num_nodes, stages, max(self.num_processes, 1))
+
+    @property
+    def replicas(self) -> int:
+        """D: data-parallel copies of the pipeline (1 unless ``stages`` < the process count)."""
+        return self.rank_layout.replicas if self.distributed else 1
+
+    @property
+    def delays(self) -> tuple[StageDelay, ...]:
+        """Every stage's delays, derived from the schedule (see :func:`pipemare.derive_delays`)."""
+        p = self._runner.known_stages
+        if p is None:
+            raise RuntimeError(
+                "the number of stages is known once the Trainer set the strategy up; pass stages=P"
+            )
+        return derive_delays(self.schedule, p, self.microbatches)
+
+    @property
+    def lag(self) -> int:
+        """Steps by which a training step's reported loss and logs trail its own minibatch."""
+        return result_lag(self.schedule, self._runner.known_stages or 1, self.microbatches)
+
+    @property
+    def balance(self) -> Sequence[int] | str:
+        """Layers per stage as asked; once the pipeline is built, the cut it chose (a list)."""
+        return self._runner.cut if self._runner.cut is not None else self._balance
+
+    @property
+    def pipeline(self) -> Pipeline | None:
+        """The running pipeline; None before the first batch and after a run consolidated it."""
+        return self._runner.pipeline
+
+    @property
+    def reported_step(self) -> int | None:
+        """The training step (counted from 1) whose minibatch the latest step's loss and logs
+        belong to; None before any was reported."""
+        return self._runner.reports.returned or None
+
+    # -- launch: one process per stage ---------------------------------------------------------
+
+    def _configure_launcher(self) -> None:
+        """Lightning's launcher for one process per stage, or none when every stage runs here.
+
+        ``popen`` re-runs the user's script once per extra process (Lightning's default for
+        scripts; torchrun and SLURM start the processes themselves and Lightning detects them);
+        the other methods use :mod:`torch.multiprocessing`.
+        """
+        checks.check_layout(self.stages, self.num_processes, self.num_nodes)
+        checks.check_precision(self._lightning, self.precision_plugin)
+        api = self._lightning
+        if not self.distributed:
+            self._launcher = None
+        elif self._start_method == "popen":
+            self._launcher = api.SubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
+        else:
+            self._launcher = api.MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        self._lightning.ParallelStrategy.setup_environment(self)
+        if self.distributed:
+            self._connect()
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment and both packages' ``rank_zero_only`` this rank."""
+        env = self.cluster_environment
+        if env is not None:
+            env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            env.set_world_size(self.num_nodes * self.num_processes)
+        # loggers write from rank 0 only, whichever package's decorator guards them
+        self._lightning.rank_zero_only.rank = self.global_rank
+        pl.utilities.rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def _connect(self) -> None:
+        """Seed, set the ranks and join the default process group (gloo on CPU, NCCL on CUDA)."""
+        api = self._lightning
+        api.reset_seed()
+        self.set_world_ranks()
+        backend = api.backend_for_device(self.root_device)
+        api.init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        if restarts_share_the_store():
+            api.rank_zero_warn(
+                "pipemare: torchrun may restart this job (--max-restarts), and its workers share "
+                "the agent's store, which keeps the first attempt's addresses: a restart's gloo "
+                "setup then often fails connecting to the dead processes (pytorch/pytorch#135712)."
+                " Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment."
+            )
+
+    # -- setup (the pipeline itself is built at the first batch: timing the layers needs one) --
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._failed = False
+        checks.check_precision(self._lightning, self.precision_plugin)
+        module = self.lightning_module
+        assert module is not None, "the strategy has no LightningModule yet"
+        checks.check_trainer(module, trainer)
+        self._runner.setup(module)
+        stages = self._runner.stages_for_checks()
+        with checks.one_optimizer():
+            self._lightning.ParallelStrategy.setup(self, trainer)
+        if self._runner.fitting and self.optimizers:
+            optimizer = stepped(self.optimizers)
+            checks.check_optimizer(optimizer, self.schedule, stages, self.microbatches, self.config)
+        if self.distributed and dist.is_initialized():
+            watchdog = lambda: getattr(getattr(self.pipeline, "transport", None), "watchdog", None)  # noqa: E731
+            SigtermRelay(trainer, self._lightning, self.stall_timeout, watchdog).install()
+        checks.ignore_moot_warnings()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def request_probe(self, **settings: Any) -> None:
+        """Ask for telemetry (:class:`pipemare.engine.telemetry.Probe`); monitors call this in
+        setup. Switches are or-ed over the callers, intervals take the shortest asked for."""
+        self._runner.request_probe(**settings)
+
+    def delegate_divergence(self) -> None:
+        """Let a callback (``ConvergenceMonitor``) diagnose a non-finite loss: the strategy then
+        no longer stops the run with ``NonFiniteLossError``; the callback decides."""
+        self._divergence_delegated = True
+
+    # -- Lightning's step hooks -----------------------------------------------------------------
+
+    def training_step(self, batch: Any, batch_idx: int, *args: Any) -> torch.Tensor:
+        loss = self._runner.train(batch, (batch_idx, *args), monitored=self._divergence_delegated)
+        if self.lag:
+            self._runner.module.log("lag", float(self.lag), prog_bar=True, logger=False)
+        return torch.tensor(loss, device=self.root_device)
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        return closure_loss  # the pipeline ran every backward pass inside training_step
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        self._runner.steps.manual.check_step()  # manual optimisation: the engine steps
+        result = closure()  # runs training_step, in which the stages applied their updates
+        self._runner.restore_grads()
+        return result
+
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._runner.evaluate("validation_step", batch, batch_idx, args)
+
+    def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._runner.evaluate("test_step", batch, batch_idx, args)
+
+    def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
+        return self._runner.evaluate("predict_step", batch, batch_idx, args)
+
+    # -- starts and ends of loops: drain before evaluating, consolidate after a run -------------
+
+    def on_validation_start(self) -> None:
+        self._runner.drain()
+
+    def on_test_start(self) -> None:
+        self._runner.drain()
+
+    def on_predict_start(self) -> None:
+        self._runner.drain()
+
+    def on_train_end(self) -> None:
+        self._runner.finish_training()
+        self._runner.consolidate()
+
+    def on_validation_end(self) -> None:
+        if not self._runner.fitting:  # validation inside fit keeps the pipeline
+            self._runner.consolidate()
+
+    def on_test_end(self) -> None:
+        self._runner.consolidate()
+
+    def on_predict_end(self) -> None:
+        self._runner.consolidate()
+
+    # -- checkpoints: the whole model, collected without draining ---------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model; during training the state each stage has once the step's
+        minibatch has reached it, collected without draining
+        (:mod:`~pipemare.lightning.checkpoint`)."""
+        return self._runner.module_state()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
+        return self._runner.optimizer_state(optimizer)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        self._runner.save(checkpoint, filepath, storage_options)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        self._runner.saves.remove(filepath)
+
+    def _write_file(self, checkpoint: dict[str, Any], filepath: Any, options: Any) -> None:
+        self._lightning.ParallelStrategy.save_checkpoint(
+            self, checkpoint, filepath, storage_options=options
+        )
+
+    def _remove_file(self, filepath: Any) -> None:
+        self._lightning.ParallelStrategy.remove_checkpoint(self, filepath)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Lightning's, noting how the checkpoint's run was laid out and corrected, which
+        validate, test and predict report (they restore no optimiser state)."""
+        self._runner.note_trained(checkpoint)
+        self._lightning.ParallelStrategy.load_model_state_dict(self, checkpoint, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        self._runner.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
+
+    # -- collectives (identity in one process) ----------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (self.distributed and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, torch.Tensor) and self.distributed:
+            return self._lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # -- the end: an error, then teardown ---------------------------------------------------------
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True
+        # this process is failing: no report from its heartbeat now, and its silence tells the
+        # others (no "finished" is posted)
+        Heartbeat.finish_current(False, f"{type(exception).__name__}: {exception}")
+        self._runner.saves.abandon(warn=self._lightning.rank_zero_warn)
+        self._end_launched(exception)
+
+    def _end_launched(self, error: BaseException | None = None) -> None:
+        """After an error in the process that launched the others (``start_method="popen"``),
+        end them as Lightning does after Ctrl-C: a stage left waiting, or stopped, would hold
+        its device until its own deadline, or forever. torchrun's agent and ``srun
+        --kill-on-bad-exit`` do the same for the jobs they start.
+
+        ``error`` is printed first: Lightning's launcher ends this process within seconds of a
+        child's failed exit, which can come before this process's traceback is printed."""
+        launcher = getattr(self, "_launcher", None)
+        if isinstance(launcher, self._lightning.SubprocessScriptLauncher) and launcher.procs:
+            if error is not None:
+                announce(error)
+            launcher.kill(signal.SIGKILL)
+
+    def teardown(self) -> None:
+        self._runner.restore_grads()
+        if not self._failed:  # a normal end: the other processes stop watching this one
+            Heartbeat.finish_current()
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            # Only after an error: a run ends by consolidating. Moving meta stages to the CPU
+            # would raise and hide the original error, so skip that step of the teardown.
+            for part in (
+                self.cluster_environment,
+                self.precision_plugin,
+                self.accelerator,
+                self.checkpoint_io,
+            ):
+                if part is not None:
+                    part.teardown()
+            return
+        self._lightning.ParallelStrategy.teardown(self)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register pipemare's names in Lightning's strategy registry (Lightning calls this
+        for each strategy class); a name already there is kept."""
+        for name, params, description in cls._REGISTERED:
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **params)
+
+
+#: :class:`PipeMareStrategy` for ``lightning.pytorch``; None where that package is absent.
+LightningPipeMareStrategy: Any = None
+
+if importlib.util.find_spec("lightning") is not None:
+    from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
+
+    class LightningPipeMareStrategy(_LightningParallelStrategy):  # type: ignore[no-redef]
+        """:class:`PipeMareStrategy` for ``lightning.pytorch``: the same members over that
+        package's ``ParallelStrategy`` (Lightning's two packages have separate base classes
+        and registries, and a class cannot derive from both)."""
+
+        # PipeMareStrategy's members, as written there: they reach Lightning's own
+        # implementation through ``self._lightning.ParallelStrategy``, this package's
+        vars().update(
+            {
+                k: v
+                for k, v in vars(PipeMareStrategy).items()
+                if k not in ("__module__", "__qualname__", "__doc__", "__dict__", "__weakref__")
+                and not k.startswith("_abc")
+                and k != "__abstractmethods__"
+            }
+        )
+        _lightning = LightningAPI("lightning.pytorch")
 
 
 def register() -> None:
-    """Register ``"pipemare"`` (and the ``pipemare_<schedule>`` variants) with Lightning."""
-    registry.register(PipeMareStrategy, LightningPipeMareStrategy)
+    """Register ``"pipemare"`` (and the ``pipemare_<schedule>`` variants) with Lightning:
+    :class:`PipeMareStrategy` in ``pytorch_lightning`` and, when installed,
+    :class:`LightningPipeMareStrategy` in ``lightning.pytorch``."""
+    from pytorch_lightning.strategies import StrategyRegistry
+
+    PipeMareStrategy.register_strategies(StrategyRegistry)
+    if LightningPipeMareStrategy is not None:
+        from lightning.pytorch.strategies import StrategyRegistry as LightningRegistry
+
+        LightningPipeMareStrategy.register_strategies(LightningRegistry)

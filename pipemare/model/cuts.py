@@ -1,6 +1,6 @@
-"""Which module of a LightningModule is pipelined, and whether it can be cut as asked.
+"""Which module of a LightningModule is pipelined, the ways to cut it, and whether it can be cut.
 
-Both checks run at setup, before anything trains; every error says what to do instead.
+The checks run at setup, before anything trains; every error says what to do instead.
 """
 
 from __future__ import annotations
@@ -11,7 +11,22 @@ from torch import nn
 
 from pipemare.model import partition
 
-__all__ = ["check_cut", "find_pipelined"]
+__all__ = ["BALANCES", "FROM_A_SAMPLE", "check_cut", "find_pipelined"]
+
+#: The named ways to cut a Sequential into stages, for the engine and the strategy alike; the
+#: other way is a list of layer counts, one per stage. The defaults differ for one reason: the
+#: strategy has its first batch to time the layers on ("time"), while a bare
+#: :class:`~pipemare.engine.pipeline.Pipeline` is built before it sees any batch ("even").
+BALANCES: dict[str, str] = {
+    "time": "equal measured forward+backward time per stage, timed on a sample batch",
+    "auto": "the planner's cut for this P and N, from a profile of time, memory and the "
+    "engine's costs (pipemare.planner)",
+    "params": "equal parameter counts per stage",
+    "even": "equal layer counts per stage",
+}
+
+#: The names whose cut is chosen from a sample batch (the strategy's first batch).
+FROM_A_SAMPLE = ("time", "auto")
 
 
 def find_pipelined(module: nn.Module, name: str | None = None) -> tuple[str, nn.Module]:
@@ -77,8 +92,8 @@ def check_cut(
             f"at least one layer; use at most {len(seq)} stages or split the model into more "
             "layers"
         )
-    if balance in ("time", "auto", "params") and p < len(seq):
-        return p
+    if isinstance(balance, str) and balance != "even" and p < len(seq):
+        return p  # chosen later, one layer per stage at least
     if isinstance(balance, str):
         counts = partition.even_balance(len(seq), p)
     else:

@@ -257,7 +257,7 @@ def test_flushing_stage_measures_only_when_asked():
 @pytest.mark.parametrize("value", ["yes", 1, None])
 def test_recompute_must_be_a_bool(value):
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
-    with pytest.raises(TypeError, match="recompute must be True or False, got"):
+    with pytest.raises(ValueError, match="recompute must be True or False, got"):
         Pipeline(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, recompute=value)
 
 

@@ -288,7 +288,7 @@ def test_modules_that_cannot_be_pipelined(module, message):
 def test_the_child_that_trains_is_pipelined_and_a_name_resolves_ambiguity():
     t = trainer(PipeMareStrategy(stages=2), max_steps=2)
     t.fit(TwoSequentials(), tiny_data())  # head holds no parameters: net is the one
-    assert t.global_step == 2 and t.strategy._adapter.path == "net"
+    assert t.global_step == 2 and t.strategy._runner.adapter.path == "net"
     t = trainer(PipeMareStrategy(stages=2, sequential="net"), max_steps=2)
     t.fit(TwoSequentials(), tiny_data())
     assert t.global_step == 2
@@ -498,7 +498,7 @@ def test_balance_auto_takes_the_planners_cut():
     cut = strategy.balance
     assert isinstance(cut, list) and sum(cut) == len(model.net) and len(cut) == 2
     assert min(cut) >= 1
-    strategy.pipeline = None  # as after a consolidation: the next run rebuilds it
+    strategy._runner.pipeline = None  # as after a consolidation: the next run rebuilds it
     calls = []
     real = planner.auto_balance
     planner.auto_balance = lambda *a, **k: calls.append(a) or real(*a, **k)
