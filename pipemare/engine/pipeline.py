@@ -20,6 +20,7 @@ from pipemare.engine.transport import ACT, DistributedTransport, Transport
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.optimizer import PipeMareOptimizer
+from pipemare.optim.settings import resolve
 from pipemare.schedule.actions import Action, stream
 from pipemare.schedule.delay import StageDelay, derive_delays
 
@@ -50,11 +51,10 @@ class Pipeline:
         stages: P; default: one per process with the distributed transport, else one per layer.
         microbatches: N, microbatches per minibatch (one optimiser step).
         schedule: ``gpipe``, ``1f1b``, ``pipedream``, ``async`` or ``pipemare``.
-        balance: layers per stage (a list), ``"even"`` (default) or ``"params"``; the other
-            names of :data:`~pipemare.model.cuts.BALANCES` need a sample batch.
-        config: staleness corrections; default: ``PipeMareConfig()``'s for ``pipemare``
-            (T1, weight prediction, delay-aware momentum and the rest it prints; T2 is off),
-            none for the others.
+        balance: layers per stage (a list), ``"even"`` (default) or ``"params"``.
+        config: staleness corrections asked for; default: the schedule's (``PipeMareConfig()``
+            for ``pipemare``, none for the others). What runs, and why, is resolved once into
+            :attr:`settings` (:func:`~pipemare.optim.settings.resolve`).
         transport: ``"inprocess"``, ``"distributed"`` or a :class:`~pipemare.Transport`.
         device: where this process's stages run (default: where the model is).
         input_fn: batch -> the model's input (default ``batch[0]``).
@@ -110,14 +110,7 @@ class Pipeline:
         check_finite: bool = True,
         recompute: bool = False,
     ) -> None:
-        partition.check_sequential(model)
-        sp = build.check_arguments(
-            schedule=schedule,
-            stages=stages,
-            microbatches=microbatches,
-            balance=balance,
-            recompute=recompute,
-        )
+        sp = build.check_arguments(model, schedule, stages, microbatches, recompute)
         self.device = build.default_device(model, device)
         transport = build.make_transport(transport, stages, len(model), self.device, microbatches)
         self.transport = transport
@@ -126,9 +119,21 @@ class Pipeline:
         self.stage_modules = partition.split(model, self.balance)
         ties = untie(self.stage_modules)  # before the stages move: a copy must not go to meta
         self.schedule, self.microbatches = schedule, microbatches
-        config = config if config is not None else PipeMareConfig.for_schedule(sp.corrected)
-        self.config = config.for_stashing(schedule, sp.stashes)
         self.delays: tuple[StageDelay, ...] = derive_delays(schedule, self.num_stages, microbatches)
+        replicas = transport.replicas if isinstance(transport, DistributedTransport) else 1
+        #: what the run does and why, decided once (:func:`pipemare.optim.settings.resolve`)
+        self.settings = resolve(
+            config,
+            optimizer,
+            schedule=schedule,
+            delays=self.delays,
+            microbatches=microbatches,
+            replicas=replicas,
+            balance=self.balance,
+            total_steps=total_steps,
+            steps_per_epoch=steps_per_epoch,
+        )
+        self.config = self.settings.config
         self.input_fn, self.target_fn, self.loss_fn = input_fn, target_fn, loss_fn
 
         local = transport.local_stages
@@ -140,17 +145,15 @@ class Pipeline:
             optimizer,
             {i: self._trained(i) for i in local},
             self.delays,
-            self.config,
             microbatches=microbatches,
-            total_steps=total_steps,
-            steps_per_epoch=steps_per_epoch,
+            settings=self.settings,
         )
         self.stages = build.make_stages(
             self.stage_modules,
             local,
             sp,
             self.optimizer,
-            predicts=self.config.predicts,
+            predicts=self.settings.predicts,
             forward_context=forward_context,
             microbatches=microbatches,
             seed=seed,
@@ -187,7 +190,7 @@ class Pipeline:
             self.microbatches,
             stage,
             start=start,
-            warmup=self.config.warmup_steps,
+            warmup=self.settings.warmup_steps,
         )
 
     def sync_buffers(self) -> None:

@@ -6,34 +6,9 @@ import dataclasses
 import math
 from typing import Any
 
-import torch
-
-from pipemare.optim.corrections import (
-    Correction,
-    DelayMomentum,
-    DiscrepancyCorrection,
-    ErrorFeedback,
-    LocalAccumulation,
-    LRReschedule,
-    SpikeCompensation,
-    StabilityGuard,
-    WeightPrediction,
-)
-from pipemare.optim.corrections.base import is_adam_family
 from pipemare.optim.corrections.momentum import RISES
 
-__all__ = ["AUTO_DELAY_MOMENTUM", "AUTO_FRACTIONS", "FALLBACK_HORIZON", "PipeMareConfig"]
-
-#: T1's horizon in steps when neither it nor the run's length is known.
-FALLBACK_HORIZON = 500
-
-#: ``delay_momentum="auto"``'s momentum at the most delayed stage (Ajanthan et al., ICML 2025).
-AUTO_DELAY_MOMENTUM = 0.99
-
-#: ``reschedule_fraction="auto"``'s horizon, as a fraction of the run: at N = 1 for an
-#: optimiser whose every group is of the Adam family, and otherwise (SGD, Muon, Muon + AdamW,
-#: no optimiser to read, or N > 1). docs/results.md has the measurements behind both.
-AUTO_FRACTIONS = {"adam": 0.5, "other": 0.13}
+__all__ = ["PipeMareConfig"]
 
 # The fields' kinds, for the type checks (the others are numbers).
 _FLAGS = ("lr_reschedule", "discrepancy_correction", "stability_guard")
@@ -44,13 +19,15 @@ _OPTIONAL = ("reschedule_steps", "reschedule_epochs")
 
 @dataclasses.dataclass
 class PipeMareConfig:
-    """Which staleness corrections run, and their settings. Each can be switched on alone.
+    """Which staleness corrections the user asks for, and their settings; each can be switched
+    on alone. What ``"auto"`` becomes for a run (its optimiser, layout and length) is decided
+    in one place, :func:`pipemare.optim.settings.resolve`, which says why.
 
     Example:
         >>> cfg = PipeMareConfig(warmup_steps=20)
         >>> cfg.lr_reschedule, cfg.weight_prediction, cfg.delay_momentum, cfg.warmup_steps
         (True, 'auto', 'auto', 20)
-        >>> [c.name for c in PipeMareConfig.off().build()]
+        >>> PipeMareConfig.off().per_minibatch_named()
         []
     """
 
@@ -68,9 +45,10 @@ class PipeMareConfig:
     above is set; ``"auto"``: half the run at N = 1 where every param group is of the Adam
     family (Adam, AdamW, NAdam, RotatedAdamW: measured better on the language models there),
     0.13 otherwise (AsyncPP's 12-14%; SGD, Muon, Muon + AdamW, and N > 1, where the delays
-    are short and the longer horizon measured worse: :data:`AUTO_FRACTIONS`). Without the
-    run's length (the engine not told ``total_steps``; Lightning always tells it) the horizon
-    is :data:`FALLBACK_HORIZON` steps."""
+    are short and the longer horizon measured worse:
+    :data:`~pipemare.optim.settings.AUTO_FRACTIONS`). Without the run's length (the engine not
+    told ``total_steps``; Lightning always tells it) the horizon is
+    :data:`~pipemare.optim.settings.FALLBACK_HORIZON` steps."""
 
     discrepancy_correction: bool = False
     """T2: run each backward pass with ``w - Δ δ``, an estimate of the forward-time weights."""
@@ -105,7 +83,7 @@ class PipeMareConfig:
     delay_momentum_rise: str = "depth"
     """How a stage's momentum follows its delay ``τ_i``: ``"depth"`` (Ajanthan et al.'s rise
     per update of delay at N = 1, kept at every N), ``"share"`` (the most delayed stage gets
-    ``m_max`` at any N; the default before 0.5), ``"window"`` or ``"stretch"``: the formulas in
+    ``m_max`` at any N: Ajanthan et al.'s schedule), ``"window"`` or ``"stretch"``: the formulas in
     :mod:`pipemare.optim.corrections.momentum`, the measurements in docs/results.md."""
 
     stability_guard: bool = True
@@ -161,7 +139,7 @@ class PipeMareConfig:
                 f"local_accumulation must be a whole number >= 1, 'auto' or None, got {la!r}"
             )
         if whole:
-            explicit = _per_minibatch_named(self)
+            explicit = self.per_minibatch_named()
             if explicit:
                 raise ValueError(
                     f"local_accumulation does not combine with {', '.join(explicit)}: they count "
@@ -181,18 +159,6 @@ class PipeMareConfig:
                 "T2 would move them away; switch one off (discrepancy_correction=False)"
             )
 
-    @property
-    def _accumulates(self) -> bool:
-        """Whether local accumulation is asked for by number (``"auto"`` yields to the rest)."""
-        return self.local_accumulation not in (None, "auto")
-
-    @property
-    def predicts(self) -> bool:
-        """Whether weight prediction may run (``"auto"`` yields to T2 and local accumulation)."""
-        if self.weight_prediction == "auto":
-            return not self.discrepancy_correction and not self._accumulates
-        return bool(self.weight_prediction)
-
     @classmethod
     def off(cls) -> PipeMareConfig:
         """No correction: a plain asynchronous (or synchronous) pipeline."""
@@ -207,27 +173,9 @@ class PipeMareConfig:
             local_accumulation=None,
         )
 
-    def for_stashing(self, schedule: str, stashes: bool) -> PipeMareConfig:
-        """This config for ``schedule``: a stashing schedule (``pipedream``) refuses
-        ``weight_prediction=True`` and turns ``"auto"`` off; other schedules keep it as is."""
-        if not stashes:
-            return self
-        if self.weight_prediction is True:
-            raise ValueError(
-                f"weight_prediction cannot run with {schedule!r}: its backward uses the stashed "
-                "forward weights, not the predicted ones; use schedule='async' or 'pipemare', or "
-                "weight_prediction='auto'"
-            )
-        return dataclasses.replace(self, weight_prediction=False) if self.predicts else self
-
-    @classmethod
-    def for_schedule(cls, corrected: bool) -> PipeMareConfig:
-        """The default for a schedule: the ``pipemare`` corrections, nothing for the others."""
-        return cls() if corrected else cls.off()
-
     @classmethod
     def t1_t2(cls, **settings: Any) -> PipeMareConfig:
-        """PipeMare's own pair, T1 and T2 with its 500-step horizon (pipemare 0.1's default).
+        """PipeMare's own pair, T1 and T2, with a horizon of 500 steps.
 
         ``settings`` override fields, e.g. ``PipeMareConfig.t1_t2(warmup_steps=20)`` for T1-T3.
         """
@@ -238,111 +186,20 @@ class PipeMareConfig:
             "stability_guard": False,
             "local_accumulation": None,
             "discrepancy_correction": True,
-            "reschedule_steps": FALLBACK_HORIZON,
+            "reschedule_steps": 500,
         }
         return cls(**{**base, **settings})
 
-    def fraction(
-        self, optimizer: torch.optim.Optimizer | None = None, microbatches: int = 1
-    ) -> float:
-        """T1's horizon as a fraction of the run, ``"auto"`` resolved for ``optimizer`` and N.
-
-        Example:
-            >>> w = [torch.nn.Parameter(torch.zeros(2))]
-            >>> cfg = PipeMareConfig()
-            >>> cfg.fraction(torch.optim.AdamW(w)), cfg.fraction(torch.optim.SGD(w, lr=0.1))
-            (0.5, 0.13)
-            >>> cfg.fraction(torch.optim.AdamW(w), microbatches=4)
-            0.13
-        """
-        if self.reschedule_fraction != "auto":
-            return float(self.reschedule_fraction)
-        groups = [] if optimizer is None else optimizer.param_groups
-        adam = bool(groups) and all(is_adam_family(optimizer, g) for g in groups)  # type: ignore[arg-type]
-        return AUTO_FRACTIONS["adam" if adam and microbatches == 1 else "other"]
-
-    def horizon(
-        self,
-        total_steps: int | None = None,
-        steps_per_epoch: int | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        microbatches: int = 1,
-    ) -> int:
-        """T1's horizon K in optimiser steps: from steps, epochs, or a fraction of the run
-        (:meth:`fraction`, for ``optimizer`` and ``microbatches``).
-
-        Example:
-            >>> cfg = PipeMareConfig()
-            >>> cfg.horizon(total_steps=1000), cfg.horizon()
-            (130, 500)
-            >>> PipeMareConfig(reschedule_epochs=2).horizon(steps_per_epoch=40)
-            80
-        """
-        if self.reschedule_steps is not None:
-            return self.reschedule_steps
-        if self.reschedule_epochs is not None:
-            if steps_per_epoch is None:
-                raise ValueError(
-                    "reschedule_epochs needs the steps per epoch: pass steps_per_epoch to the "
-                    "Pipeline (the Lightning strategy does), or set reschedule_steps"
-                )
-            return round(self.reschedule_epochs * steps_per_epoch)
-        if total_steps is None:
-            return FALLBACK_HORIZON
-        fraction = self.fraction(optimizer, microbatches)
-        return round(fraction * max(total_steps - self.warmup_steps, 0))
-
-    def build(
-        self,
-        total_steps: int | None = None,
-        steps_per_epoch: int | None = None,
-        optimizer: torch.optim.Optimizer | None = None,
-        microbatches: int = 1,
-    ) -> list[Correction]:
-        """The corrections this config switches on, in the order their hooks run (T1's
-        horizon read for ``optimizer`` and ``microbatches``: :meth:`fraction`)."""
-        out: list[Correction] = []
-        if self.lr_reschedule:
-            horizon = self.horizon(total_steps, steps_per_epoch, optimizer, microbatches)
-            out.append(LRReschedule(horizon, self.warmup_steps))
-        accumulates = self._accumulates
-        if self.delay_momentum == "auto" and not accumulates:
-            out.append(
-                DelayMomentum(
-                    AUTO_DELAY_MOMENTUM,
-                    self.warmup_steps,
-                    strict=False,
-                    rise=self.delay_momentum_rise,
-                )
-            )
-        elif self.delay_momentum not in (None, "auto"):
-            out.append(
-                DelayMomentum(
-                    float(self.delay_momentum), self.warmup_steps, rise=self.delay_momentum_rise
-                )
-            )
-        if self.spike_compensation is True or (self.spike_compensation and not accumulates):
-            out.append(SpikeCompensation(self.warmup_steps, strict=self.spike_compensation is True))
-        if self.discrepancy_correction:
-            out.append(DiscrepancyCorrection(self.discrepancy_decay))
-        if self.predicts:
-            out.append(
-                WeightPrediction(
-                    self.prediction_decay,
-                    self.prediction_scale,
-                    strict=self.weight_prediction is True,
-                )
-            )
-        if self.error_feedback is not None:
-            out.append(ErrorFeedback(self.error_feedback, self.warmup_steps))
-        if isinstance(self.local_accumulation, int):  # a number (bools were refused)
-            out.append(LocalAccumulation(self.local_accumulation, self.warmup_steps))
-        elif self.local_accumulation == "auto" and not _per_minibatch_named(self):
-            # stands aside (inactive) unless the optimiser is SGD without momentum
-            out.append(LocalAccumulation(1, self.warmup_steps, strict=False))
-        if self.stability_guard:  # its before_step sets the strength the others read after it
-            out.append(StabilityGuard(self.guard_threshold, start=self.warmup_steps))
-        return out
+    def per_minibatch_named(self) -> list[str]:
+        """The corrections counting one update per minibatch that are asked for by name (local
+        accumulation excludes them)."""
+        asked = (
+            ("weight_prediction", self.weight_prediction is True),
+            ("spike_compensation", self.spike_compensation is True),
+            ("delay_momentum", self.delay_momentum not in (None, "auto")),
+            ("discrepancy_correction", self.discrepancy_correction),
+        )
+        return [name for name, on in asked if on]
 
 
 def _check_types(config: PipeMareConfig) -> None:
@@ -372,14 +229,3 @@ def _check_types(config: PipeMareConfig) -> None:
                 need += " in [0, 1] or 'auto'"
         if not ok:
             raise ValueError(f"{name} must be {need}, got {value!r}")
-
-
-def _per_minibatch_named(config: PipeMareConfig) -> list[str]:
-    """The corrections counting one update per minibatch that are asked for by name."""
-    asked = (
-        ("weight_prediction", config.weight_prediction is True),
-        ("spike_compensation", config.spike_compensation is True),
-        ("delay_momentum", config.delay_momentum not in (None, "auto")),
-        ("discrepancy_correction", config.discrepancy_correction),
-    )
-    return [name for name, on in asked if on]

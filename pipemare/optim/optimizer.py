@@ -4,20 +4,15 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from pipemare.optim import run_length
 from pipemare.optim.config import PipeMareConfig
-from pipemare.optim.corrections import (
-    Correction,
-    DiscrepancyCorrection,
-    StabilityGuard,
-    StageView,
-)
+from pipemare.optim.corrections import Correction, LRReschedule, StabilityGuard, StageView
 from pipemare.optim.corrections.base import group_momentum, set_group_momentum
+from pipemare.optim.settings import RunSettings, resolve
 from pipemare.schedule.delay import StageDelay
 
 __all__ = ["PipeMareOptimizer"]
@@ -29,10 +24,10 @@ class PipeMareOptimizer:
     The user's optimiser keeps owning the parameters, their state (momentum, Adam moments)
     and the hyperparameters that LR schedulers drive; a stage's update runs the optimiser on
     that stage's parameters only. Update ``k`` uses the user's hyperparameters *from when
-    minibatch k was fed*. On top of that the config's corrections
-    (:mod:`~pipemare.optim.corrections`)
-    act per stage: T1 scales the rate, T2 corrects the backward's weights, weight prediction
-    moves the forward's, spike compensation reshapes the update.
+    minibatch k was fed*. On top of that the corrections the run's settings name
+    (:class:`~pipemare.optim.settings.RunSettings`, :mod:`~pipemare.optim.corrections`) act
+    per stage: T1 scales the rate, T2 corrects the backward's weights, weight prediction moves
+    the forward's, spike compensation reshapes the update.
 
     T3 (synchronous warm-up) is the pipeline's schedule switch; here it means T1 counts its
     horizon from the first asynchronous step.
@@ -41,10 +36,12 @@ class PipeMareOptimizer:
         optimizer: any ``torch.optim.Optimizer`` built over (at least) the stages' parameters.
         stage_params: for every stage this process runs, its parameters.
         delays: every stage's :class:`~pipemare.schedule.delay.StageDelay`, indexed by stage.
-        config: which corrections run.
+        config: which corrections to run, resolved for this optimiser, N and run length by
+            :func:`~pipemare.optim.settings.resolve` (ignored where ``settings`` is given).
         microbatches: N.
         total_steps: the run's optimiser steps (for T1's horizon as a fraction of the run).
         steps_per_epoch: optimiser steps per epoch (for T1's horizon in epochs).
+        settings: the run's settings, already resolved (the Pipeline resolves them).
 
     Example:
         >>> from pipemare.schedule.delay import derive_delays
@@ -67,6 +64,7 @@ class PipeMareOptimizer:
         microbatches: int = 1,
         total_steps: int | None = None,
         steps_per_epoch: int | None = None,
+        settings: RunSettings | None = None,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -76,7 +74,18 @@ class PipeMareOptimizer:
                 "use a first-order optimiser (SGD, Adam, AdamW, ...)"
             )
         self.optimizer = optimizer
-        self.config = config if config is not None else PipeMareConfig()
+        if settings is None:
+            settings = resolve(
+                config if config is not None else PipeMareConfig(),
+                optimizer,
+                delays=delays,
+                microbatches=microbatches,
+                total_steps=total_steps,
+                steps_per_epoch=steps_per_epoch,
+            )
+        #: what the run does and why (:class:`~pipemare.optim.settings.RunSettings`)
+        self.settings = settings
+        self.config = settings.config
         self.delays = tuple(delays)
         owner = {id(p): stage for stage, ps in stage_params.items() for p in ps}
         held = {id(p) for g in optimizer.param_groups for p in g["params"]}
@@ -100,22 +109,20 @@ class PipeMareOptimizer:
             microbatches,
             momentum=self.momentum,
         )
-        self.corrections: list[Correction] = self.config.build(
-            total_steps, steps_per_epoch, optimizer, microbatches
-        )
-        self.guard = next((c for c in self.corrections if isinstance(c, StabilityGuard)), None)
+        self.corrections: list[Correction] = settings.build()
+        #: the stability guard, where it runs (its factor is every correction's strength)
+        self.guard = cast(StabilityGuard | None, self.correction(StabilityGuard.name))
         if self.guard is not None:
             view.strength = self.guard.factor
-        # what T1's horizon was derived from; a resume may keep the checkpointed run's instead
-        self._run = run_length.run_state(
-            self.config, self.corrections, total_steps, steps_per_epoch, optimizer, microbatches
-        )
         for c in self.corrections:
             c.bind(view)
-        self._t2 = next((c for c in self.corrections if isinstance(c, DiscrepancyCorrection)), None)
         # Hyperparameters of each group when minibatch k was fed, until every stage used them.
         self._hparams: dict[int, list[dict[str, Any]]] = {}
         self._waiting: dict[int, set[int]] = {}
+
+    def correction(self, name: str) -> Correction | None:
+        """The running correction called ``name`` (e.g. ``"stability_guard"``), or None."""
+        return next((c for c in self.corrections if c.name == name), None)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -236,21 +243,15 @@ class PipeMareOptimizer:
 
     def velocity(self, param: nn.Parameter) -> torch.Tensor | None:
         """T2's velocity δ of ``param`` as a new tensor; None before any update or with T2 off."""
-        return None if self._t2 is None else self._t2.steps.velocity(param)
+        for c in self.corrections:
+            v = c.velocity(param)
+            if v is not None:
+                return v
+        return None
 
     def describe(self) -> str:
         """The corrections in effect and their settings, e.g. for a run's log."""
-        parts = []
-        for c in self.corrections:
-            settings = c.describe()
-            if settings.get("active", True):
-                shown = ", ".join(
-                    f"{k}={v}" if isinstance(v, str) else f"{k}={v:g}"
-                    for k, v in settings.items()
-                    if k != "active"
-                )
-                parts.append(f"{c.name}({shown})" if shown else c.name)
-        return ", ".join(parts)
+        return self.settings.describe()
 
     def buffer_bytes(self, stage: int) -> dict[str, int]:
         """Bytes of per-weight buffers each correction keeps for ``stage`` (its memory cost)."""
@@ -267,7 +268,7 @@ class PipeMareOptimizer:
         optimiser's param groups, as ``torch.optim`` keys its own state.
         ``include_optimizer=False`` leaves out the user's optimiser (for callers that save it
         themselves, like Lightning). "run" holds what was derived from the run's length (T1's
-        horizon, :mod:`~pipemare.optim.run_length`), which a resume keeps.
+        horizon, :meth:`~pipemare.optim.settings.RunSettings.run_state`), which a resume keeps.
         """
         ids = {id(p): i for i, p in self._index().items()}
         state = {
@@ -283,15 +284,27 @@ class PipeMareOptimizer:
         return state
 
     def run_state(self) -> dict[str, Any]:
-        """What this run derived from its length (:func:`~pipemare.optim.run_length.run_state`)."""
-        return dict(self._run)
+        """What this run derived from its length (:meth:`RunSettings.run_state
+        <pipemare.optim.settings.RunSettings.run_state>`), which a resume keeps."""
+        return self.settings.run_state()
 
     def set_run_length(self, total_steps: int) -> int | None:
-        """T1's horizon, where it is a fraction of the run, derived again for a run now known
-        to be ``total_steps`` long; returns it (:func:`~pipemare.optim.run_length.rederive`)."""
-        run = run_length.rederive(self.config, self.corrections, self._run, total_steps)
-        self._run = run[0]
-        return run[1]
+        """Run with the settings for a run now known to be ``total_steps`` long
+        (:meth:`~pipemare.optim.settings.RunSettings.for_run_length`); returns T1's new horizon,
+        or None where the run's length does not set it."""
+        settings = self.settings.for_run_length(total_steps)
+        if settings is self.settings:
+            return None
+        self._adopt(settings)
+        return settings.horizon
+
+    def _adopt(self, settings: RunSettings) -> None:
+        """Run with ``settings``, which differ from these in T1's horizon and its basis only."""
+        assert [c.name for c in settings.corrections] == [c.name for c in self.corrections]
+        t1 = cast(LRReschedule | None, self.correction(LRReschedule.name))
+        if t1 is not None and settings.horizon is not None:
+            t1.horizon = settings.horizon
+        self.settings = settings
 
     def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
         """Restore :meth:`state_dict`; T1's horizon is the saved run's unless the config's
@@ -306,8 +319,6 @@ class PipeMareOptimizer:
         index = self._index()
         mine = {id(p) for ps in self._groups.values() for g in ps for p in g}
         buffers = dict(state.get("buffers", {}))
-        if "velocity" in state:  # checkpoints before pipemare 0.2 kept T2's δ under "velocity"
-            buffers[DiscrepancyCorrection.name] = {i: -v for i, v in state["velocity"].items()}
         for c in self.corrections:
             c.load_buffers(
                 {
@@ -318,7 +329,8 @@ class PipeMareOptimizer:
             )
         self._hparams = {int(k): [dict(h) for h in hs] for k, hs in state["hparams"].items()}
         self._waiting = {int(k): set(s) for k, s in state["waiting"].items()}
-        if "run" not in state:  # an older checkpoint, without the derived settings
+        if "run" not in state:  # a checkpoint without the derived settings
             return []
-        self._run, notes = run_length.keep_horizon(self.corrections, state["run"], self._run)
+        settings, notes = self.settings.resumed(state["run"])
+        self._adopt(settings)
         return notes

@@ -1,11 +1,11 @@
 """The resolved corrections of every optimiser family x P x N x schedule x config, as a table.
 
-What a run does with its corrections, read through the public engine only (a Pipeline's
-optimiser): the corrections in effect as the run's log names them, each stage's factor on the
-rate and its momentum at a few steps, which minibatches a stage holds, whether forwards run
-at predicted weights, and the error a combination is refused with. Written once before the
-settings were gathered into one resolver (``python tests/optim/resolution_table.py``) and
-compared with the resolver's by tests/optim/test_settings.py: the refactor changed no decision.
+What a run does with its corrections, read through the optimiser wrapper's public methods: the
+corrections in effect as the run's log names them, each stage's factor on the rate and its
+momentum at a few steps, which minibatches a stage holds, and the error a combination is
+refused with. The table in data/ was written by the code before the settings were gathered into
+one resolver (each cell through a Pipeline's optimiser); tests/optim/test_settings.py checks that
+the resolver reproduces every cell, so gathering the decisions changed none of them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare import Pipeline, PipeMareConfig
-from pipemare.optim import ChainedOptimizer, MuonAdamW, RotatedAdamW
+from pipemare import PipeMareConfig
+from pipemare.optim import ChainedOptimizer, MuonAdamW, PipeMareOptimizer, RotatedAdamW
+from pipemare.optim.settings import resolve
 
 TABLE = pathlib.Path(__file__).parent / "data" / "resolved_corrections.json.gz"
 STAGES = (1, 2, 4, 8)
@@ -90,41 +91,47 @@ CONFIGS: dict[str, Callable[[], PipeMareConfig | None]] = {
 LENGTHS = {"unknown": {}, "1000": {"total_steps": 1000, "steps_per_epoch": 50}}
 
 
-def fingerprint(pipe: Pipeline) -> dict[str, Any]:
+def fingerprint(opt: PipeMareOptimizer, stages: int) -> dict[str, Any]:
     """What the run does with its corrections, per stage, read through public methods."""
-    opt = pipe.optimizer
-    stages = range(pipe.num_stages)
+    every = range(stages)
     return {
         "described": opt.describe(),
-        "lr_factor": {s: [round(opt.lr_factor(i, s), 9) for i in stages] for s in (0, 20, 400)},
-        "momentum": {s: [round(opt.momentum(i, s), 9) for i in stages] for s in (0, 20)},
-        "holds": [[any(c.holds(i, m) for c in opt.corrections) for m in range(4)] for i in stages],
-        "warmup": pipe.config.warmup_steps,
+        "lr_factor": {str(s): [round(opt.lr_factor(i, s), 9) for i in every] for s in (0, 20, 400)},
+        "momentum": {str(s): [round(opt.momentum(i, s), 9) for i in every] for s in (0, 20)},
+        "holds": [[any(c.holds(i, m) for c in opt.corrections) for m in range(4)] for i in every],
+        "warmup": opt.settings.warmup_steps,
     }
 
 
 def resolve_one(
     optimizer: str, stages: int, n: int, schedule: str, config: str, length: str
 ) -> dict[str, Any] | str:
-    """One cell: the fingerprint of the Pipeline built for it, or the error it is refused with."""
+    """One cell: the fingerprint of the optimiser a Pipeline builds for it (its settings
+    resolved as the Pipeline resolves them), or the error it is refused with."""
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(max(stages, 1))))
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(stages)))
+    opt = OPTIMIZERS[optimizer](model)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            pipe = Pipeline(
-                model,
-                OPTIMIZERS[optimizer](model),
-                nn.functional.mse_loss,
+            settings = resolve(
+                CONFIGS[config](),
+                opt,
+                schedule=schedule,
                 stages=stages,
                 microbatches=n,
-                schedule=schedule,
-                config=CONFIGS[config](),
                 **LENGTHS[length],
+            )
+            wrapper = PipeMareOptimizer(
+                opt,
+                {i: list(model[i].parameters()) for i in range(stages)},
+                settings.delays,
+                microbatches=n,
+                settings=settings,
             )
     except (ValueError, TypeError) as err:
         return f"{type(err).__name__}: {err}"
-    return fingerprint(pipe)
+    return fingerprint(wrapper, stages)
 
 
 def keys() -> list[tuple[str, int, int, str, str, str]]:

@@ -12,6 +12,7 @@ from torch import nn
 
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
 from pipemare.optim.corrections import LocalAccumulation, accumulation_steps
+from pipemare.optim.settings import resolve
 from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
 
 OFF = PipeMareConfig.off()
@@ -50,7 +51,10 @@ def test_each_stage_updates_once_per_its_window_with_the_sum_of_its_gradients():
 
 
 def test_it_excludes_the_corrections_that_count_one_update_per_minibatch():
-    names = [c.name for c in PipeMareConfig(local_accumulation=2).build()]
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    names = [
+        c.name for c in resolve(PipeMareConfig(local_accumulation=2), adam, stages=2).corrections
+    ]
     assert names == ["lr_reschedule", "local_accumulation", "stability_guard"]
     for clash in (
         {"weight_prediction": True},

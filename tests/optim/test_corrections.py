@@ -18,6 +18,7 @@ from pipemare.optim.corrections import (
     spike_coefficients,
 )
 from pipemare.optim.corrections.momentum import delay_momenta
+from pipemare.optim.settings import resolve
 from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
 from pipemare.schedule.delay import StageDelay
 
@@ -116,7 +117,6 @@ def test_prediction_keeps_one_buffer_per_weight_and_no_stash():
         "delay_momentum": 0,
         "spike_compensation": 0,
         "weight_prediction": weights,
-        "local_accumulation": 0,  # stands aside for Adam
         "stability_guard": 5 * 8,  # five float64 numbers per stage
     }
     assert pipe.optimizer.buffer_bytes(2)["weight_prediction"] == 0  # τ = 0: nothing to predict
@@ -241,8 +241,8 @@ def test_auto_corrections_stand_aside_where_they_do_not_apply():
         warnings.simplefilter("error")
         _, opt = single(rms, PipeMareConfig())
     assert "spike_compensation" not in opt.describe()
-    (sc,) = [c for c in opt.corrections if c.name == "spike_compensation"]
-    assert "supports SGD, Adam and AdamW" in str(sc.stood_aside)
+    (sc,) = [d for d in opt.settings.decisions if d.subject == "spike_compensation"]
+    assert sc.choice == "off" and "supports SGD, Adam and AdamW" in sc.reason
     with pytest.raises(ValueError, match="supports SGD, Adam and AdamW"):
         single(rms, PipeMareConfig(spike_compensation=True))
     with pytest.raises(ValueError, match="heavy-ball"):
@@ -256,16 +256,23 @@ def test_auto_corrections_stand_aside_where_they_do_not_apply():
     assert "weight_prediction" in opt.describe() and "spike_compensation" in opt.describe()
 
 
+def _names(config: PipeMareConfig, build=lambda ps: torch.optim.AdamW(ps)) -> list[str]:
+    """The corrections that run for ``config`` with the optimiser ``build`` makes (P = 2)."""
+    optimizer = build([nn.Parameter(torch.zeros(2))])
+    return [c.name for c in resolve(config, optimizer, stages=2).corrections]
+
+
 def test_config_switches_and_their_errors():
-    names = lambda cfg: [c.name for c in cfg.build()]  # noqa: E731
+    names = _names
     assert names(PipeMareConfig()) == [
         "lr_reschedule",
         "delay_momentum",
         "spike_compensation",
         "weight_prediction",
-        "local_accumulation",
         "stability_guard",
     ]
+    plain = names(PipeMareConfig(), lambda ps: torch.optim.SGD(ps, lr=0.1))
+    assert plain == ["lr_reschedule", "spike_compensation", "local_accumulation", "stability_guard"]
     assert names(PipeMareConfig.t1_t2()) == ["lr_reschedule", "discrepancy_correction"]
     assert names(PipeMareConfig(discrepancy_correction=True)) == [
         "lr_reschedule",
@@ -285,22 +292,29 @@ def test_config_switches_and_their_errors():
         PipeMareConfig(guard_threshold=0.5)
     with pytest.raises(ValueError, match="stability_guard must be True or False"):
         PipeMareConfig(stability_guard="auto")
-    assert isinstance(PipeMareConfig().build()[2], SpikeCompensation)
-    assert isinstance(PipeMareConfig().build()[3], WeightPrediction)
+    built = resolve(PipeMareConfig(), torch.optim.AdamW([nn.Parameter(torch.zeros(1))]), stages=2)
+    assert isinstance(built.build()[2], SpikeCompensation)
+    assert isinstance(built.build()[3], WeightPrediction)
 
 
 # -- T1's horizon --------------------------------------------------------------------------------
 
 
+def _horizon(config: PipeMareConfig, **length: int) -> int | None:
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    return resolve(config, sgd, stages=2, **length).horizon
+
+
 def test_t1_horizon_from_steps_epochs_or_a_fraction_of_the_run():
-    assert PipeMareConfig().horizon(total_steps=1000) == 130
-    assert PipeMareConfig(warmup_steps=100).horizon(total_steps=1100) == 130
-    assert PipeMareConfig(reschedule_fraction=0.5).horizon(total_steps=300) == 150
-    assert PipeMareConfig(reschedule_epochs=1.5).horizon(steps_per_epoch=40) == 60
-    assert PipeMareConfig(reschedule_steps=7).horizon(total_steps=1000) == 7
-    assert PipeMareConfig().horizon() == 500  # the engine not told the run's length
+    assert _horizon(PipeMareConfig(), total_steps=1000) == 130
+    assert _horizon(PipeMareConfig(warmup_steps=100), total_steps=1100) == 130
+    assert _horizon(PipeMareConfig(reschedule_fraction=0.5), total_steps=300) == 150
+    assert _horizon(PipeMareConfig(reschedule_epochs=1.5), steps_per_epoch=40) == 60
+    assert _horizon(PipeMareConfig(reschedule_steps=7), total_steps=1000) == 7
+    assert _horizon(PipeMareConfig()) == 500  # the engine not told the run's length
+    assert _horizon(PipeMareConfig.off(), total_steps=1000) is None
     with pytest.raises(ValueError, match="steps per epoch"):
-        PipeMareConfig(reschedule_epochs=2).horizon()
+        _horizon(PipeMareConfig(reschedule_epochs=2))
 
 
 def test_pipeline_hands_the_run_length_to_t1():

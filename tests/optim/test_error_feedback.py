@@ -13,6 +13,7 @@ from torch import nn
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
 from pipemare.optim.corrections import ErrorFeedback
 from pipemare.optim.corrections.error_feedback import stable_step
+from pipemare.optim.settings import resolve
 from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
 
 OFF = PipeMareConfig.off()
@@ -62,7 +63,10 @@ def test_bad_settings_are_refused():
     for bad in (-1.0, "auto", True, float("nan")):
         with pytest.raises(ValueError, match="error_feedback must be"):
             PipeMareConfig(error_feedback=bad)
-    names = [c.name for c in PipeMareConfig(error_feedback=1.0).build()]
+    adam = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
+    names = [
+        c.name for c in resolve(PipeMareConfig(error_feedback=1.0), adam, stages=2).corrections
+    ]
     assert names.index("error_feedback") == names.index("weight_prediction") + 1
 
 

@@ -15,6 +15,7 @@ from torch import nn
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
 from pipemare.optim import MuonAdamW
 from pipemare.optim.corrections import StabilityGuard
+from pipemare.optim.settings import resolve
 from pipemare.optim.stability import (
     _delayed_quadratic,
     delayed_gd_bound,
@@ -190,15 +191,20 @@ def test_muon_adamw_runs_under_the_guard():
     with warnings.catch_warnings():  # "auto" stands aside quietly, saying why
         warnings.simplefilter("error")
         opt = PipeMareOptimizer(MuonAdamW(groups), stages, derive_delays("pipemare", 2, 1))
-    assert opt.guard is not None and opt.guard.active
+    assert opt.guard is not None and "stability_guard" in opt.describe()
 
 
 def test_every_correction_says_which_optimisers_it_was_derived_for():
-    every = (
-        PipeMareConfig(discrepancy_correction=True, weight_prediction=False, warmup_steps=1).build()
-        + PipeMareConfig(local_accumulation=1).build()
-        + PipeMareConfig().build()
-    )
+    sgd = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+    every = [
+        c
+        for config in (
+            PipeMareConfig(discrepancy_correction=True, weight_prediction=False, warmup_steps=1),
+            PipeMareConfig(local_accumulation=1),
+            PipeMareConfig(),
+        )
+        for c in resolve(config, sgd, stages=2).build()
+    ]
     names = {c.name for c in every}
     assert len(names) == 7
     assert all(len(c.derived_for) > 20 for c in every)

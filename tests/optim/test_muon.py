@@ -112,9 +112,12 @@ def test_the_default_corrections_read_both_kinds_momentum_as_an_average():
         default = PipeMareOptimizer(MuonAdamW(muon_param_groups(model), lr=1e-2), stages, delays)
     names = {c.name: c for c in default.corrections}
     # the default keeps Muon's momentum (measured better) and predicts its weights
-    assert not names["delay_momentum"].active and names["weight_prediction"].active
-    assert not names["spike_compensation"].active
+    assert "delay_momentum" not in names and "weight_prediction" in names
+    assert "spike_compensation" not in names
     assert "delay_momentum" not in default.describe()
+    decided = {d.subject: d for d in default.settings.decisions}
+    assert "Muon" in decided["delay_momentum"].reason
+    assert "MuonAdamW" in decided["spike_compensation"].reason
     # asked for by value, delay-aware momentum raises both kinds as the averages they are
     opt = MuonAdamW(muon_param_groups(model), lr=1e-2)
     wrapped = PipeMareOptimizer(opt, stages, delays, PipeMareConfig(delay_momentum=0.99))

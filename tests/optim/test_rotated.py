@@ -268,8 +268,8 @@ def test_it_runs_under_the_corrections_and_resumes_from_its_state():
     opt = PipeMareOptimizer(
         RotatedAdamW(model.parameters(), lr=1e-2), stages, derive_delays("pipemare", 3, 1)
     )
-    names = {c.name: c.active for c in opt.corrections}
-    assert names.get("spike_compensation") is False and names["delay_momentum"]
+    names = {c.name for c in opt.corrections}
+    assert "spike_compensation" not in names and "delay_momentum" in names
     x = torch.randn(8, 4)
     for t in range(12):
         opt.record(t)

@@ -9,6 +9,7 @@ from torch import nn
 
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
 from pipemare.optim.corrections import LRReschedule
+from pipemare.optim.settings import RunSettings, resolve
 
 
 def optimiser(config: PipeMareConfig, **run: int) -> PipeMareOptimizer:
@@ -128,10 +129,16 @@ def _rotated() -> torch.optim.Optimizer:
 )
 def test_auto_relaxes_t1_over_half_the_run_only_where_every_group_is_adam(build, fraction):
     optimizer = build()
-    assert PipeMareConfig().fraction(optimizer) == fraction
-    assert PipeMareConfig().horizon(total_steps=1000, optimizer=optimizer) == 1000 * fraction
-    assert PipeMareConfig().fraction(optimizer, microbatches=4) == 0.13  # short delays: 13%
-    assert PipeMareConfig(reschedule_fraction=0.2).fraction(optimizer) == 0.2  # a number rules
+
+    def settings(config: PipeMareConfig, n: int = 1) -> RunSettings:
+        return resolve(config, optimizer, stages=2, microbatches=n, total_steps=1000)
+
+    assert settings(PipeMareConfig()).fraction == fraction
+    assert settings(PipeMareConfig()).horizon == 1000 * fraction
+    (why,) = [d for d in settings(PipeMareConfig()).decisions if "horizon" in d.subject]
+    assert why.choice == f"{1000 * fraction:g} steps" and f"{fraction:g} of the run's" in why.reason
+    assert settings(PipeMareConfig(), n=4).fraction == 0.13  # short delays: 13%
+    assert settings(PipeMareConfig(reschedule_fraction=0.2)).fraction == 0.2  # a number rules
 
 
 def test_the_engine_optimiser_reads_its_optimiser_for_t1s_horizon():

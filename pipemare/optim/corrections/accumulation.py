@@ -26,8 +26,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from pipemare.optim.corrections.base import Correction, StageView
 
 __all__ = ["LocalAccumulation", "accumulation_steps"]
@@ -51,27 +49,19 @@ class LocalAccumulation(Correction):
     Args:
         crossed: the updates a gradient may cross (``c``).
         start: the first step it applies to (T3's warm-up steps update every minibatch).
-        strict: run whatever the optimiser; otherwise (the config's ``"auto"``) only for SGD
-            without momentum, the one family none of the other corrections serves, where the
-            protocol measured it best (docs/schedules.md, "Every optimiser").
     """
 
     name = "local_accumulation"
     derived_for = "any optimiser (PACI used AdamW); for Adam a window makes one step, not k"
 
-    def __init__(self, crossed: int = 1, start: int = 0, strict: bool = True) -> None:
+    def __init__(self, crossed: int = 1, start: int = 0) -> None:
         accumulation_steps(0.0, crossed)  # validates
-        self.crossed, self.start, self.strict = crossed, start, strict
+        self.crossed, self.start = crossed, start
         self.steps: list[int] = []
 
     def bind(self, view: StageView) -> None:
         super().bind(view)
         self.steps = [accumulation_steps(d.forward, self.crossed) for d in view.delays]
-        opt = view.optimizer
-        plain = type(opt) is torch.optim.SGD and all(
-            not g.get("momentum", 0) for g in opt.param_groups
-        )
-        self.active = self.strict or plain
 
     def holds(self, stage: int, minibatch: int) -> bool:
         """Whether ``stage`` keeps its gradients of ``minibatch`` for a later update."""
@@ -81,4 +71,4 @@ class LocalAccumulation(Correction):
         return (minibatch + 1 - self.start) % k != 0
 
     def describe(self) -> dict[str, Any]:
-        return {"crossed": self.crossed, "active": self.active}
+        return {"crossed": self.crossed}

@@ -23,6 +23,7 @@ __all__ = [
     "foreach_pair",
     "group_momentum",
     "is_adam_family",
+    "is_plain_sgd",
     "momentum_is_average",
     "set_group_momentum",
 ]
@@ -59,6 +60,13 @@ def is_adam_family(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -
     """Whether a group steps as the Adam family does (``betas``: a first moment averaged and a
     step normalised by the second), not as Muon (:func:`is_muon`) or SGD."""
     return "betas" in group and not is_muon(optimizer, group)
+
+
+def is_plain_sgd(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is torch's SGD without momentum in every group."""
+    return type(optimizer) is torch.optim.SGD and all(
+        not g.get("momentum", 0) for g in optimizer.param_groups
+    )
 
 
 def set_group_momentum(group: dict[str, Any], momentum: float) -> None:
@@ -128,18 +136,17 @@ class Correction:
     """The optimiser families the correction's formula was derived for, and what it does on the
     others (the documentation's table of corrections by optimiser, under "Every optimiser" on the
     Schedules and corrections page, is built from these)."""
-    active: bool = True
-    """False where the correction stood aside for this run's optimiser (the config's ``"auto"``)."""
     start: int = 0
     """The first step it applies to (T3's warm-up steps have no delay)."""
 
     def bind(self, view: StageView) -> None:
-        """Called once, when the optimiser wrapper is built."""
+        """Called once, when the optimiser wrapper is built (whether the correction runs, and
+        with which settings, was decided before: :func:`pipemare.optim.settings.resolve`)."""
         self.view = view
 
     def _applies(self, step: int) -> bool:
         """Whether the correction acts on the update of minibatch ``step``."""
-        return self.active and step >= self.start
+        return step >= self.start
 
     def lr_factor(self, stage: int, step: int) -> float:
         """The factor on ``stage``'s learning rate for its update of minibatch ``step``."""
@@ -171,6 +178,10 @@ class Correction:
 
     def backward_weight(self, param: nn.Parameter, delta: int) -> torch.Tensor | None:
         """Weights for a backward ``delta`` updates after its forward; None: not this one's."""
+        return None
+
+    def velocity(self, param: nn.Parameter) -> torch.Tensor | None:
+        """The recent step of ``param`` the backward corrects by (T2's δ); None: not this one's."""
         return None
 
     def buffers(self) -> dict[nn.Parameter, torch.Tensor]:

@@ -74,5 +74,8 @@ class DiscrepancyCorrection(StepAveraged):
             return None
         return backward_weight(param.detach(), u, -float(delta))
 
+    def velocity(self, param: nn.Parameter) -> torch.Tensor | None:
+        return self.steps.velocity(param)
+
     def describe(self) -> dict[str, float]:
         return {"decay": self.decay}

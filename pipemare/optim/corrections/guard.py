@@ -121,7 +121,7 @@ class StabilityGuard(Correction):
         """Update the stage's two averages of the gradient norm; halve or restore its factor."""
         s = self._stage_state(stage)
         grads = [p.grad for p in params if p.grad is not None]
-        if s is None or not grads or not self.active:
+        if s is None or not grads:
             return
         norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
         if not math.isfinite(norm):

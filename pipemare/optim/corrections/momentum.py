@@ -41,14 +41,12 @@ the weights its update will meet along the optimiser's own step. No buffer.
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from pipemare.optim.corrections.base import (
     Correction,
     StageView,
     group_momentum,
-    is_muon,
     momentum_is_average,
 )
 
@@ -98,10 +96,6 @@ class DelayMomentum(Correction):
         start: the first step it applies to (T3's warm-up steps have no delay).
         rise: how the momentum follows the delay: ``"share"``, ``"window"``, ``"stretch"`` or
             ``"depth"`` (:data:`RISES`, the module's docstring).
-        strict: refuse an optimiser without momentum; otherwise (the config's ``"auto"``) stand
-            aside for it and for SGD without momentum, where the momentum would be new rather
-            than raised, and for Muon (with the AdamW groups beside it), which the protocol
-            measured better without it.
     """
 
     name = "delay_momentum"
@@ -111,51 +105,19 @@ class DelayMomentum(Correction):
         " aside without momentum and for Muon (measured better off)"
     )
 
-    def __init__(
-        self, top: float, start: int = 0, strict: bool = True, rise: str = "share"
-    ) -> None:
+    def __init__(self, top: float, start: int = 0, rise: str = "share") -> None:
         if not 0.0 <= top < 1.0:
             raise ValueError(f"delay_momentum must lie in [0, 1), got {top}")
         if rise not in RISES:
             raise ValueError(f"delay_momentum_rise must be one of {RISES}, got {rise!r}")
-        self.top, self.start, self.strict, self.rise = top, start, strict, rise
+        self.top, self.start, self.rise = top, start, rise
         self.adam_family = True
 
     def bind(self, view: StageView) -> None:
         super().bind(view)
+        # an averaged momentum (every group's) needs no rate factor; a summed one does
         groups = view.optimizer.param_groups
-        averaged = [momentum_is_average(view.optimizer, g) for g in groups]
-        self.adam_family = all(averaged)
-        has_momentum = all("betas" in g or "momentum" in g for g in groups)
-        if any(averaged) and not self.adam_family:  # e.g. SGD and AdamW, chained
-            if self.strict:
-                raise ValueError(
-                    "delay_momentum compensates a summed (SGD) momentum by the rate and an "
-                    "averaged one (Adam, Muon) not at all, per stage; these optimisers mix both"
-                    ": switch it off (delay_momentum=None) or give every group one kind"
-                )
-            self.active = False
-            return
-        if not self.strict:
-            # stands aside for Muon (and the AdamW groups beside it): measured better off on
-            # 5 of 20 protocol cells and worse on 1 (docs/results.md, "Muon + AdamW without
-            # delay-aware momentum")
-            muon = any(is_muon(view.optimizer, g) for g in groups)
-            raisable = self.adam_family or (has_momentum and group_momentum(groups[0]) > 0.0)
-            self.active = raisable and not muon
-            return
-        if not has_momentum:
-            raise ValueError(
-                f"delay_momentum needs an optimiser with momentum (SGD, Adam, AdamW, NAdam, ...),"
-                f" not {type(view.optimizer).__name__}; or switch it off (delay_momentum=None)"
-            )
-        user = group_momentum(groups[0])
-        if self.top < user:
-            warnings.warn(
-                f"delay_momentum={self.top} is below the optimiser's own momentum {user}: "
-                "delayed stages will update with less momentum than the last one",
-                stacklevel=2,
-            )
+        self.adam_family = all(momentum_is_average(view.optimizer, g) for g in groups)
 
     def _delays(self) -> list[float]:
         return [d.forward for d in self.view.delays]
@@ -175,4 +137,4 @@ class DelayMomentum(Correction):
         return (1.0 - self.momentum(stage, step, user)) / (1.0 - user)
 
     def describe(self) -> dict[str, Any]:
-        return {"active": self.active, "max": self.top, "rise": self.rise}
+        return {"max": self.top, "rise": self.rise}

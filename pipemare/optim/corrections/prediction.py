@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipemare.optim.corrections.base import StageView, StepAveraged, foreach_pair
+from pipemare.optim.corrections.base import StepAveraged, foreach_pair
 
 __all__ = ["WeightPrediction", "predicted_weight"]
 
@@ -46,42 +46,31 @@ class WeightPrediction(StepAveraged):
     Args:
         decay: γ of the step average (0: the last step only; nearer 1: a smoother direction).
         scale: factor on the horizon ``s`` (1: extrapolate all the way to the update).
-        strict: run whatever the optimiser; otherwise (the config's ``"auto"``) stand aside
-            for SGD without momentum, whose delayed iteration prediction destabilises (on the
-            delayed quadratic it narrows the stable ``αλ`` from 1.0 to 0.62 at τ = 1).
     """
 
     name = "weight_prediction"
     derived_for = (
         "SGD with momentum (SpecTrain), Adam (XPipe), SGD-M/Adam/AdamW (PipeOptim); extrapolates"
         " the step actually taken, so Muon too; 'auto' stands aside for SGD without momentum,"
-        " whose stable range it narrows"
+        " whose stable range it narrows (on the delayed quadratic, from 1.0 to 0.62 at τ = 1)"
     )
 
-    def __init__(self, decay: float = 0.0, scale: float = 1.0, strict: bool = True) -> None:
+    def __init__(self, decay: float = 0.0, scale: float = 1.0) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"the prediction's step decay must lie in [0, 1), got {decay}")
         if scale < 0:
             raise ValueError(f"the prediction's horizon scale must be >= 0, got {scale}")
-        self.decay, self.scale, self.strict = decay, scale, strict
+        self.decay, self.scale = decay, scale
         super().__init__()
 
-    def bind(self, view: StageView) -> None:
-        super().bind(view)
-        opt = view.optimizer
-        plain = type(opt) is torch.optim.SGD and all(
-            not g.get("momentum", 0) for g in opt.param_groups
-        )
-        self.active = self.strict or not plain
-
     def _step_decay(self, stage: int) -> float | None:
-        return self.decay if self.active and self.view.delays[stage].forward_max > 0 else None
+        return self.decay if self.view.delays[stage].forward_max > 0 else None
 
     @contextlib.contextmanager
     def forward_weights(self, stage: int, horizon: int) -> Iterator[None]:
         s = self.scale * horizon * self.view.stage_strength(stage)
         pairs = []
-        if s != 0 and self.active:
+        if s != 0:
             pairs = [
                 (p, u) for p in self.view.params[stage] if (u := self.steps.neg.get(p)) is not None
             ]
@@ -101,4 +90,4 @@ class WeightPrediction(StepAveraged):
         )
 
     def describe(self) -> dict[str, Any]:
-        return {"decay": self.decay, "scale": self.scale, "active": self.active}
+        return {"decay": self.decay, "scale": self.scale}

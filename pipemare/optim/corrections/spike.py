@@ -14,8 +14,6 @@ For Adam and AdamW the first moment ``m̂`` plays the momentum's part with ``m =
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from pipemare.optim.corrections.base import (
@@ -26,7 +24,7 @@ from pipemare.optim.corrections.base import (
     group_momentum,
 )
 
-__all__ = ["SpikeCompensation", "spike_coefficients"]
+__all__ = ["SpikeCompensation", "spike_coefficients", "unsupported"]
 
 
 def spike_coefficients(momentum: float, delay: float) -> tuple[float, float]:
@@ -46,7 +44,7 @@ def spike_coefficients(momentum: float, delay: float) -> tuple[float, float]:
     return a, (1.0 - a) / (1.0 - momentum)
 
 
-def _unsupported(opt: torch.optim.Optimizer) -> str | None:
+def unsupported(opt: torch.optim.Optimizer) -> str | None:
     """Why spike compensation cannot run with ``opt``, or None."""
     if type(opt) not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         return f"spike compensation supports SGD, Adam and AdamW, not {type(opt).__name__}"
@@ -66,8 +64,6 @@ class SpikeCompensation(Correction):
 
     Args:
         start: the first step it applies to (T3's warm-up steps have no delay).
-        strict: refuse an optimiser it does not support; otherwise stand aside quietly (the
-            default config's ``"auto"``), saying why in :attr:`stood_aside`.
     """
 
     name = "spike_compensation"
@@ -76,23 +72,14 @@ class SpikeCompensation(Correction):
         " for Nesterov, dampening, Muon and other optimisers"
     )
 
-    def __init__(self, start: int = 0, strict: bool = True) -> None:
-        self.start, self.strict = start, strict
-        #: why an ``"auto"`` spike compensation is off for this optimiser (None: it is on)
-        self.stood_aside: str | None = None
+    def __init__(self, start: int = 0) -> None:
+        self.start = start
 
     def bind(self, view: StageView) -> None:
         super().bind(view)
-        problem = _unsupported(view.optimizer)
-        if problem is None:
-            return
-        if self.strict:
+        problem = unsupported(view.optimizer)
+        if problem is not None:  # resolve() refuses it first; a correction built by hand too
             raise ValueError(f"{problem}; or switch it off (spike_compensation=False)")
-        self.active = False
-        self.stood_aside = problem
-
-    def describe(self) -> dict[str, Any]:
-        return {"active": self.active}
 
     def _delay(self, stage: int) -> float:
         return self.view.delays[stage].forward * self.view.stage_strength(stage)
