@@ -51,7 +51,8 @@ class Pipeline:
         stages: P; default: one per process with the distributed transport, else one per layer.
         microbatches: N, microbatches per minibatch (one optimiser step).
         schedule: ``gpipe``, ``1f1b``, ``pipedream``, ``async`` or ``pipemare``.
-        balance: layers per stage (a list), ``"even"`` (default) or ``"params"``.
+        balance: layers per stage (a list), ``"even"`` (default) or ``"params"``; the other
+            names of :data:`~pipemare.model.cuts.BALANCES` need a sample batch.
         config: staleness corrections asked for; default: the schedule's (``PipeMareConfig()``
             for ``pipemare``, none for the others). What runs, and why, is resolved once into
             :attr:`settings` (:func:`~pipemare.optim.settings.resolve`).
@@ -110,7 +111,14 @@ class Pipeline:
         check_finite: bool = True,
         recompute: bool = False,
     ) -> None:
-        sp = build.check_arguments(model, schedule, stages, microbatches, recompute)
+        partition.check_sequential(model)
+        sp = build.check_arguments(
+            schedule=schedule,
+            stages=stages,
+            microbatches=microbatches,
+            balance=balance,
+            recompute=recompute,
+        )
         self.device = build.default_device(model, device)
         transport = build.make_transport(transport, stages, len(model), self.device, microbatches)
         self.transport = transport
