@@ -16,8 +16,7 @@ from typing import Any
 from pipemare.engine.build import check_arguments
 from pipemare.lightning.launching import START_METHODS, LightningAPI
 from pipemare.optim.config import PipeMareConfig
-from pipemare.schedule.actions import spec
-from pipemare.schedule.delay import derive_delays
+from pipemare.optim.settings import check_for_schedule, resolve
 
 __all__ = [
     "check_layout",
@@ -63,7 +62,7 @@ def check_strategy_arguments(
             "e.g. PipeMareConfig(warmup_steps=20)"
         )
     if config is not None:  # refused here, before anything runs, not at the first batch
-        config.for_stashing(schedule, spec(schedule).stashes)
+        check_for_schedule(config, schedule)
     if start_method not in START_METHODS:
         raise ValueError(
             f"start_method must be one of {', '.join(START_METHODS)}, got {start_method!r}"
@@ -171,16 +170,25 @@ def one_optimizer() -> Iterator[None]:
 
 
 def check_optimizer(
-    optimizer: Any, schedule: str, stages: int, microbatches: int, config: PipeMareConfig
+    optimizer: Any, schedule: str, stages: int, microbatches: int, config: PipeMareConfig | None
 ) -> None:
     """Refuse, before any update, an optimiser the pipeline cannot step (LBFGS) or that a
-    correction set to True cannot serve: the checks the pipeline makes when it is built."""
+    correction set to True cannot serve: the checks the pipeline makes when it is built
+    (:func:`~pipemare.optim.settings.resolve`, for a stand-in run length)."""
     from pipemare.optim.optimizer import PipeMareOptimizer
 
-    delays = derive_delays(schedule, stages, microbatches)
-    with warnings.catch_warnings():  # "auto" corrections that stand aside say so later
+    with warnings.catch_warnings():  # what the run resolves is printed when it is built
         warnings.simplefilter("ignore")
-        PipeMareOptimizer(optimizer, {}, delays, config, total_steps=1, steps_per_epoch=1)
+        settings = resolve(
+            config,
+            optimizer,
+            schedule=schedule,
+            stages=stages,
+            microbatches=microbatches,
+            total_steps=1,
+            steps_per_epoch=1,
+        )
+        PipeMareOptimizer(optimizer, {}, settings.delays, settings=settings)
 
 
 def ignore_moot_warnings() -> None:

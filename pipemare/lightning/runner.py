@@ -230,7 +230,7 @@ class PipelineRunner:
                 strategy.microbatches,
                 strategy.schedule,
                 optimizer=copies_of(self._user_optimizer(seq), seq.parameters()),
-                config=strategy.config,
+                config=strategy.asked_config,
                 forward_context=forward_context,
             )
 
@@ -256,7 +256,7 @@ class PipelineRunner:
             microbatches=strategy.microbatches,
             schedule=strategy.schedule,
             balance=balance,
-            config=strategy.config,
+            config=strategy.asked_config,
             transport=self._transport(),
             device=strategy.root_device,
             input_fn=steps.input,

@@ -49,7 +49,8 @@ from pipemare.lightning import checks
 from pipemare.lightning.launching import LightningAPI, SigtermRelay, restarts_share_the_store
 from pipemare.lightning.runner import PipelineRunner, stepped
 from pipemare.optim.config import PipeMareConfig
-from pipemare.schedule.actions import SCHEDULES, spec
+from pipemare.optim.settings import asked
+from pipemare.schedule.actions import SCHEDULES
 from pipemare.schedule.delay import StageDelay, derive_delays
 
 __all__ = ["LightningPipeMareStrategy", "PipeMareStrategy", "register"]
@@ -168,9 +169,11 @@ class PipeMareStrategy(ParallelStrategy):
         )
         self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
         self._balance = balance
-        self.config = (
-            config if config is not None else PipeMareConfig.for_schedule(spec(schedule).corrected)
-        )
+        #: the corrections asked for (None: the schedule's default), resolved for the run when
+        #: the pipeline is built (:attr:`settings`)
+        self.asked_config = config
+        #: the config this run starts from: the one given, or the schedule's default
+        self.config = asked(config, schedule)
         self.sequential, self.recompute = sequential, recompute
         self.module_name = module if module is not None else sequential
         self.split_points = None if split_points is None else list(split_points)
@@ -339,7 +342,9 @@ class PipeMareStrategy(ParallelStrategy):
             self._lightning.ParallelStrategy.setup(self, trainer)
         if self._runner.fitting and self.optimizers:
             optimizer = stepped(self.optimizers)
-            checks.check_optimizer(optimizer, self.schedule, stages, self.microbatches, self.config)
+            checks.check_optimizer(
+                optimizer, self.schedule, stages, self.microbatches, self.asked_config
+            )
         if self.distributed and dist.is_initialized():
             watchdog = lambda: getattr(getattr(self.pipeline, "transport", None), "watchdog", None)  # noqa: E731
             SigtermRelay(trainer, self._lightning, self.stall_timeout, watchdog).install()
