@@ -104,7 +104,7 @@ class PipelineRunner:
 
     # -- setup ------------------------------------------------------------------------------
 
-    def setup(self, module: nn.Module) -> None:
+    def setup(self, module: Any) -> None:
         """Find the module to pipeline and refuse, before anything runs, what cannot be cut."""
         strategy = self.strategy
         path, _ = cuts.find_pipelined(module, strategy.module_name)
@@ -240,7 +240,7 @@ class PipelineRunner:
         optimizers = self.strategy.optimizers
         # Lightning's stand-in when configure_optimizers returns None is not the user's
         if optimizers and type(optimizers[0]).__name__ != "_MockOptimizer":
-            return stepped(optimizers)  # type: ignore[no-any-return]
+            return stepped(optimizers)
         return torch.optim.SGD(seq.parameters(), lr=0.0)  # never stepped with a real rate
 
     def _build(self, balance: list[int]) -> Pipeline:
@@ -442,13 +442,13 @@ class PipelineRunner:
         """The whole model; during training the state each stage has once the step's
         minibatch reached it, collected without draining."""
         if self.pipeline is None:
-            return self.module.state_dict()  # type: ignore[no-any-return]
+            return self.module.state_dict()
         return self.saves.module_state(self.module, self.pipeline, self.state_names)
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
         if self.pipeline is None:
-            return optimizer.state_dict()  # type: ignore[no-any-return]
+            return optimizer.state_dict()
         return self.saves.optimizer_state(optimizer, self.pipeline)
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
