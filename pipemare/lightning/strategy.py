@@ -143,7 +143,7 @@ class PipeMareStrategy(ParallelStrategy):
         precision_plugin: Any = None,
     ) -> None:
         if checkpoint_io is None:  # atomic on any local filesystem (lightning.checkpoint_io)
-            checkpoint_io = self._lightning.AtomicCheckpointIO()
+            checkpoint_io = self._lightning.AtomicCheckpointIO()  # type: ignore[misc]
         self._lightning.ParallelStrategy.__init__(
             self,
             accelerator=accelerator,
