@@ -100,7 +100,7 @@ def pipeline_config(trainer: pl.Trainer) -> dict[str, Any]:
         "mode": "distributed" if strategy.distributed else "simulated",
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
-        "techniques": dataclasses.asdict(strategy.config),
+        "techniques": dataclasses.asdict(strategy.config),  # asked for; resolved: "settings"
     }
     if pipe is not None:
         config.update(
@@ -111,6 +111,7 @@ def pipeline_config(trainer: pl.Trainer) -> dict[str, Any]:
             clip=None
             if pipe.clip is None
             else {"algorithm": pipe.clip.algorithm, "value": pipe.clip.value},
+            settings=pipe.settings.to_dict(),  # what runs and why (RunSettings)
         )
     return config
 

@@ -67,12 +67,13 @@ class PipelineTimeBudget(Callback):
         steps = trainer.global_step / steps_per_batch(trainer)  # optimiser steps per batch
         estimate = math.floor(self.seconds * steps / spent)
         estimate = trainer.strategy.broadcast(estimate, src=0)  # each rank has its own clock
-        run = {} if pipe is None else pipe.optimizer.run_state()
-        known, was = run.get("total_steps"), run.get("horizon")
-        if pipe is None or known is None or estimate >= known:
+        settings = None if pipe is None else pipe.settings
+        known = None if settings is None else settings.total_steps
+        if settings is None or known is None or estimate >= known:
             return  # the budget does not end the run before max_steps does
+        was = settings.horizon
         self.estimated_steps = estimate
-        horizon = pipe.optimizer.set_run_length(estimate)
+        horizon = trainer.strategy.set_run_length(estimate)  # type: ignore[attr-defined]
         if horizon is not None and horizon != was:
             rank_zero_info(
                 f"pipemare: T1's horizon {was} -> {horizon} steps: the pipeline-time budget of "

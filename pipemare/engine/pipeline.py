@@ -20,7 +20,7 @@ from pipemare.engine.transport import ACT, DistributedTransport, Transport
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.optimizer import PipeMareOptimizer
-from pipemare.optim.settings import resolve
+from pipemare.optim.settings import RunSettings, resolve
 from pipemare.schedule.actions import Action, stream
 from pipemare.schedule.delay import StageDelay, derive_delays
 
@@ -129,8 +129,7 @@ class Pipeline:
         self.schedule, self.microbatches = schedule, microbatches
         self.delays: tuple[StageDelay, ...] = derive_delays(schedule, self.num_stages, microbatches)
         replicas = transport.replicas if isinstance(transport, DistributedTransport) else 1
-        #: what the run does and why, decided once (:func:`pipemare.optim.settings.resolve`)
-        self.settings = resolve(
+        settings = resolve(
             config,
             optimizer,
             schedule=schedule,
@@ -141,7 +140,7 @@ class Pipeline:
             total_steps=total_steps,
             steps_per_epoch=steps_per_epoch,
         )
-        self.config = self.settings.config
+        self.config = settings.config
         self.input_fn, self.target_fn, self.loss_fn = input_fn, target_fn, loss_fn
 
         local = transport.local_stages
@@ -154,14 +153,14 @@ class Pipeline:
             {i: self._trained(i) for i in local},
             self.delays,
             microbatches=microbatches,
-            settings=self.settings,
+            settings=settings,
         )
         self.stages = build.make_stages(
             self.stage_modules,
             local,
             sp,
             self.optimizer,
-            predicts=self.settings.predicts,
+            predicts=settings.predicts,
             forward_context=forward_context,
             microbatches=microbatches,
             seed=seed,
@@ -186,6 +185,12 @@ class Pipeline:
         if isinstance(transport, DistributedTransport) and transport.replicas > 1:
             self.executor.reducer = build.replica_averager(transport, self.stage_modules)
 
+    @property
+    def settings(self) -> RunSettings:
+        """What the run does and why, decided once (:func:`~pipemare.optim.settings.resolve`)
+        and renewed only by a new run length or a resume (the optimiser wrapper's)."""
+        return self.optimizer.settings
+
     def _trained(self, stage: int) -> list[nn.Parameter]:
         """``stage``'s parameters that its update steps: all but copies of tied ones."""
         copies = {id(p) for p in self.ties.copies_on(stage)}
@@ -198,7 +203,7 @@ class Pipeline:
             self.microbatches,
             stage,
             start=start,
-            warmup=self.settings.warmup_steps,
+            warmup=self.config.warmup_steps,
         )
 
     def sync_buffers(self) -> None:

@@ -195,8 +195,9 @@ def layout(pipe: Pipeline) -> dict[str, Any]:
         "schedule": pipe.schedule,
         "microbatches": pipe.microbatches,
         "corrections": [c.name for c in pipe.optimizer.corrections],
-        # what the run's log line says, e.g. for a validation of these weights to report
-        "described": pipe.optimizer.describe(),
+        # what the run's first lines say, e.g. for a validation of these weights to report
+        "described": pipe.settings.describe(),
+        "settings": pipe.settings.to_dict(),
     }
 
 
@@ -218,7 +219,7 @@ def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> tuple[list[str
     announce, what does not carry over (each stage's random stream when the stages hold other
     layers, the buffers of corrections the new configuration does not run), and where this run
     differs from what the saved run derived from its length (T1's horizon is kept unless the
-    config changed it: :mod:`pipemare.optim.run_length`).
+    config changed it: :meth:`~pipemare.optim.settings.RunSettings.resumed`).
     """
     saved = state.get("layout")
     now = layout(pipe)

@@ -309,25 +309,26 @@ class PipelineRunner:
         return transport
 
     def announce(self) -> None:
-        """Print the run's layout on rank 0: stages, cut, schedule and the corrections with
-        their settings; outside fit, those of the run that trained the loaded checkpoint
-        (evaluation applies none)."""
+        """Print the run's settings on rank 0: stages, cut, schedule and the corrections with
+        their settings, then each decision taken on the user's behalf with its reason
+        (:class:`~pipemare.optim.settings.RunSettings`); outside fit, those of the run that
+        trained the loaded checkpoint (evaluation applies none)."""
         pipe, strategy = self.pipeline, self.strategy
         assert pipe is not None
         if strategy.distributed:
             self.api.rank_zero_info(strategy.rank_layout.describe())
         run = f"schedule {strategy.schedule!r}, N={strategy.microbatches}"
+        decisions: list[str] = []
         if self.fitting:
-            run += f", corrections: {pipe.optimizer.describe() or 'none'}"
+            run += f", corrections: {pipe.settings.describe() or 'none'}"
+            decisions = [str(d) for d in pipe.settings.decisions]
         elif self._trained is not None:
             trained = self._trained
-            described = trained.get("described")
-            if described is None:  # written before the settings were saved: the names only
-                described = ", ".join(trained.get("corrections", []))
             run = (
                 f"evaluating a checkpoint trained with schedule {trained['schedule']!r}, "
-                f"N={trained['microbatches']}, corrections: {described or 'none'}"
+                f"N={trained['microbatches']}, corrections: {trained['described'] or 'none'}"
             )
+            decisions = list(trained.get("settings", {}).get("decisions", []))
         else:
             run += " (evaluation applies no corrections)"
         self.api.rank_zero_info(
@@ -335,6 +336,8 @@ class PipelineRunner:
             f"({'one per process' if strategy.distributed else 'in one process'}), "
             f"layers per stage {list(pipe.balance)}, {run}"
         )
+        for line in decisions:
+            self.api.rank_zero_info(f"pipemare:   {line}")
 
     def results(self, start: int) -> Results:
         """Where the last stage publishes results for every process

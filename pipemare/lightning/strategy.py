@@ -49,7 +49,7 @@ from pipemare.lightning import checks
 from pipemare.lightning.launching import LightningAPI, SigtermRelay, restarts_share_the_store
 from pipemare.lightning.runner import PipelineRunner, stepped
 from pipemare.optim.config import PipeMareConfig
-from pipemare.optim.settings import asked
+from pipemare.optim.settings import RunSettings, asked
 from pipemare.schedule.actions import SCHEDULES
 from pipemare.schedule.delay import StageDelay, derive_delays
 
@@ -270,6 +270,22 @@ class PipeMareStrategy(ParallelStrategy):
     def pipeline(self) -> Pipeline | None:
         """The running pipeline; None before the first batch and after a run consolidated it."""
         return self._runner.pipeline
+
+    @property
+    def settings(self) -> RunSettings | None:
+        """What the run does and why (:class:`~pipemare.optim.settings.RunSettings`: the
+        layout, the corrections, T1's horizon, each decision with its reason), as its first
+        lines print it; None before the first batch built the pipeline."""
+        pipe = self._runner.pipeline
+        return None if pipe is None else pipe.settings
+
+    def set_run_length(self, total_steps: int) -> int | None:
+        """Run on as a run now known to be ``total_steps`` optimiser steps long (e.g. a time
+        budget that stops it before ``max_steps``): the settings are renewed
+        (:meth:`~pipemare.optim.settings.RunSettings.for_run_length`); returns T1's new horizon,
+        or None where the run's length does not set it (or before the first batch)."""
+        pipe = self._runner.pipeline
+        return None if pipe is None else pipe.optimizer.set_run_length(total_steps)
 
     @property
     def reported_step(self) -> int | None:

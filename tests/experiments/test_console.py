@@ -90,6 +90,11 @@ def layout_line(console: str) -> str:
     return line
 
 
+def decision_lines(console: str) -> list[str]:
+    """The lines under the layout line naming each decision taken for the run, with its reason."""
+    return [line for line in console.splitlines() if line.startswith("pipemare:   ")]
+
+
 @pytest.mark.parametrize("name", sorted(SHORT))
 def test_a_packaged_config_logs_every_stage_to_wandb_and_prints_no_noise(name, tmp_path):
     config = ROOT / "configs" / f"{name}.yaml"
@@ -148,3 +153,8 @@ def test_validate_reports_the_corrections_its_checkpoint_was_trained_with(tmp_pa
     assert line.endswith(
         f"evaluating a checkpoint trained with schedule 'pipemare', N=1, corrections: {trained}"
     )
+    # the run's first lines give every decision with its reason; validate repeats them
+    decided = decision_lines(fit)
+    assert "pipemare:   lr_reschedule horizon: 6 steps (0.5 of the run's 12 steps)" in decided
+    assert any(d.startswith("pipemare:   weight_prediction: ") for d in decided)
+    assert decision_lines(validate) == decided
