@@ -203,7 +203,7 @@ class Pipeline:
             self.microbatches,
             stage,
             start=start,
-            warmup=self.config.warmup_steps,
+            warmup=self.settings.warmup_steps,
         )
 
     def sync_buffers(self) -> None:
