@@ -20,7 +20,7 @@ from pipemare.engine.transport import ACT, DistributedTransport, Transport
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.optimizer import PipeMareOptimizer
-from pipemare.optim.settings import RunSettings, resolve
+from pipemare.optim.settings import Decision, RunSettings, resolve
 from pipemare.schedule.actions import Action, stream
 from pipemare.schedule.delay import StageDelay, derive_delays
 
@@ -74,6 +74,8 @@ class Pipeline:
             weights its backward uses (under ``async``/``pipemare`` the activations then come
             from backward-time weights too; see :mod:`pipemare.engine.recompute`). The last
             stage, whose forward runs the loss, never reruns.
+        layout_decisions: how the caller chose P and the cut on the user's behalf (the Lightning
+            strategy says so), recorded first in :attr:`settings`.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -110,6 +112,7 @@ class Pipeline:
         steps_per_epoch: int | None = None,
         check_finite: bool = True,
         recompute: bool = False,
+        layout_decisions: Sequence[Decision] = (),
     ) -> None:
         partition.check_sequential(model)
         sp = build.check_arguments(
@@ -139,6 +142,7 @@ class Pipeline:
             balance=self.balance,
             total_steps=total_steps,
             steps_per_epoch=steps_per_epoch,
+            layout=layout_decisions,
         )
         self.config = settings.config
         self.input_fn, self.target_fn, self.loss_fn = input_fn, target_fn, loss_fn

@@ -31,6 +31,7 @@ from pipemare.lightning.steps import UserSteps, check_last_batch, merge_publishe
 from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
 from pipemare.model import cuts, partition
 from pipemare.optim.chain import ChainedOptimizer, copies_of
+from pipemare.optim.settings import Decision
 
 __all__ = ["PipelineRunner", "stepped"]
 
@@ -163,7 +164,7 @@ class PipelineRunner:
         assert adapter is not None
         if self.pipeline is None:
             self._prepare_model(batch, step, args)
-            self.pipeline = pipe = self._build(self._balance(batch, step, args))
+            self.pipeline = pipe = self._build(*self._balance(batch, step, args))
             self.cut = list(pipe.balance)
             self._load_pending_state()
             self.announce()
@@ -187,25 +188,38 @@ class PipelineRunner:
                 adapter.prepare(step, batch, *args)
             self._check_cut()
 
-    def _balance(self, sample: Any, step: str, args: tuple) -> list[int]:
-        """Layers per stage: as the run a resume continues cut them, given, or chosen now."""
+    def _balance(self, sample: Any, step: str, args: tuple) -> tuple[list[int], list[Decision]]:
+        """Layers per stage: as the run a resume continues cut them, given, or chosen now; and
+        how P and the cut were chosen where the user left them open."""
         assert self.adapter is not None and self.adapter.sequential is not None
         seq = self.adapter.sequential
-        stages = self.strategy.num_stages or len(seq)
-        balance = self.strategy.balance
+        strategy = self.strategy
+        stages = strategy.num_stages or len(seq)
+        decided = []
+        if strategy.stages is None:
+            per = "process" if strategy.distributed else "layer of the pipelined model"
+            decided.append(Decision("stages", f"P={stages}", f"one per {per}"))
+        balance = strategy.balance
         saved = (self._pending_state or {}).get("layout")
         if isinstance(balance, str) and saved and saved["stages"] == stages:
-            return list(saved["balance"])  # a resume cuts as the run it continues did
-        if not isinstance(balance, str):
-            return list(balance)
-        if balance == "even" or stages == len(seq):
-            return partition.even_balance(len(seq), stages)
-        if balance == "params":
-            return partition.balance_by_params(seq, stages)
-        chosen = None
-        if self.strategy.global_rank == 0:  # measure on one process, so every process cuts alike
-            chosen = self._measured_balance(seq, stages, sample, step, args)
-        return list(self.strategy.broadcast(chosen, src=0))
+            cut, why = list(saved["balance"]), "as the checkpointed run cut it"
+        elif not isinstance(balance, str):
+            return list(balance), decided
+        elif balance == "even" or stages == len(seq):
+            cut, why = partition.even_balance(len(seq), stages), f"balance={balance!r}: even"
+        elif balance == "params":
+            cut, why = partition.balance_by_params(seq, stages), "balance='params'"
+        else:
+            chosen = None
+            if strategy.global_rank == 0:  # measure on one process, so every process cuts alike
+                chosen = self._measured_balance(seq, stages, sample, step, args)
+            cut = list(strategy.broadcast(chosen, src=0))
+            why = (
+                "balance='auto': the planner's cut from a profile of the layers"
+                if balance == "auto"
+                else "balance='time': each layer's time measured on the first microbatch"
+            )
+        return cut, [*decided, Decision("layers per stage", str(cut), why)]
 
     def _measured_balance(
         self, seq: nn.Sequential, stages: int, sample: Any, step: str, args: tuple
@@ -243,7 +257,7 @@ class PipelineRunner:
             return stepped(optimizers)
         return torch.optim.SGD(seq.parameters(), lr=0.0)  # never stepped with a real rate
 
-    def _build(self, balance: list[int]) -> Pipeline:
+    def _build(self, balance: list[int], decided: list[Decision]) -> Pipeline:
         """The Pipeline over the Sequential, cut by ``balance``, with the Trainer's clipping
         and run length."""
         assert self.adapter is not None and self.adapter.sequential is not None
@@ -263,6 +277,7 @@ class PipelineRunner:
             target_fn=lambda mb: mb,
             forward_context=strategy.precision_plugin.forward_context,
             recompute=strategy.recompute,
+            layout_decisions=decided,
             **self._clipping(),
             **self._run_length(),
         )

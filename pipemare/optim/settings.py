@@ -539,6 +539,7 @@ def resolve(
     balance: Sequence[int] | None = None,
     total_steps: int | None = None,
     steps_per_epoch: int | None = None,
+    layout: Sequence[Decision] = (),
 ) -> RunSettings:
     """The run's settings: what runs, with which settings, and why (see the module).
 
@@ -553,6 +554,8 @@ def resolve(
         balance: layers per stage, where the cut is known.
         total_steps: the run's optimiser steps, where known (T1's horizon).
         steps_per_epoch: optimiser steps per epoch, where known (T1's horizon in epochs).
+        layout: how the caller chose P and the cut where the user did not (measured at the
+            first batch: the layers' times, the planner's profile), recorded first.
 
     Raises:
         ValueError: a correction asked for by name that cannot run here (with what to do).
@@ -571,7 +574,7 @@ def resolve(
         if stages is None:
             raise ValueError("resolve needs the number of stages or every stage's delays")
         delays = derive_delays(schedule, stages, microbatches)
-    r_decisions: list[Decision] = []
+    r_decisions: list[Decision] = list(layout)
     if config is None:
         config = asked(None, schedule)
         what = "PipeMare's corrections" if sp.corrected else "none"
