@@ -24,7 +24,6 @@ compensation's and delay-aware momentum's delays), so they do not combine with i
 from __future__ import annotations
 
 import math
-from typing import Any
 
 from pipemare.optim.corrections.base import Correction, StageView
 
@@ -69,6 +68,3 @@ class LocalAccumulation(Correction):
             return False
         k = self.steps[stage]
         return (minibatch + 1 - self.start) % k != 0
-
-    def describe(self) -> dict[str, Any]:
-        return {"crossed": self.crossed}

@@ -197,10 +197,6 @@ class Correction:
         mine = {id(p) for p in self.view.params.get(stage, ())}
         return sum(b.numel() * b.element_size() for p, b in self.buffers().items() if id(p) in mine)
 
-    def describe(self) -> dict[str, Any]:
-        """Settings, for logs and run configs."""
-        return {}
-
 
 @torch.no_grad()
 def foreach_pair(

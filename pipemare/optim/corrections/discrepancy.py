@@ -76,6 +76,3 @@ class DiscrepancyCorrection(StepAveraged):
 
     def velocity(self, param: nn.Parameter) -> torch.Tensor | None:
         return self.steps.velocity(param)
-
-    def describe(self) -> dict[str, float]:
-        return {"decay": self.decay}

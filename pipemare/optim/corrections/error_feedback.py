@@ -116,8 +116,3 @@ class ErrorFeedback(Correction):
 
     def load_buffers(self, buffers: Mapping[nn.Parameter, torch.Tensor]) -> None:
         self.previous = {p: b.to(p.device) for p, b in buffers.items()}
-
-    def describe(self) -> dict[str, Any]:
-        if self.coefficient == "delay":
-            return {"c_per_delay": 1.0}
-        return {"c": float(self.coefficient)}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from torch import nn
@@ -151,6 +150,3 @@ class StabilityGuard(Correction):
     def load_buffers(self, buffers: Mapping[nn.Parameter, torch.Tensor]) -> None:
         """Restore the per-stage averages and factors from a checkpoint."""
         self.state = {p: b.detach().to(torch.float64).cpu().clone() for p, b in buffers.items()}
-
-    def describe(self) -> dict[str, Any]:
-        return {"threshold": self.threshold}

@@ -48,6 +48,3 @@ class LRReschedule(Correction):
         if not self._applies(step):
             return 1.0
         return lr_factor(self.view.delays[stage].forward, step - self.start, self.horizon)
-
-    def describe(self) -> dict[str, int]:
-        return {"horizon": self.horizon}

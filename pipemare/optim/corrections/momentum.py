@@ -41,8 +41,6 @@ the weights its update will meet along the optimiser's own step. No buffer.
 
 from __future__ import annotations
 
-from typing import Any
-
 from pipemare.optim.corrections.base import (
     Correction,
     StageView,
@@ -135,6 +133,3 @@ class DelayMomentum(Correction):
             return 1.0
         user = group_momentum(self.view.optimizer.param_groups[0])
         return (1.0 - self.momentum(stage, step, user)) / (1.0 - user)
-
-    def describe(self) -> dict[str, Any]:
-        return {"max": self.top, "rise": self.rise}

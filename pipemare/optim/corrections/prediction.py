@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 from torch import nn
@@ -88,6 +87,3 @@ class WeightPrediction(StepAveraged):
             lambda ps, us: torch._foreach_add_(ps, us, alpha=alpha),
             lambda p, u: p.add_(u, alpha=alpha),
         )
-
-    def describe(self) -> dict[str, Any]:
-        return {"decay": self.decay, "scale": self.scale}
