@@ -21,7 +21,7 @@ from pipemare.experiments.tasks.models import residual_mlp
 from pipemare.schedule.actions import SCHEDULES
 
 
-def train(schedule: str, args: argparse.Namespace) -> dict:
+def train_digits(schedule: str, args: argparse.Namespace) -> dict:
     x_train, y_train, x_test, y_test = digits()
     torch.manual_seed(args.seed)
     model = residual_mlp(x_train.shape[1], 10)
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{'schedule':<10} {'test acc':>8} {'loss':>8} {'tau_0':>6} {'copies':>6} {'sec':>6}")
     rows = []
     for schedule in args.schedules:
-        r = train(schedule, args)
+        r = train_digits(schedule, args)
         rows.append(r)
         print(
             f"{r['schedule']:<10} {r['test_acc']:>8.3f} {r['train_loss']:>8.4f} "

@@ -43,7 +43,7 @@ from pipemare.schedule.actions import SCHEDULES, spec
 _ENGINE = "pipemare.experiments.bench"
 
 
-def run(args: argparse.Namespace) -> list[dict]:
+def run_benchmarks(args: argparse.Namespace) -> list[dict]:
     """Launch one torchrun job per process count; returns every JSON row."""
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.what in ("decompose", "twin"):
         print(json.dumps(decompose(args, shared=args.what == "twin")))
         return []
-    rows = run(args)
+    rows = run_benchmarks(args)
     memory = memory_study(args.memory_stages, args.width, args.depth, args.batch, args.microbatches)
     with open(args.out / "bench.jsonl", "w") as f:
         for row in rows:

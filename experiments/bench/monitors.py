@@ -54,7 +54,7 @@ class _StepTimer(pl.Callback):
         self.times.append(time.perf_counter() - self._start)
 
 
-def run(monitored: bool, args: argparse.Namespace, logdir: str) -> float:
+def median_step_seconds(monitored: bool, args: argparse.Namespace, logdir: str) -> float:
     pl.seed_everything(0)
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(
@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     if args.one is not None:  # a single run, in a process of its own
         with tempfile.TemporaryDirectory() as logdir:
-            print(json.dumps({"step_s": run(args.one == "monitored", args, logdir)}))
+            print(
+                json.dumps({"step_s": median_step_seconds(args.one == "monitored", args, logdir)})
+            )
         return
     times: dict[str, list[float]] = {"plain": [], "monitored": []}
     flags = [f"--{k}={v}" for k, v in vars(args).items() if k not in ("one", "rounds")]

@@ -24,7 +24,7 @@ from pipemare.experiments.dashboard.plots import (
     staleness_plot,
 )
 from pipemare.experiments.dashboard.runs import Run, find_runs
-from pipemare.experiments.dashboard.tables import answer, markdown, results_table
+from pipemare.experiments.dashboard.tables import answer, markdown_table, results_table
 
 
 def _img(path: Path) -> str:
@@ -65,7 +65,7 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
         tasks.setdefault(run.task, []).append(run)
     header, rows = results_table(runs)
     summary = "".join(f"- {line}\n" for line in answer(runs))
-    (out / "results.md").write_text(summary + "\n" + markdown(header, rows))
+    (out / "results.md").write_text(summary + "\n" + markdown_table(header, rows))
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>pipemare: runs compared</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;font-size:13px}"

@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from pipemare.experiments._commands import command_parser
-from pipemare.experiments.studies.fair_report import markdown, measure_step_times, plot, tabulate
+from pipemare.experiments.studies.fair_report import (
+    measure_step_times,
+    plot,
+    results_markdown,
+    tabulate,
+)
 from pipemare.experiments.studies.grid import (
     DEFAULT_VARIANTS,
     GRID,
@@ -39,11 +44,11 @@ from pipemare.experiments.studies.protocol import TASKS, Task
 def _run(job: Job) -> dict[str, Any]:
     import torch
 
-    from pipemare.experiments.studies.protocol import train
+    from pipemare.experiments.studies.protocol import run_task
 
     torch.set_num_threads(1)  # one core per run: two runs share this machine's two cores
     schedule, config = VARIANTS[job.variant]
-    result = train(
+    result = run_task(
         TASKS[job.task],
         schedule,
         job.stages,
@@ -211,7 +216,7 @@ def run_protocol(
         times = measure_step_times(out, tasks, variants, grid, time_steps)
     results = tabulate(out, tasks, variants, grid, seeded, times)
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(markdown(results))
+    (out / "results.md").write_text(results_markdown(results))
     plot(out, results, seeded)
     return results
 

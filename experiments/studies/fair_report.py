@@ -303,7 +303,7 @@ def _verdict_lines(results: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def markdown(results: dict[str, Any]) -> str:
+def results_markdown(results: dict[str, Any]) -> str:
     """``results.md``: the table over tasks, pipemare's verdicts, then one table per task."""
     lines = ["### All tasks", "", *_compact(results), "", *_verdict_lines(results)]
     for t, r in results["tasks"].items():

@@ -32,7 +32,7 @@ from pipemare import Pipeline, planner
 from pipemare.engine.telemetry import Probe
 from pipemare.model.partition import balance_by_time
 
-__all__ = ["LAYOUTS", "MODELS", "main", "measure", "run"]
+__all__ = ["LAYOUTS", "MODELS", "main", "measure", "measure_layouts"]
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 Loss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -133,7 +133,7 @@ def measure(
     return times
 
 
-def run(steps: int = 16, rounds: int = 5, repeats: int = 6) -> list[dict[str, Any]]:
+def measure_layouts(steps: int = 16, rounds: int = 5, repeats: int = 6) -> list[dict[str, Any]]:
     """Every model and layout: modelled and measured step times, planner's and time's cut.
 
     Each round profiles the model afresh and then measures every layout, so the modelled and
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     before = os.getloadavg()[0]
     start = time.perf_counter()
-    rows = run(args.steps, args.rounds, args.repeats)
+    rows = measure_layouts(args.steps, args.rounds, args.repeats)
     after = os.getloadavg()[0]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

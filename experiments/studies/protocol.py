@@ -1,6 +1,6 @@
 """The fair convergence protocol: tasks, one engine run, and its pipeline time.
 
-Every comparison the project publishes is built from :func:`train` runs on :data:`TASKS`:
+Every comparison the project publishes is built from :func:`run_task` runs on :data:`TASKS`:
 each schedule at its own best learning rate (a small sweep), two or more seeds, runs long
 enough that gpipe has plateaued, quality against optimiser steps and against *pipeline time*,
 the wall time P devices would take (:func:`step_time`: each stage's measured forward,
@@ -26,7 +26,7 @@ from torch import nn
 from pipemare import NonFiniteGradientError, NonFiniteLossError, Pipeline, PipeMareConfig
 from pipemare.engine.telemetry import Probe, replay_timeline
 
-__all__ = ["OPTIMIZERS", "TASKS", "RunResult", "Task", "run_setup", "step_time", "train"]
+__all__ = ["OPTIMIZERS", "TASKS", "RunResult", "Task", "run_setup", "run_task", "step_time"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,7 +324,7 @@ def run_setup(
     steps: int | None = None,
     model: nn.Module | None = None,
 ) -> dict[str, Any]:
-    """What :func:`train` with these arguments would be set up to train, without training.
+    """What :func:`run_task` with these arguments would be set up to train, without training.
 
     The schedule, the task's optimiser, batch and steps, and the corrections the pipeline
     resolves for them (:meth:`~pipemare.optim.PipeMareOptimizer.describe`), so a changed default
@@ -366,7 +366,7 @@ def _pipeline(
     )
 
 
-def train(
+def run_task(
     task: Task,
     schedule: str,
     stages: int,

@@ -32,10 +32,10 @@ from pipemare.experiments._commands import command_parser
 from pipemare.experiments.tasks.data import digits
 from pipemare.experiments.tasks.models import residual_mlp
 
-__all__ = ["main", "train"]
+__all__ = ["main", "train_and_measure"]
 
 
-def train(
+def train_and_measure(
     schedule: str, recompute: bool, microbatches: int, seed: int, args: argparse.Namespace
 ) -> dict[str, Any]:
     """One run; returns its validation accuracies per epoch and each stage's memory figures."""
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runs = []
     for schedule, recompute, n in _configs(args):
         for seed in args.seeds:
-            run = train(schedule, recompute, n, seed, args)
+            run = train_and_measure(schedule, recompute, n, seed, args)
             runs.append(run)
             print(
                 f"{schedule:<9} N={n} recompute={recompute!s:<5} seed={seed} "

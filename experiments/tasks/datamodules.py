@@ -252,10 +252,10 @@ class IWSLT14DataModule(pl.LightningDataModule):
 
     def example_batch(self, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch shaped like the real ones (for checking a config without data)."""
-        from pipemare.experiments.tasks.translation import encode, pad_batch
+        from pipemare.experiments.tasks.translation import byte_tokens, pad_batch
 
-        src = pad_batch([encode("ein kleiner Satz", self.max_length)] * n)
-        tgt = pad_batch([encode("a short sentence", self.max_length)] * n)
+        src = pad_batch([byte_tokens("ein kleiner Satz", self.max_length)] * n)
+        tgt = pad_batch([byte_tokens("a short sentence", self.max_length)] * n)
         return src, tgt
 
     def _load(self) -> Any:
@@ -275,10 +275,10 @@ class IWSLT14DataModule(pl.LightningDataModule):
         self.splits = {name: data[name]["translation"] for name in ("train", "validation", "test")}
 
     def _collate(self, pairs: list[dict[str, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-        from pipemare.experiments.tasks.translation import encode, pad_batch
+        from pipemare.experiments.tasks.translation import byte_tokens, pad_batch
 
-        src = pad_batch([encode(p["de"], self.max_length) for p in pairs])
-        tgt = pad_batch([encode(p["en"], self.max_length) for p in pairs])
+        src = pad_batch([byte_tokens(p["de"], self.max_length) for p in pairs])
+        tgt = pad_batch([byte_tokens(p["en"], self.max_length) for p in pairs])
         return src, tgt
 
     def train_dataloader(self) -> DataLoader:

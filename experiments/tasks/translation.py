@@ -20,7 +20,7 @@ from torchmetrics.text import Perplexity
 from pipemare.experiments.tasks.classifiers import TaskModule
 from pipemare.experiments.tasks.language_models import causal_mask
 
-__all__ = ["PAD", "TranslationTransformer", "encode", "pad_batch"]
+__all__ = ["PAD", "TranslationTransformer", "byte_tokens", "pad_batch"]
 
 PAD, BOS, EOS = 256, 257, 258  # byte-level tokens 0..255, then these
 VOCAB = 259
@@ -152,7 +152,7 @@ def _decode(ids: list[int]) -> str:
     return data.decode("utf-8", errors="replace")
 
 
-def encode(text: str, max_length: int) -> list[int]:
+def byte_tokens(text: str, max_length: int) -> list[int]:
     """Bytes of ``text`` between BOS and EOS, cut to ``max_length`` tokens."""
     body = list(text.encode("utf-8"))[: max_length - 2]
     return [BOS, *body, EOS]

@@ -220,7 +220,7 @@ def test_translation_transformer_trains_through_an_async_pipeline():
     from pipemare.experiments.tasks.translation import (
         PAD,
         TranslationTransformer,
-        encode,
+        byte_tokens,
         pad_batch,
     )
 
@@ -229,8 +229,8 @@ def test_translation_transformer_trains_through_an_async_pipeline():
         d_model=32, heads=2, ffn=64, encoder_layers=2, decoder_layers=2, dropout=0.0, max_length=24
     )
     words = ["ja", "nein", "gut", "haus", "katze", "hund"]
-    src = pad_batch([encode(w, 24) for w in words])
-    tgt = pad_batch([encode(w[::-1], 24) for w in words])
+    src = pad_batch([byte_tokens(w, 24) for w in words])
+    tgt = pad_batch([byte_tokens(w[::-1], 24) for w in words])
 
     def loss_fn(logits, batch):
         return nn.functional.cross_entropy(

@@ -7,13 +7,15 @@ import json
 import math
 
 from pipemare.experiments.studies import fair
-from pipemare.experiments.studies.protocol import TASKS, train
+from pipemare.experiments.studies.protocol import TASKS, run_task
 
 
 def test_evaluating_live_weights_leaves_the_trajectory_alone():
     task = dataclasses.replace(TASKS["digits"], eval_every=1)
-    often = train(task, "pipemare", 4, 2, 1e-3, seed=3, steps=12)
-    seldom = train(dataclasses.replace(task, eval_every=100), "pipemare", 4, 2, 1e-3, 3, steps=12)
+    often = run_task(task, "pipemare", 4, 2, 1e-3, seed=3, steps=12)
+    seldom = run_task(
+        dataclasses.replace(task, eval_every=100), "pipemare", 4, 2, 1e-3, 3, steps=12
+    )
     assert often.train_loss == seldom.train_loss  # no drain, no change
     assert len(often.metric) == 12 and len(seldom.metric) == 1
     assert often.metric[-1] == seldom.metric[-1]
@@ -21,8 +23,8 @@ def test_evaluating_live_weights_leaves_the_trajectory_alone():
 
 def test_gpipe_and_1f1b_train_identically_so_one_run_stands_for_both():
     task = TASKS["digits"]
-    a = train(task, "gpipe", 4, 2, 1e-3, seed=0, steps=8)
-    b = train(task, "1f1b", 4, 2, 1e-3, seed=0, steps=8)
+    a = run_task(task, "gpipe", 4, 2, 1e-3, seed=0, steps=8)
+    b = run_task(task, "1f1b", 4, 2, 1e-3, seed=0, steps=8)
     assert a.train_loss == b.train_loss
 
 
@@ -118,7 +120,7 @@ def test_each_task_trains_with_the_optimiser_its_name_gives():
     muon, rest = _optimizer("muon", gpt, 1e-3).param_groups
     assert muon["use_muon"] and len(muon["params"]) == 4 * 14  # qkv, proj, fc, out per block
     assert all(p.ndim == 2 for p in muon["params"]) and len(rest["params"]) > 0
-    run = train(TASKS["plain@muon"], "pipemare", 4, 1, 1e-3, seed=0, steps=6)
+    run = run_task(TASKS["plain@muon"], "pipemare", 4, 1, 1e-3, seed=0, steps=6)
     assert len(run.train_loss) == 6 and all(math.isfinite(v) for v in run.train_loss[3:])
 
 
@@ -135,7 +137,7 @@ def test_a_run_the_engine_stops_on_non_finite_gradients_is_a_divergence_not_a_cr
     ):
         again = pickle.loads(pickle.dumps(error))
         assert type(again) is type(error) and str(again) == str(error)
-    run = train(TASKS["plain@sgd"], "async", 8, 1, 30.0, seed=0, steps=60)
+    run = run_task(TASKS["plain@sgd"], "async", 8, 1, 30.0, seed=0, steps=60)
     assert run.diverged and math.isnan(run.metric[-1]) and len(run.train_loss) < 60
 
 
@@ -198,12 +200,10 @@ def test_a_runs_setup_is_what_its_job_resolves_to_without_training():
 
     for task, variant in [("plain@sgd", "pipemare"), ("digits@muon", "pipemare-SC")]:
         schedule, config = VARIANTS[variant]
-        run = train(TASKS[task], schedule, 4, 1, 1e-3, seed=1, config=config, steps=3)
+        run = run_task(TASKS[task], schedule, 4, 1, 1e-3, seed=1, config=config, steps=3)
         assert run.setup == run_setup(TASKS[task], schedule, 4, 1, 1e-3, config, steps=3)
-    assert (
-        "local_accumulation(crossed=1)"
-        in train(TASKS["plain@sgd"], "pipemare", 4, 1, 1e-3, seed=0, steps=2).setup["corrections"]
-    )  # "auto" resolved for plain SGD
+    plain_sgd = run_task(TASKS["plain@sgd"], "pipemare", 4, 1, 1e-3, seed=0, steps=2)
+    assert "local_accumulation(crossed=1)" in plain_sgd.setup["corrections"]  # "auto" resolved
     assert "spike compensation supports" in run.setup["refused"]
 
 
