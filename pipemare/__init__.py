@@ -3,7 +3,6 @@
 Importing it registers ``strategy="pipemare"`` (and ``pipemare_<schedule>``) with Lightning.
 """
 
-from pipemare import _moved
 from pipemare.engine.errors import NonFiniteGradientError, NonFiniteLossError
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.transport import DistributedTransport, InProcessTransport, Transport
@@ -11,7 +10,6 @@ from pipemare.lightning.strategy import LightningPipeMareStrategy, PipeMareStrat
 from pipemare.optim import PipeMareConfig, PipeMareOptimizer
 from pipemare.schedule import SCHEDULES, StageDelay, closed_form_delays, derive_delays, generate
 
-_moved.install()
 register()
 
 __all__ = [

@@ -7,8 +7,6 @@ import ast
 import pathlib
 from collections.abc import Iterator
 
-import pytest
-
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 #: Where each installed package's files are (callbacks/ and experiments/ install inside pipemare).
@@ -54,7 +52,7 @@ def modules(sources: dict[str, pathlib.Path]) -> dict[str, pathlib.Path]:
 def layer(name: str) -> str:
     """The layer a module belongs to, from its dotted name."""
     parts = name.split(".")
-    if len(parts) == 1 or parts[1] in ("_moved",):
+    if len(parts) == 1:
         return "face"
     if parts[1] == "__main__":
         return "command"
@@ -318,39 +316,3 @@ def test_the_checks_find_each_offence(tmp_path) -> None:
         "pipemare.engine.queue.Queue.steal: victim._items",
     ]
     assert duplicate_names(sources) == ["build: pipemare.engine.build, pipemare.optim.build"]
-
-
-@pytest.mark.parametrize(
-    ("old", "new"),
-    [
-        ("pipemare.watchdog", "pipemare.engine.watchdog"),
-        ("pipemare.telemetry", "pipemare.engine.telemetry"),
-        ("pipemare.layout", "pipemare.engine.layout"),
-        ("pipemare.clip", "pipemare.engine.clip"),
-        ("pipemare.corrections", "pipemare.optim.corrections"),
-        ("pipemare.corrections.stability", "pipemare.optim.stability"),
-        ("pipemare.strategy", "pipemare.lightning.strategy"),
-        ("pipemare.experiments.classifiers", "pipemare.experiments.tasks.classifiers"),
-        ("pipemare.experiments.sharpness", "pipemare.experiments.studies.sharpness"),
-    ],
-)
-def test_the_flat_layouts_import_paths_still_import_the_same_module(old: str, new: str) -> None:
-    import importlib
-
-    import pipemare  # noqa: F401  (installs the old names)
-
-    assert importlib.import_module(old) is importlib.import_module(new)
-
-
-def test_an_old_module_path_still_runs_with_python_m() -> None:
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "pipemare.experiments.sharpness", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "--delay" in out.stdout
