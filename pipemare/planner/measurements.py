@@ -89,7 +89,6 @@ class Profile:
         layers: per size, one :class:`LayerProfile` per layer.
         input_bytes: per size, bytes of the model's input.
         overhead: the engine's fixed per-action seconds on a stage other than the last.
-        joined: layer indices where no stage may start (tied weights).
         undelayed_overhead: the fixed per-action seconds of the last stage (no delay; it also
             hands the loss over); None: the same as ``overhead``.
     """
@@ -99,7 +98,6 @@ class Profile:
     layers: tuple[tuple[LayerProfile, ...], ...]
     input_bytes: tuple[int, ...]
     overhead: Overhead
-    joined: frozenset[int] = frozenset()
     undelayed_overhead: Overhead | None = None
 
     @property

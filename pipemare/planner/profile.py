@@ -150,7 +150,6 @@ def profile(
         tuple(per_size),
         tuple(inputs),
         Overhead(*_medians(fixed["delayed"])),
-        frozenset(),
         Overhead(*_medians(fixed["undelayed"])),
     )
 

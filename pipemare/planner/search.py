@@ -5,7 +5,7 @@ candidates a plan compares.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,6 @@ def _cut(
     num_layers: int,
     stages: int,
     cost: Callable[[int, int, int], float],
-    joined: Iterable[int] = (),
     even_first: bool = False,
 ) -> list[int] | None:
     """Contiguous cut of ``num_layers`` layers into ``stages`` minimising the largest
@@ -43,7 +42,7 @@ def _cut(
         c = cost(j, begin, end)
         return None if c == math.inf else c
 
-    return partition._min_max_cut(num_layers, stages, allowed, set(joined), even_first)
+    return partition._min_max_cut(num_layers, stages, allowed, even_first=even_first)
 
 
 def _best_layout(
@@ -51,7 +50,6 @@ def _best_layout(
     schedule: str,
     stages: int,
     limit: float | None,
-    joined: Iterable[int],
     tolerance: float,
     replicas: int,
     microbatch_size: int,
@@ -77,16 +75,16 @@ def _best_layout(
         f, bw, _ = costs.times(a, b)
         return max(f + bw, costs.link(b) / costs.microbatches) if fits(j, a, b) else math.inf
 
-    fastest = _cut(costs.n, stages, busy, joined)
+    fastest = _cut(costs.n, stages, busy)
     if fastest is None:
         return None
     cuts = [fastest]
     if tolerance > 0:
         bound = (1 + tolerance) * max(busy(j, a, b) for j, (a, b) in enumerate(_bounds(fastest)))
-        near = _cut(costs.n, stages, lambda j, a, b: _within(busy(j, a, b), bound), joined, True)
+        near = _cut(costs.n, stages, lambda j, a, b: _within(busy(j, a, b), bound), True)
         cuts.append(near or fastest)
     if spec(schedule).flushes:
-        cuts.append(_cut(costs.n, stages, pace, joined) or fastest)
+        cuts.append(_cut(costs.n, stages, pace) or fastest)
     layouts = {tuple(c): _layout(costs, schedule, c, replicas, microbatch_size) for c in cuts}
     quickest = min(lay.step_s for lay in layouts.values())
     ties = [lay for lay in layouts.values() if lay.step_s <= quickest * (1 + tolerance)]
@@ -98,12 +96,10 @@ def _within(cost: float, bound: float) -> float:
     return cost if cost <= bound else math.inf
 
 
-def _least_memory(
-    costs: _Costs, schedule: str, stages: int, joined: Iterable[int]
-) -> tuple[float, list[int]]:
+def _least_memory(costs: _Costs, schedule: str, stages: int) -> tuple[float, list[int]]:
     """The smallest fullest-stage memory any cut reaches, and that cut."""
     peaks = _streams(schedule, stages, costs.microbatches).peaks
-    balance = _cut(costs.n, stages, lambda j, a, b: costs.memory(a, b, *peaks[j]), joined)
+    balance = _cut(costs.n, stages, lambda j, a, b: costs.memory(a, b, *peaks[j]))
     assert balance is not None  # without a limit some cut always exists
     bounds = _bounds(balance)
     return max(costs.memory(a, b, *peaks[j]) for j, (a, b) in enumerate(bounds)), balance
@@ -167,7 +163,7 @@ def plan(
         raise ValueError(f"memory_limit_bytes must be positive, got {memory_limit_bytes}")
     if bandwidth_bytes_per_s is not None and bandwidth_bytes_per_s <= 0:
         raise ValueError(f"bandwidth_bytes_per_s must be positive, got {bandwidth_bytes_per_s}")
-    most = profile.num_layers - len(profile.joined)
+    most = profile.num_layers
     choices = [p for p in range(1, devices + 1) if devices % p == 0]
     if stages is not None:
         choices = [p for p in choices if p in set(stages)]
@@ -193,11 +189,9 @@ def plan(
                 skipped.append(f"{where}: microbatch size {m} was not profiled")
                 continue
             costs = _Costs(layers, input_bytes, profile, n, d, bandwidth_bytes_per_s)
-            best = _best_layout(
-                costs, schedule, p, memory_limit_bytes, profile.joined, tolerance, d, m
-            )
+            best = _best_layout(costs, schedule, p, memory_limit_bytes, tolerance, d, m)
             if best is None:
-                need, _ = _least_memory(costs, schedule, p, profile.joined)
+                need, _ = _least_memory(costs, schedule, p)
                 skipped.append(f"{where}: needs {_size(need)} on its fullest stage")
                 if leanest is None or need < leanest[0]:
                     leanest = (need, where)
@@ -256,7 +250,8 @@ def auto_balance(
     ``balance="time"``) with :func:`profile` and cuts it with the planner's dynamic
     programme: the slowest stage's modelled time per step (N forward and backward passes and
     the update, engine costs included) is as small as possible and every stage's modelled
-    memory is within ``memory_limit_bytes``. Layers sharing a parameter stay in one stage.
+    memory is within ``memory_limit_bytes``. The cut may fall between layers that share a
+    parameter: the engine keeps the tie's copies in step (:mod:`pipemare.engine.ties`).
 
     Args:
         seq: the layers.
@@ -307,12 +302,10 @@ def auto_balance(
     )
     layers, input_bytes = prof.at(prof.sizes[0])
     costs = _Costs(layers, input_bytes, prof, microbatches, 1, bandwidth_bytes_per_s)
-    best = _best_layout(
-        costs, schedule, stages, memory_limit_bytes, prof.joined, tolerance, 1, prof.sizes[0]
-    )
+    best = _best_layout(costs, schedule, stages, memory_limit_bytes, tolerance, 1, prof.sizes[0])
     if best is None:
         assert memory_limit_bytes is not None
-        need, _ = _least_memory(costs, schedule, stages, prof.joined)
+        need, _ = _least_memory(costs, schedule, stages)
         raise ValueError(
             f"no cut of {len(seq)} layers into {stages} stages fits {_size(memory_limit_bytes)} "
             f"per device: the leanest needs {_size(need)} on its fullest stage; raise the "

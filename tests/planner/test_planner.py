@@ -103,13 +103,6 @@ def test_near_ties_go_to_the_most_even_cut():
     assert planner.plan(prof, **args, tolerance=0).best.balance == (1, 3)
 
 
-def test_tied_layers_stay_in_one_stage():
-    prof = synthetic([layer() for _ in range(4)])
-    prof = Profile(prof.schedule, prof.sizes, prof.layers, prof.input_bytes, FREE, frozenset({1}))
-    best = planner.plan(prof, devices=2, batch_size=1, microbatches=[1], stages=[2]).best
-    assert best.balance[0] >= 2  # no stage starts at layer 1
-
-
 # -- the cost model ------------------------------------------------------------------------
 
 
