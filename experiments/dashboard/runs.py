@@ -124,7 +124,7 @@ class Run:
 
 def memory_mb(stage: dict[str, Any], part: str) -> float:
     """One stage's ``part`` of its memory summary, in MB."""
-    # summaries before pipemare 0.2 called the correction buffers "velocity_mb" (T2's only)
+    # a summary that names the correction buffers "velocity_mb" counted T2's buffers alone
     if part == "correction_buffers_mb" and part not in stage:
         return float(stage.get("velocity_mb", 0.0))
     return float(stage[part])
@@ -143,7 +143,7 @@ def find_runs(paths: list[Path]) -> list[Run]:
                 else {}
             )
             metrics = d / "csv" / "metrics.csv"
-            if not metrics.exists():  # studies before pipemare 0.2 logged beside config.yaml
+            if not metrics.exists():  # a study that logged its metrics beside config.yaml
                 metrics = d / "metrics.csv"
             rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
             name = spec.get("name", d.name)

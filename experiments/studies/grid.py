@@ -45,7 +45,8 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
         "pipemare",
         PipeMareConfig(**{**_ALONE, "weight_prediction": True, "delay_momentum": 0.99}),
     ),
-    # the default before delay-aware momentum joined it (pipemare 0.2)
+    # T1, spike compensation and weight prediction: the default without delay-aware momentum
+    # and the stability guard
     "pipemare-T1-SC-WP": (
         "pipemare",
         PipeMareConfig(delay_momentum=None, stability_guard=False),
@@ -56,7 +57,7 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # quarters): more updates per stage, for Adam, whose step does not grow with the sum
     "pipemare-LA2": ("pipemare", PipeMareConfig(local_accumulation=2)),
     "pipemare-LA4": ("pipemare", PipeMareConfig(local_accumulation=4)),
-    # the default before the stability guard joined it (pipemare 0.3)
+    # the default without the stability guard
     "pipemare-noguard": ("pipemare", PipeMareConfig(stability_guard=False)),
     # Zmushko et al.'s error feedback (c = 1) alone, and added to the default
     "pipemare-EF": ("pipemare", PipeMareConfig(**_ALONE, error_feedback=1.0)),
@@ -65,12 +66,12 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     "pipemare-DMwindow": ("pipemare", PipeMareConfig(delay_momentum_rise="window")),
     "pipemare-DMstretch": ("pipemare", PipeMareConfig(delay_momentum_rise="stretch")),
     "pipemare-DMdepth": ("pipemare", PipeMareConfig(delay_momentum_rise="depth")),
-    # the default before 0.5: the most delayed stage gets the top momentum at any N
+    # the most delayed stage gets the top momentum at any N (Ajanthan et al.'s share)
     "pipemare-DMshare": ("pipemare", PipeMareConfig(delay_momentum_rise="share")),
     # the default without delay-aware momentum (Adam in a rotated basis, where it hurt on the
     # misaligned quadratic)
     "pipemare-noDM": ("pipemare", PipeMareConfig(delay_momentum=None)),
-    # delay-aware momentum asked for by value: the default before it stood aside for Muon
+    # delay-aware momentum asked for by value: on for Muon too, where "auto" leaves it off
     "pipemare-DM": ("pipemare", PipeMareConfig(delay_momentum=0.99)),
     # T1 and the guard only: what is left of the default for an optimiser nearly insensitive
     # to delay (Muon), without delay-aware momentum and weight prediction
