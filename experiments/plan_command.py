@@ -166,7 +166,7 @@ def _from_config(path: str) -> dict[str, Any]:
     """The config's pipelined model as a Sequential (a module that is not one cut into
     segments, as the strategy cuts it), its input for one training batch, loss, optimiser,
     strategy."""
-    from pipemare.experiments.cli import PipeMareCLI
+    from pipemare.cli.lightning_cli import PipeMareCLI
     from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
     from pipemare.model.cuts import find_pipelined
 

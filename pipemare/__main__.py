@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import sys
+from collections.abc import Callable
 
 _COMMANDS = {
     "fit": "train from a config (LightningCLI): pipemare fit --config configs/mnist.yaml",
@@ -31,37 +33,50 @@ def main(argv: list[str] | None = None) -> None:
             print(f"\nunknown command {argv[0]!r}{hint}", file=sys.stderr)
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     command, rest = argv[0], argv[1:]
-    from pipemare.experiments.console import quiet
+    from pipemare.cli.console import quiet
 
     quiet()  # the known chatter of Lightning and W&B (see the module)
-    if command in ("fit", "validate", "test", "predict"):
-        from pipemare.experiments import cli
+    try:
+        if command in ("fit", "validate", "test", "predict"):
+            from pipemare.cli import lightning_cli
 
-        cli.main([command, *rest])
-    elif command == "study":
-        from pipemare.experiments.studies import study
+            lightning_cli.main([command, *rest])
+        else:  # the experiments' commands
+            _experiment(command)(rest)
+    except ModuleNotFoundError as err:
+        _exit_if_extra_missing(err)
+        raise
 
-        study.main(rest)
-    elif command == "protocol":
-        from pipemare.experiments.studies import fair
 
-        fair.main(rest)
-    elif command == "bench":
-        from pipemare.experiments.bench import command as bench
+#: The packages of the ``experiments`` extra, which the core install leaves out.
+_EXPERIMENTS_EXTRA = ("sklearn", "matplotlib", "mlxtend")
 
-        bench.main(rest)
-    elif command == "plan":
-        from pipemare.experiments import plan_command
+#: The module of each experiments' command, imported only when that command runs.
+_EXPERIMENTS = {
+    "study": "pipemare.experiments.studies.study",
+    "protocol": "pipemare.experiments.studies.fair",
+    "bench": "pipemare.experiments.bench.command",
+    "plan": "pipemare.experiments.plan_command",
+    "compare": "pipemare.experiments.dashboard.page",
+    "demo": "pipemare.experiments.demo",
+}
 
-        plan_command.main(rest)
-    elif command == "compare":
-        from pipemare.experiments.dashboard import page as dashboard
 
-        dashboard.main(rest)
-    else:
-        from pipemare.experiments import demo
+def _experiment(command: str) -> Callable[[list[str]], object]:
+    """The ``main`` of an experiments' command."""
+    return importlib.import_module(_EXPERIMENTS[command]).main
 
-        demo.main(rest)
+
+def _exit_if_extra_missing(err: ModuleNotFoundError) -> None:
+    """A package of the experiments' extra is missing: say how to install it and exit 2."""
+    missing = (err.name or "").split(".")[0]
+    if missing in _EXPERIMENTS_EXTRA:
+        print(
+            f"error: this command needs {missing}, which the core install leaves out; "
+            "install the experiments' extra: pip install 'pipemare[experiments]'",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from err
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "face": {"schedule", "model", "optim", "engine", "planner", "lightning"},
     "callbacks": {"schedule", "model", "optim", "engine", "planner", "lightning", "face"},
 }
+#: The library's part of the ``pipemare`` command (Lightning's CLI, the console): never the
+#: experiments, so that ``pipemare fit`` runs on the core install.
+MAY_IMPORT["cli"] = set(MAY_IMPORT)
 MAY_IMPORT["experiments"] = set(MAY_IMPORT) - {"experiments"}
 MAY_IMPORT["command"] = set(MAY_IMPORT) - {"command"}
 

@@ -109,7 +109,7 @@ def _run_one(config_path: Path, devices: int) -> None:
         return
     import torch
 
-    from pipemare.experiments.cli import PipeMareCLI
+    from pipemare.cli.lightning_cli import PipeMareCLI
 
     threads, argv = torch.get_num_threads(), sys.argv
     torch.set_num_threads(1)  # like one process per stage, and comparable between runs

@@ -32,7 +32,7 @@ def test_there_are_configs():
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)`")
 def test_every_config_loads_and_its_model_runs_a_batch(config, tmp_path, monkeypatch):
-    from pipemare.experiments.cli import PipeMareCLI
+    from pipemare.cli.lightning_cli import PipeMareCLI
 
     monkeypatch.chdir(tmp_path)  # configs write their logs under runs/
     cli = PipeMareCLI(args=["--config", str(config), *CPU], run=False)
@@ -59,7 +59,7 @@ def test_every_config_loads_and_its_model_runs_a_batch(config, tmp_path, monkeyp
 
 
 def test_a_config_field_can_be_overridden(tmp_path, monkeypatch):
-    from pipemare.experiments.cli import PipeMareCLI
+    from pipemare.cli.lightning_cli import PipeMareCLI
 
     monkeypatch.chdir(tmp_path)
     cli = PipeMareCLI(

@@ -482,7 +482,7 @@ CPU = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=fal
 
 
 def cli(tmp_path, monkeypatch, *args):
-    from pipemare.experiments.cli import PipeMareCLI
+    from pipemare.cli.lightning_cli import PipeMareCLI
 
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
