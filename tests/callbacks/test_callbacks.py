@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from _faults import Exploding
-from _models import quiet_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -29,6 +27,8 @@ from pipemare.callbacks import (
 )
 from pipemare.experiments.tasks.classifiers import DigitsCNN
 from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.faults import Exploding
+from support.models import quiet_trainer
 
 
 def fit(strategy, callbacks, logger, epochs=2, **kwargs):
@@ -220,7 +220,7 @@ def test_timeline_is_a_chrome_trace_with_a_track_per_stage(tmp_path):
 
 
 def test_wandb_offline_run_holds_the_logged_keys(tmp_path, monkeypatch):
-    from _wandb_records import records, run_contents
+    from support.wandb_records import records, run_contents
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -7,10 +7,10 @@ import math
 
 import pytest
 import torch
-from _models import sgd_pipeline
 from torch import nn
 
 from pipemare.engine.clip import GradClip, NormBoard, global_norm_lag
+from support.models import sgd_pipeline
 
 
 def model():

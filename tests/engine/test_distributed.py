@@ -7,19 +7,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-import _dist_worker as worker
 import pytest
 import torch
 
+from support import dist_worker as worker
+
 pytestmark = pytest.mark.distributed
-TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 
 
 def torchrun(
     nproc: int, script: Path, *args: str, timeout: float = 240
 ) -> subprocess.CompletedProcess:
     """Launch ``script`` on ``nproc`` local processes; torchrun --standalone picks a free port."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(TESTS))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(SUPPORT.parent)
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -38,7 +41,7 @@ def torchrun(
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_processes_match_the_simulator(world, tmp_path, one_thread):
-    torchrun(world, TESTS / "_dist_worker.py", "--out", str(tmp_path))
+    torchrun(world, SUPPORT / "dist_worker.py", "--out", str(tmp_path))
     for schedule in ("async", "pipemare"):
         model, pipe, _ = worker.train(schedule, world, "inprocess")
         moved = 0.0

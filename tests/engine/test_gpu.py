@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import sgd_pipeline
 from torch import nn
+
+from support.models import sgd_pipeline
 
 pytestmark = pytest.mark.gpu
 
@@ -59,7 +60,7 @@ def test_nccl_stages_match_gloo(tmp_path):
     import sys
     from pathlib import Path
 
-    worker = str(Path(__file__).resolve().parents[1] / "_dist_worker.py")
+    worker = str(Path(__file__).resolve().parents[1] / "support" / "dist_worker.py")
     env = {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     for device in ("cuda", "cpu"):
         out = tmp_path / device

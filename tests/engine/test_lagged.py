@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import environment, reports, run_all
 
 from pipemare.engine.lagged import LocalResults, result_lag
 from pipemare.engine.microbatch import combine, scatter
 from pipemare.schedule.actions import SCHEDULES, spec
+from support.launch import environment, reports, run_all
 
-TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
-WORKER = str(TESTS / "_lag_worker.py")
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
+WORKER = str(SUPPORT / "lag_worker.py")
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

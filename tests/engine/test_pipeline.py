@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _models import sgd_pipeline
 from torch import nn
 
 from pipemare import SCHEDULES, DistributedTransport, Pipeline
+from support.models import sgd_pipeline
 
 
 def mse(out, target):

@@ -9,11 +9,11 @@ import copy
 
 import pytest
 import torch
-from _real_models import GPT, GPTConfig, resnet18
 from torch import nn
 
 from pipemare import Pipeline
 from pipemare.model.segments import segment_module
+from support.real_models import GPT, GPTConfig, resnet18
 
 STEPS = 20
 

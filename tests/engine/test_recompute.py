@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import sgd_pipeline
 from torch import nn
 
 from pipemare import Pipeline, PipeMareConfig
 from pipemare.optim import corrections
+from support.models import sgd_pipeline
 
 
 def mse(out, target):

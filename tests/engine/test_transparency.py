@@ -6,10 +6,10 @@ import copy
 
 import pytest
 import torch
-from _models import muon_adamw, sgd_pipeline
 from torch import nn
 
 from pipemare import Pipeline
+from support.models import muon_adamw, sgd_pipeline
 
 OPTIMIZERS = {
     "momentum-sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),

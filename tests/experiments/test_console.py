@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _wandb_records import records, run_contents
+
+from support.wandb_records import records, run_contents
 
 ROOT = Path(__file__).resolve().parents[2]
 

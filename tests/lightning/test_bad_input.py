@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from _models import quiet_trainer, three_class_points
 from pytorch_lightning.plugins import MixedPrecision
 from pytorch_lightning.utilities.exceptions import MisconfigurationException
 from torch import nn
@@ -20,6 +19,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader
 
 from pipemare import Pipeline, PipeMareConfig, PipeMareStrategy
+from support.models import quiet_trainer, three_class_points
 
 ROOT = Path(__file__).resolve().parents[2]
 

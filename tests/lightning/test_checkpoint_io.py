@@ -14,7 +14,7 @@ import torch
 from pipemare import PipeMareStrategy
 from pipemare.lightning.checkpoint_io import atomic_save
 
-TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_a_writer_killed_mid_write_keeps_the_old_checkpoint_and_no_temp_file(oth
     path = other_fs / "last.ckpt"
     atomic_save({"w": torch.zeros(10)}, path)
     proc = subprocess.Popen(
-        [sys.executable, str(TESTS / "_slow_writer.py"), str(path)],
+        [sys.executable, str(SUPPORT / "slow_writer.py"), str(path)],
         stdout=subprocess.PIPE,
         text=True,
     )

@@ -16,17 +16,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import _resume_worker as worker
 import pytest
 import pytorch_lightning as pl
 import torch
-from _launch import environment, free_port
 
 from pipemare.engine.lagged import snapshot_lag
 from pipemare.schedule.actions import SCHEDULES, Op
+from support import resume_worker as worker
+from support.launch import environment, free_port
 
-TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
-WORKER = str(TESTS / "_resume_worker.py")
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
+WORKER = str(SUPPORT / "resume_worker.py")
 
 
 def _weights(path: Path) -> dict[str, torch.Tensor]:

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
-from _launch import environment
 
 from pipemare.engine.watchdog import Peer, describe_process
+from support.launch import environment
 
 pytestmark = pytest.mark.distributed
-TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 
 
 def _alive(pid: int) -> bool:
@@ -32,7 +32,7 @@ def _alive(pid: int) -> bool:
 
 def _start(tmp_path: Path, *flags: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, str(TESTS / "_stall_worker.py"), "--out", str(tmp_path), *flags],
+        [sys.executable, str(SUPPORT / "stall_worker.py"), "--out", str(tmp_path), *flags],
         env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -136,7 +136,7 @@ def test_a_killed_process_is_named_gone_every_time():
     before /proc reads it as a zombie. 20 kills in a row (a worker process forks its
     victims): each time the connection closed, the process is described as gone."""
     proc = subprocess.run(
-        [sys.executable, str(TESTS / "_kill_loop_worker.py"), "20"],
+        [sys.executable, str(SUPPORT / "kill_loop_worker.py"), "20"],
         env=environment(),
         capture_output=True,
         text=True,

@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from _launch import environment, free_port, run_all
 
 from pipemare import SCHEDULES
+from support.launch import environment, free_port, run_all
 
-TESTS = Path(__file__).resolve().parents[1]
-WORKER = str(TESTS / "_soak_worker.py")
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
+WORKER = str(SUPPORT / "soak_worker.py")
 STEPS, EVERY = 160, 32  # samples at 32, 64, ..., 160: warm-up, then the second half
 RESIDENT_MB = 8.0  # allowed growth over the second half, for allocator noise
 

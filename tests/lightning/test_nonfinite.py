@@ -8,12 +8,12 @@ import math
 import pytest
 import pytorch_lightning as pl
 import torch
-from _models import quiet_trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipemare import NonFiniteGradientError, NonFiniteLossError, Pipeline, PipeMareStrategy
+from support.models import quiet_trainer
 
 MARK = 1e6  # a sample whose first feature is this makes the backward overflow
 

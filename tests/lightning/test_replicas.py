@@ -1,6 +1,6 @@
 """D copies of a P-stage pipeline (data x pipeline parallelism) over real processes.
 
-Launches run tests/_replica_worker.py in subprocesses (Lightning's launcher re-runs it per
+Launches run tests/support/replica_worker.py in subprocesses (Lightning's launcher re-runs it per
 rank); the merging of results and the gradient buckets are also tested in this process.
 """
 
@@ -11,14 +11,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import environment, free_port, reports, run_all
 
 from pipemare.engine.replicas import _buckets
 from pipemare.lightning.logreplay import Record
 from pipemare.lightning.steps import merge_published
+from support.launch import environment, free_port, reports, run_all
 
-TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
-WORKER = str(TESTS / "_replica_worker.py")
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
+WORKER = str(SUPPORT / "replica_worker.py")
 
 
 def launch(out: Path, *args: str) -> list[str]:

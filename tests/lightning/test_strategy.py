@@ -7,8 +7,6 @@ import copy
 import pytest
 import pytorch_lightning as pl
 import torch
-from _models import QUIET_CPU_TRAINER, three_class_points
-from _models import quiet_trainer as trainer
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader
@@ -17,6 +15,8 @@ import pipemare
 from pipemare import PipeMareConfig, PipeMareStrategy
 from pipemare.experiments.tasks.classifiers import DigitsCNN
 from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.models import QUIET_CPU_TRAINER, three_class_points
+from support.models import quiet_trainer as trainer
 
 
 class Tiny(pl.LightningModule):

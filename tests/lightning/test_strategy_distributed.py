@@ -1,6 +1,6 @@
 """The strategy over real processes: Lightning's launcher, torchrun on two "nodes", and SLURM.
 
-Each launch runs tests/_lightning_worker.py in subprocesses (never inside pytest) and every
+Each launch runs tests/support/lightning_worker.py in subprocesses (never inside pytest) and every
 rank reports what it saw; the tests compare the ranks with each other and across launchers.
 """
 
@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _launch import environment, free_port, reports, run_all
-from _models import quiet_trainer
 
 from pipemare.experiments.tasks.classifiers import DigitsCNN
 from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.launch import environment, free_port, reports, run_all
+from support.models import quiet_trainer
 
 pytestmark = pytest.mark.distributed
-TESTS = Path(__file__).resolve().parents[1]  # the workers live beside conftest.py
-WORKER = str(TESTS / "_lightning_worker.py")
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
+WORKER = str(SUPPORT / "lightning_worker.py")
+MONITOR_WORKER = SUPPORT / "monitor_worker.py"
 
 
 @pytest.fixture(scope="module")
@@ -187,7 +188,7 @@ def test_monitors_over_processes_divergence_timeline_utilization(tmp_path):
     run_all(
         [
             (
-                [sys.executable, str(TESTS / "_monitor_worker.py"), "--out", str(tmp_path)],
+                [sys.executable, str(MONITOR_WORKER), "--out", str(tmp_path)],
                 environment(),
             )
         ]

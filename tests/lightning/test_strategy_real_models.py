@@ -15,9 +15,13 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
-from _launch import environment, run_all
-from _models import quiet_trainer
-from _real_modules import (
+from torch.utils.data import DataLoader
+
+from pipemare import PipeMareConfig, PipeMareStrategy
+from pipemare.callbacks import StalenessMonitor
+from support.launch import environment, run_all
+from support.models import quiet_trainer
+from support.real_modules import (
     SETUPS,
     GPTModule,
     HFModule,
@@ -26,13 +30,9 @@ from _real_modules import (
     images,
     tokens,
 )
-from torch.utils.data import DataLoader
-
-from pipemare import PipeMareConfig, PipeMareStrategy
-from pipemare.callbacks import StalenessMonitor
 
 STEPS = 20
-TESTS = Path(__file__).resolve().parents[1]
+SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 
 
 def _comparable(name: str, value: torch.Tensor) -> torch.Tensor:
@@ -123,7 +123,7 @@ def test_two_gloo_processes_train_it_as_one_device(model, tmp_path):
     processes, and every process ends with the whole model, equal to one device's."""
     if model in ("gpt2", "llama"):
         pytest.importorskip("transformers")
-    worker = str(TESTS / "_real_model_worker.py")
+    worker = str(SUPPORT / "real_model_worker.py")
     cmd = [sys.executable, worker, "--out", str(tmp_path), "--model", model]
     run_all([(cmd, environment())])
     build, data, _, steps = SETUPS[model]

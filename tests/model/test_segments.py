@@ -14,7 +14,7 @@ from pipemare.model.segments import (
     segment_module,
     source_names,
 )
-from tests._real_models import GPT, GPTConfig, resnet18
+from support.real_models import GPT, GPTConfig, resnet18
 
 
 def run(segments, *args, **kwargs):

@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 import torch
-from _models import train_toy_pipeline
 from torch import nn
 
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
 from pipemare.optim.corrections import LocalAccumulation, accumulation_steps
 from pipemare.optim.settings import resolve
 from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
+from support.models import train_toy_pipeline
 
 OFF = PipeMareConfig.off()
 

@@ -7,7 +7,6 @@ import dataclasses
 
 import pytest
 import torch
-from _models import train_toy_pipeline
 from torch import nn
 
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
@@ -15,6 +14,7 @@ from pipemare.optim.corrections import ErrorFeedback
 from pipemare.optim.corrections.error_feedback import stable_step
 from pipemare.optim.settings import resolve
 from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
+from support.models import train_toy_pipeline
 
 OFF = PipeMareConfig.off()
 

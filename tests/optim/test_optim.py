@@ -6,11 +6,11 @@ import copy
 
 import pytest
 import torch
-from _models import muon_adamw
 from torch import nn
 
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
 from pipemare.optim import corrections
+from support.models import muon_adamw
 
 OPTIMIZERS = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.1),

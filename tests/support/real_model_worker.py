@@ -1,4 +1,4 @@
-"""One process of a 2-process run of a model as people write it (tests/_real_modules.py: the
+"""One process of a 2-process run of a model as people write it (support/real_modules.py: the
 tied GPT, Hugging Face GPT-2 or Llama, a resnet18) through
 Trainer(strategy=PipeMareStrategy(...), devices=2) over gloo, nothing named; started by
 Lightning's launcher. Every rank writes its final weights and validation loss; rank 0 also a
@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
 import torch
-from _models import quiet_trainer
-from _real_modules import SETUPS
 
 from pipemare import PipeMareStrategy
+from support.models import quiet_trainer
+from support.real_modules import SETUPS
 
 
 def main() -> None:

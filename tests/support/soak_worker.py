@@ -18,7 +18,6 @@ from typing import Any
 
 import pytorch_lightning as pl
 import torch
-from _models import quiet_trainer
 from pytorch_lightning.loggers import CSVLogger
 
 import pipemare
@@ -27,6 +26,7 @@ from pipemare.callbacks.memory import resident_mb
 from pipemare.experiments import CharGPT
 from pipemare.experiments.bench.memory import live_tensors
 from pipemare.experiments.tasks.datamodules import CharCorpusDataModule
+from support.models import quiet_trainer
 
 
 class MemorySamples(pl.Callback):

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _models import quiet_trainer
 from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from pytorch_lightning.loggers import CSVLogger
 
 import pipemare
 from pipemare.experiments.tasks.classifiers import DigitsCNN
 from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.models import quiet_trainer
 
 
 class ScheduledCNN(DigitsCNN):

@@ -1,5 +1,5 @@
 """LightningModules around models as people write them, with their data: a nanoGPT-style GPT
-(tests/_real_models.GPT: blocks in a ModuleList, the head tied to the token embedding) with
+(support/real_models.GPT: blocks in a ModuleList, the head tied to the token embedding) with
 its loss computed in the step, tiny Hugging Face causal LMs (loss from ``labels=``) and a
 resnet18 as torchvision writes it; used by the strategy's tests and their worker processes."""
 
@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import pytorch_lightning as pl
 import torch
-from _real_models import GPT, GPTConfig, resnet18
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from pipemare.optim import MuonAdamW, RotatedAdamW, muon_param_groups, rotated_param_groups
+from support.real_models import GPT, GPTConfig, resnet18
 
 
 class GPTModule(pl.LightningModule):

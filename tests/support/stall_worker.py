@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _models import quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import pipemare
+from support.models import quiet_trainer
 
 
 class Slow(nn.Module):

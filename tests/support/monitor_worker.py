@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _faults import Exploding
 
 from pipemare import PipeMareStrategy
 from pipemare.callbacks import (
@@ -19,6 +18,7 @@ from pipemare.callbacks import (
     StalenessMonitor,
 )
 from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.faults import Exploding
 
 
 def main() -> None:

@@ -16,13 +16,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: The folder that holds this package: on a launched worker's path, so that it imports it.
+TESTS = Path(__file__).resolve().parents[1]
+
+
 def environment(**extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "LOCAL_RANK", "MASTER_", "TORCHELASTIC"))
     }
-    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore", **extra)
+    path = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
+    env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    env.update(extra)
     return env
 
 

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytorch_lightning as pl
 import torch
-from _models import quiet_trainer
 from pytorch_lightning.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
@@ -22,6 +21,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import pipemare
 from pipemare.experiments.tasks.classifiers import DigitsCNN
 from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.models import quiet_trainer
 
 
 class DigitsMLP(pl.LightningModule):
