@@ -176,4 +176,5 @@ class Monitor(Callback):
 
 def stage_table(trainer: pl.Trainer) -> dict[int, dict[str, float]]:
     """The latest per-stage values every pipemare monitor of ``trainer`` logged, merged."""
-    return merge_stages([cb.stage_stats for cb in trainer.callbacks if isinstance(cb, Monitor)])
+    callbacks = trainer.callbacks  # type: ignore[attr-defined]  # set by the Trainer at run time
+    return merge_stages([cb.stage_stats for cb in callbacks if isinstance(cb, Monitor)])

@@ -6,7 +6,7 @@ import math
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -104,11 +104,11 @@ def even_balance(num_layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def balance_by_cost(costs: Sequence[float], stages: int, joined: Collection[int] = ()) -> list[int]:
+def balance_by_cost(costs: Sequence[float], stages: int) -> list[int]:
     """Contiguous split of per-layer costs into ``stages`` parts minimising the largest part.
 
     Ties are broken towards the even split, so layers that cost nothing (activations) do not
-    pile up on one stage. No part starts at a layer index in ``joined`` (tied weights).
+    pile up on one stage.
     """
     n = len(costs)
     _check_stages(n, stages)
@@ -118,11 +118,8 @@ def balance_by_cost(costs: Sequence[float], stages: int, joined: Collection[int]
             raise ValueError(f"layer costs must be non-negative, got {c}")
         prefix.append(prefix[-1] + float(c))
 
-    balance = _min_max_cut(n, stages, lambda _, begin, end: prefix[end] - prefix[begin], joined)
-    if balance is None:
-        raise ValueError(
-            f"no cut of {n} layers into {stages} stages starts every stage outside {sorted(joined)}"
-        )
+    balance = _min_max_cut(n, stages, lambda _, begin, end: prefix[end] - prefix[begin])
+    assert balance is not None  # every cost is a number: some cut is allowed
     return balance
 
 
@@ -130,14 +127,12 @@ def _min_max_cut(
     num_layers: int,
     stages: int,
     cost: Callable[[int, int, int], float | None],
-    joined: Collection[int] = (),
     even_first: bool = False,
 ) -> list[int] | None:
     """Contiguous cut of ``num_layers`` layers into ``stages`` minimising the largest
     ``cost(stage, begin, end)`` of a stage's layers ``begin .. end - 1``; a cost of None
     forbids that stage. Ties go to the most even cut (in layers per stage); ``even_first``:
-    the most even allowed cut, ties to the cheapest. No stage starts at an index in
-    ``joined`` (tied weights). None when no cut is allowed.
+    the most even allowed cut, ties to the cheapest. None when no cut is allowed.
 
     PipeDream's optimizer recursion: the best cut of the first ``end`` layers into ``j``
     stages extends the best cut of the first ``begin`` layers into ``j - 1``.
@@ -156,7 +151,7 @@ def _min_max_cut(
         for end in range(j, num_layers - (stages - j) + 1):
             for begin in range(j - 1, end):
                 prev = best[j - 1][begin]
-                if prev == unreached or (begin > 0 and begin in joined):
+                if prev == unreached:
                     continue
                 c = cost(j - 1, begin, end)
                 if c is None:
