@@ -22,7 +22,7 @@ The planner works in three steps, after PipeDream's optimizer and BaPipe's explo
 a LightningCLI config.
 """
 
-from pipemare.planner.cost import Layout, evaluate, steady_step_time
+from pipemare.planner.cost import Layout, evaluate, replayed_step_time, steady_step_time
 from pipemare.planner.measurements import LayerProfile, Overhead, Profile
 from pipemare.planner.profile import profile
 from pipemare.planner.report import Plan, parse_bytes
@@ -39,5 +39,6 @@ __all__ = [
     "parse_bytes",
     "plan",
     "profile",
+    "replayed_step_time",
     "steady_step_time",
 ]

@@ -245,6 +245,27 @@ def steady_step_time(spans: Sequence[Span], num_stages: int, skip: int = 2) -> f
     return _period(ends, ordered[skip], ordered[-1])
 
 
+def replayed_step_time(
+    schedule: str, durations: Sequence[tuple[float, float, float]], microbatches: int
+) -> float:
+    """Seconds per optimiser step P devices take in steady state when every forward, backward
+    and update of stage ``i`` takes ``durations[i]`` seconds (communication free).
+
+    The schedule's action streams replayed through their dependencies, as :func:`evaluate`
+    replays a modelled layout; a pure function of its arguments, so per-action times measured
+    once give the same pipeline time every time they are replayed.
+
+    Example:
+        >>> replayed_step_time("async", [(1.0, 2.0, 0.5)] * 2, microbatches=1)
+        3.5
+        >>> replayed_step_time("gpipe", [(1.0, 2.0, 0.5)] * 2, microbatches=1)
+        6.5
+    """
+    _check_whole("microbatches", microbatches)
+    streams = _streams(schedule, len(durations), microbatches)
+    return _period(_replay(streams, durations, None), streams.first, streams.last)
+
+
 def evaluate(
     profile: Profile,
     balance: Sequence[int],

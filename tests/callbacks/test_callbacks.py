@@ -354,6 +354,39 @@ def test_a_budget_that_ends_the_run_early_derives_t1s_horizon_from_the_steps_it_
     assert state["horizon"] == 0 < setup_horizon
 
 
+def test_a_budget_with_a_replayed_step_time_stops_at_the_same_step_whatever_the_clock(
+    monkeypatch,
+):
+    """With the time per step given (replayed from action times measured once), the budget is
+    a step count fixed before the first batch: T1's horizon is derived from it once, and two
+    runs, one of them with a monitor whose clock reads nonsense, train identically."""
+    import random
+    import types
+
+    from pipemare.callbacks import PipelineTimeBudget
+    from pipemare.callbacks import pipeline as pipeline_module
+
+    def run(callbacks):
+        strategy = PipeMareStrategy(stages=4, microbatches=2, balance="params")
+        budget = PipelineTimeBudget(7 * 0.03, step_seconds=0.03)
+        t = fit(strategy, [*callbacks, budget], False, epochs=2)
+        weights = [p.detach().clone() for p in t.lightning_module.parameters()]
+        return t, budget, strategy.pipeline.optimizer.run_state(), weights
+
+    t, budget, state, weights = run([])
+    assert budget.allowed_steps == budget.estimated_steps == budget.stopped_at == 7
+    assert t.global_step == 7 and state["total_steps"] == 7  # the horizon saw 7 from the start
+    assert state["horizon"] == round(0.13 * 7)
+    rng = random.Random(1)
+    erratic = types.SimpleNamespace(perf_counter=lambda: rng.uniform(0, 1e3))
+    monkeypatch.setattr(pipeline_module, "time", erratic)
+    t2, _, state2, weights2 = run([PipelineMonitor(log_every_n_steps=2)])
+    assert t2.global_step == 7 and state2 == state
+    assert all(torch.equal(a, b) for a, b in zip(weights, weights2, strict=True))
+    with pytest.raises(ValueError, match="step_seconds must be > 0"):
+        PipelineTimeBudget(1.0, step_seconds=0.0)
+
+
 @pytest.mark.parametrize("strategy", ["pipemare", "auto"])
 def test_memory_is_logged_per_process_under_any_strategy(tmp_path, strategy):
     logger = pl.loggers.CSVLogger(tmp_path)
