@@ -3,10 +3,11 @@
 It finds every run (a directory with ``summary.json``) under the given directories and shows,
 per task: the runs ranked by their best monitored value with each one's gap to gpipe, the
 monitored metric and the training loss against steps and against pipeline time (what P
-devices take; replayed from measured action times for stages simulated in one process, whose
-own serial wall time is shown apart and labelled as such), the delays per stage (derived and
-measured), utilisation and weight discrepancy per stage ("n/a" where a stage logged none), and
-memory (weights, optimiser state, PipeDream's stash, correction buffers, activations held).
+devices take: per-action times measured once replayed through the schedule, the same in
+every study; the clock's readings, which are not, in a table of their own), the delays per
+stage (derived and measured), utilisation and weight discrepancy per stage ("n/a" where a
+stage logged none), and memory (weights, optimiser state, PipeDream's stash, correction
+buffers, activations held).
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from pipemare.experiments.dashboard.plots import (
     staleness_plot,
 )
 from pipemare.experiments.dashboard.runs import Run, find_runs
-from pipemare.experiments.dashboard.tables import answer, markdown_table, results_table
+from pipemare.experiments.dashboard.tables import (
+    answer,
+    markdown_table,
+    measured_table,
+    results_table,
+)
 
 
 def _img(path: Path) -> str:
@@ -66,6 +72,8 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
     header, rows = results_table(runs)
     summary = "".join(f"- {line}\n" for line in answer(runs))
     (out / "results.md").write_text(summary + "\n" + markdown_table(header, rows))
+    measured_header, measured_rows = measured_table(runs)
+    (out / "measured.md").write_text(markdown_table(measured_header, measured_rows))
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'><title>pipemare: runs compared</title>",
         "<style>body{font-family:sans-serif;margin:2em;max-width:1300px}table{border-collapse:collapse;font-size:13px}"
@@ -76,10 +84,9 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
         "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in answer(runs)) + "</ul>",
         "<p>Runs ranked within each task by their best monitored value; the gap to gpipe is "
         "best minus gpipe's best at the same stages and microbatches (for a loss, positive is "
-        "worse). Pipeline time is what P devices take: measured with a process per stage, "
-        "replayed from the measured action times for stages simulated in one process, whose "
-        "wall time is serial (its stages ran one after another) and labelled so. Utilisation of "
-        "simulated stages is replayed the same way.</p>",
+        "worse). Pipeline time is what P devices take: each layout's per-action times, "
+        "measured once before the runs, replayed through its schedule (a run without them: "
+        "its monitor's clock). What the clock read during the runs is in the last table.</p>",
         "<h2>Results</h2><table><tr>"
         + "".join(f"<th>{html.escape(h)}</th>" for h in header)
         + "</tr>",
@@ -88,6 +95,17 @@ def write_dashboard(paths: list[Path], out: Path) -> Path:
         cls = ' class="diverged"' if r[-1] != "complete" else ""
         parts.append(f"<tr{cls}>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>")
     parts.append("</table>")
+    parts.append(
+        "<h2>Measured on this machine</h2><p>What the clock read while each run trained: it "
+        "differs from one run to the next, and nothing above depends on it.</p><table><tr>"
+        + "".join(f"<th>{html.escape(h)}</th>" for h in measured_header)
+        + "</tr>"
+        + "".join(
+            "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
+            for r in measured_rows
+        )
+        + "</table>"
+    )
     for task, task_runs in tasks.items():
         parts.append(f"<h2>{html.escape(task)}</h2>")
         charts = [

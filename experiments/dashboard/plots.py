@@ -48,6 +48,10 @@ def _save(fig: Any, path: Path, layout: bool = True) -> Path:
 def _time_axis(runs: list[Run]) -> tuple[Any, str]:
     """The time each run is plotted against: pipeline time where every run logged it, else
     wall time, labelled serial where a run simulated its stages in one process."""
+    if all(run.summary.get("step_s") for run in runs):
+        return (lambda run, steps: run.pipeline_time(steps)), (
+            "pipeline time (s) on P devices, action times measured once and replayed"
+        )
     if all(run.series("pipemare/pipeline_time")[0].size for run in runs):
         simulated = any(run.simulated for run in runs)
         label = "pipeline time (s) on P devices" + (

@@ -74,8 +74,12 @@ class Run:
         return bool(len(flags)) and bool(flags[-1])
 
     def pipeline_time(self, steps: np.ndarray) -> np.ndarray | None:
-        """Seconds P devices take to reach each of ``steps`` (``PipelineMonitor``'s clock:
-        measured with a process per stage, replayed for simulated stages); None if not logged."""
+        """Seconds P devices take to reach each of ``steps``: the run's replayed time per step
+        (``step_s`` of its summary: per-action times measured once, the same in every study),
+        else ``PipelineMonitor``'s clock (measured with a process per stage, replayed for
+        simulated stages; it differs from run to run); None if neither is known."""
+        if self.summary.get("step_s"):
+            return steps * float(self.summary["step_s"])
         s, t = self.series("pipemare/pipeline_time")
         if len(s) == 0:
             return None

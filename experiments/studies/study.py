@@ -5,6 +5,11 @@ Every run gets a directory ``OUT/SUITE/RUN`` holding the exact config it ran
 W&B run and ``summary.json``. A run whose ``summary.json`` exists is skipped, so an
 interrupted study picks up where it stopped. Runs on one device execute in this process;
 runs on several devices start ``pipemare fit`` as a subprocess (Lightning launches the ranks).
+
+Pipeline time is never read from a clock while a run trains: before the first run, each
+layout's per-action times are taken from a file (measured alone and added where missing,
+:mod:`~pipemare.experiments.studies.action_times`) and replayed through its schedule, so a
+budget is a step count fixed before training and two studies give the same tables.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any
 import yaml
 
 from pipemare.experiments._commands import command_parser
+from pipemare.experiments.studies.action_times import ActionTimes
 from pipemare.experiments.studies.suites import SUITES, RunSpec
 
 __all__ = ["config_for", "main", "packaged_config", "run_study"]
@@ -44,13 +50,23 @@ def _set(config: dict[str, Any], dotted: str, value: Any) -> None:
 #: a run with a time budget may take this many times its reference's steps (or epochs)
 BUDGET_ROOM = 4
 
+#: where the studies keep their layouts' per-action times (checked in: both runs of a study,
+#: and every machine that reproduces it, replay the same times)
+ACTION_TIMES = Path(__file__).resolve().parents[1] / "results" / "action_times.json"
+
 
 def config_for(
-    run: RunSpec, run_dir: Path, suite: str, wandb: bool, budget_s: float | None = None
+    run: RunSpec,
+    run_dir: Path,
+    suite: str,
+    wandb: bool,
+    budget_s: float | None = None,
+    step_s: float | None = None,
 ) -> dict[str, Any]:
     """The config a run executes: the packaged one, the run's overrides, and its own logs;
-    with ``budget_s``, room for :data:`BUDGET_ROOM` times the steps and a stop when the
-    pipeline time is spent."""
+    ``step_s``, its replayed pipeline time per step, goes to its summary; with ``budget_s``,
+    room for :data:`BUDGET_ROOM` times the steps and a stop when the pipeline time (``step_s``
+    per step) is spent."""
     config = copy.deepcopy(packaged_config(run.config))
     for key, value in run.overrides.items():
         _set(config, key, value)
@@ -88,14 +104,19 @@ def config_for(
     callbacks.append(
         {
             "class_path": "pipemare.experiments.RunSummary",
-            "init_args": {"path": str(run_dir), "monitor": run.monitor, "mode": run.mode},
+            "init_args": {
+                "path": str(run_dir),
+                "monitor": run.monitor,
+                "mode": run.mode,
+                "step_seconds": step_s,
+            },
         }
     )
     if budget_s is not None:
         callbacks.append(
             {
                 "class_path": "pipemare.callbacks.PipelineTimeBudget",
-                "init_args": {"seconds": budget_s},
+                "init_args": {"seconds": budget_s, "step_seconds": step_s},
             }
         )
     trainer["callbacks"] = callbacks
@@ -135,17 +156,46 @@ def _budget(study_dir: Path, run: RunSpec) -> float | None:
             f"run {run.name} takes its time budget from {run.budget_of}, which has not run: "
             f"run the suite without --only, or include {run.budget_of}"
         )
-    seconds = json.loads(summary.read_text()).get("pipeline_time_s")
-    if not seconds:
+    done = json.loads(summary.read_text())
+    if not done.get("step_s"):
         raise RuntimeError(
-            f"{summary} holds no pipeline time (its config has no PipelineMonitor), so "
-            f"{run.name} has no budget; add pipemare.callbacks.PipelineMonitor to the config"
+            f"{summary} holds a measured pipeline time, not one replayed from per-action times, "
+            f"so {run.name} has no budget that a second study would repeat; run "
+            f"{run.budget_of} again into a fresh directory"
         )
-    return float(seconds)
+    return float(done["pipeline_time_s"])
 
 
-def run_study(suite: str, out: Path, wandb: bool = True, only: list[str] | None = None) -> Path:
-    """Run ``suite`` into ``out/suite`` (skipping complete runs); return that directory."""
+def _time_layouts(
+    study_dir: Path, suite: str, runs: list[RunSpec], times: ActionTimes, wandb: bool
+) -> None:
+    """Measure, before anything trains, the layouts of the runs still to do that ``times``
+    lacks (each alone), and say where they were written."""
+    fresh = [
+        run.name
+        for run in runs
+        if not (study_dir / run.name / "summary.json").exists()
+        and times.ensure(run.name, config_for(run, study_dir / run.name, suite, wandb))
+    ]
+    if fresh:
+        print(
+            f"timed {len(fresh)} layouts into {times.path}; keep the file (commit it) so that "
+            "later studies replay the same times",
+            flush=True,
+        )
+
+
+def run_study(
+    suite: str,
+    out: Path,
+    wandb: bool = True,
+    only: list[str] | None = None,
+    action_times: Path = ACTION_TIMES,
+) -> Path:
+    """Run ``suite`` into ``out/suite`` (skipping complete runs); return that directory.
+
+    Each layout's pipeline time per step comes from ``action_times`` (per-action times,
+    measured where missing before any run trains), replayed through its schedule."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; choose one of {', '.join(SUITES)}")
     study_dir = out / suite
@@ -153,6 +203,8 @@ def run_study(suite: str, out: Path, wandb: bool = True, only: list[str] | None 
     runs = [r for r in SUITES[suite]() if only is None or r.name in only]
     index = []
     start = time.perf_counter()
+    times = ActionTimes(action_times)
+    _time_layouts(study_dir, suite, runs, times, wandb)
     for i, run in enumerate(runs, 1):
         run_dir = study_dir / run.name
         summary = run_dir / "summary.json"
@@ -160,7 +212,8 @@ def run_study(suite: str, out: Path, wandb: bool = True, only: list[str] | None 
             print(f"[{i}/{len(runs)}] {run.name}: already complete, skipped", flush=True)
         else:
             run_dir.mkdir(parents=True, exist_ok=True)
-            config = config_for(run, run_dir, suite, wandb, _budget(study_dir, run))
+            step_s = times.step_seconds(config_for(run, run_dir, suite, wandb))
+            config = config_for(run, run_dir, suite, wandb, _budget(study_dir, run), step_s)
             config_path = run_dir / "config.yaml"
             config_path.write_text(yaml.safe_dump(config, sort_keys=False))
             spec = {
@@ -211,8 +264,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-wandb", action="store_true", help="CSV logs only")
     parser.add_argument("--only", nargs="+", help="run only these runs of the suite")
     parser.add_argument("--dashboard", action="store_true", help="write the dashboard afterwards")
+    parser.add_argument(
+        "--action-times",
+        type=Path,
+        default=ACTION_TIMES,
+        help="the layouts' per-action times, replayed for pipeline time; missing ones are "
+        f"measured and added (default: {ACTION_TIMES.relative_to(ACTION_TIMES.parents[2])})",
+    )
     args = parser.parse_args(argv)
-    study_dir = run_study(args.suite, args.out, wandb=not args.no_wandb, only=args.only)
+    study_dir = run_study(
+        args.suite, args.out, not args.no_wandb, args.only, action_times=args.action_times
+    )
     if args.dashboard:
         from pipemare.experiments.dashboard import page
 

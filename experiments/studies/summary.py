@@ -11,6 +11,8 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
 
+from pipemare.lightning.manual import steps_per_batch
+
 __all__ = ["RunSummary", "memory_report"]
 
 
@@ -58,13 +60,25 @@ class RunSummary(Callback):
     """Writes ``summary.json`` into ``path`` when fitting ends (rank 0): final and best metrics,
     steps, wall time, the pipeline's delays and memory, and whether training diverged.
 
+    The pipeline time it reports is ``step_seconds`` per optimiser step where given (replayed
+    from per-action times measured once: the same in every run), else the
+    ``PipelineMonitor``'s clock; the clock's reading is kept as ``measured_pipeline_time_s``.
+
     Args:
         path: the run's directory.
         monitor: the metric whose best value is reported, with its mode (``"max"``/``"min"``).
+        step_seconds: the pipeline time of one optimiser step (None: the monitor's clock).
     """
 
-    def __init__(self, path: str, monitor: str = "val_loss", mode: str = "min") -> None:
+    def __init__(
+        self,
+        path: str,
+        monitor: str = "val_loss",
+        mode: str = "min",
+        step_seconds: float | None = None,
+    ) -> None:
         self.path, self.monitor, self.mode = Path(path), monitor, mode
+        self.step_seconds = step_seconds
         self._start = 0.0
         self._best: float | None = None
         self._history: list[tuple[int, float]] = []
@@ -99,6 +113,11 @@ class RunSummary(Callback):
         pipe = getattr(trainer.strategy, "pipeline", None)
         clock = next((c for c in trainer.callbacks if isinstance(c, PipelineMonitor)), None)
         budget = next((c for c in trainer.callbacks if isinstance(c, PipelineTimeBudget)), None)
+        measured = None if clock is None else clock.pipeline_time
+        # seconds per global step: several optimisers under manual optimisation step each once
+        step_s = None
+        if self.step_seconds is not None:
+            step_s = self.step_seconds / steps_per_batch(trainer)
         summary = {
             "status": "diverged" if divergence is not None else "complete",
             "divergence": None if divergence is None else divergence.message(),
@@ -109,7 +128,9 @@ class RunSummary(Callback):
             "history": self._history,
             "global_step": trainer.global_step,
             "wall_time_s": time.perf_counter() - self._start,
-            "pipeline_time_s": None if clock is None else clock.pipeline_time,
+            "pipeline_time_s": measured if step_s is None else trainer.global_step * step_s,
+            "step_s": step_s,
+            "measured_pipeline_time_s": measured,
             "budget_s": None if budget is None else budget.seconds,
             "steps_to_target": getattr(convergence, "steps_to_target", None),
             "time_to_target": getattr(convergence, "time_to_target", None),

@@ -75,9 +75,44 @@ def test_a_config_field_can_be_overridden(tmp_path, monkeypatch):
     assert cli.trainer.strategy.config.warmup_steps == 7
 
 
+def _stand_in_times(config):
+    """Per-action times for a layout without timing it: stage i takes (1 + i) ms forward."""
+    strategy = config["trainer"]["strategy"]["init_args"]
+    stages = strategy["stages"]
+    return {
+        "schedule": strategy["schedule"],
+        "stages": stages,
+        "microbatches": strategy["microbatches"],
+        "actions_s": [[1e-3 * (1 + i), 2e-3, 5e-4] for i in range(stages)],
+    }
+
+
+def test_a_layouts_action_times_are_measured_once_and_replayed(tmp_path):
+    """The first study of a layout times its actions alone (each stage's median F, B, U);
+    a second reads them from the file and replays the same time per step."""
+    from pipemare.experiments.studies import action_times
+    from pipemare.experiments.studies.study import config_for
+    from pipemare.experiments.studies.suites import quick
+
+    run = next(r for r in quick() if r.name == "mnist-async")
+    config = config_for(run, tmp_path / "run", "quick", wandb=False)
+    times = action_times.ActionTimes(tmp_path / "times.json")
+    assert times.ensure(run.name, config)
+    entry = times.layouts[action_times.layout_key(config)]
+    assert entry["stages"] == 8 and entry["schedule"] == "async"
+    assert all(len(a) == 3 and min(a) > 0 for a in entry["actions_s"])
+    again = action_times.ActionTimes(tmp_path / "times.json")
+    assert not again.ensure(run.name, config)  # read, not timed again
+    assert again.step_seconds(config) == times.step_seconds(config) > 0
+
+
 def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
+    from pipemare.experiments.studies import action_times
+
     monkeypatch.setenv("WANDB_MODE", "offline")
-    study = run_study("quick", tmp_path, wandb=True)
+    monkeypatch.setattr(action_times, "measure", _stand_in_times)
+    times = tmp_path / "action_times.json"
+    study = run_study("quick", tmp_path, wandb=True, action_times=times)
     runs = sorted(p.name for p in study.iterdir() if p.is_dir())
     assert runs == [
         "char_lm-async",
@@ -92,14 +127,14 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
         run = study / name
         summary = summaries[name]
         assert summary["status"] == "complete"
+        assert summary["pipeline_time_s"] == summary["global_step"] * summary["step_s"]
         if name.endswith("gpipe"):
             assert summary["global_step"] == 12 and summary["budget_s"] is None
         else:  # gpipe's pipeline time, with room for 4x its steps: spent, or out of room
             gpipe = summaries[name.split("-")[0] + "-gpipe"]
             assert summary["budget_s"] == gpipe["pipeline_time_s"] > 0
-            spent = summary["pipeline_time_s"] >= summary["budget_s"]
-            assert spent or summary["global_step"] == 48
-            assert summary["global_step"] <= 48
+            allowed = int(summary["budget_s"] / summary["step_s"] * (1 + 1e-9))
+            assert summary["global_step"] == min(allowed, 48)
         assert summary["stages"] == 8 and len(summary["memory"]["stages"]) == 8
         assert (run / "csv" / "metrics.csv").exists() and (run / "config.yaml").exists()
         (wandb_run,) = (run / "wandb").glob("offline-run-*")
@@ -116,12 +151,20 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
     ]
 
     capsys.readouterr()
-    run_study("quick", tmp_path, wandb=True)  # everything is complete: all skipped
+    run_study("quick", tmp_path, wandb=True, action_times=times)  # all complete: skipped
     assert capsys.readouterr().out.count("already complete, skipped") == 6
+    # a second study into a fresh directory replays the same times: the same steps and values
+    only = ["mnist-gpipe", "mnist-async"]
+    second = run_study("quick", tmp_path / "again", wandb=False, only=only, action_times=times)
+    for name in only:
+        again = json.loads((second / name / "summary.json").read_text())
+        for key in ("global_step", "budget_s", "pipeline_time_s", "best", "history"):
+            assert again[key] == summaries[name][key], (name, key)
 
     page = dashboard.write_dashboard([study], tmp_path / "dash")
     text = page.read_text()
-    assert text.count("<tr") == 7 and "pipemare" in text and "data:image/png;base64," in text
+    # the results table, then what the clock measured (7 rows each)
+    assert text.count("<tr") == 14 and "pipemare" in text and "data:image/png;base64," in text
     for task in ("mnist", "char_lm"):
         for chart in ("convergence", "staleness", "utilization", "discrepancy", "memory"):
             assert (tmp_path / "dash" / f"{task}_{chart}.png").stat().st_size > 5000
@@ -147,9 +190,11 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
             gap = float(c["gap to gpipe"].split()[0])
             ref = float(gpipe["best"].split()[-1])
             assert gap == pytest.approx(float(c["best"].split()[-1]) - ref, abs=2e-3)
-            assert float(c["pipeline s"]) > 0 and c["wall s"].endswith("(serial)")
+            assert float(c["pipeline s"]) > 0 and "wall s" not in c  # no clock in the table
             assert c["at gpipe's time"] != "-" and c["at gpipe's steps"] != "-"
     assert "pipeline time" in text.lower() and "serial" in text
+    measured = (tmp_path / "dash" / "measured.md").read_text()
+    assert "wall s" in measured and measured.count("(serial)") == 6
 
     # a comparison never overwrites a study's own page
     other = tmp_path / "other"
