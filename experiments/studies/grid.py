@@ -83,6 +83,15 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # Adam family at N = 1), and over 13% of it always (the default's choice before "auto")
     "pipemare-T1half": ("pipemare", PipeMareConfig(reschedule_fraction=0.5)),
     "pipemare-T1short": ("pipemare", PipeMareConfig(reschedule_fraction=0.13)),
+    # the default less one correction at a time ("-noDM" and "-noguard" above are two more):
+    # the ablation of issue 40 at P = 2, docs/results.md
+    "pipemare-noT1": ("pipemare", PipeMareConfig(lr_reschedule=False)),
+    "pipemare-noWP": ("pipemare", PipeMareConfig(weight_prediction=False)),
+    "pipemare-noSC": ("pipemare", PipeMareConfig(spike_compensation=False)),
+    # delay-aware momentum and the stability guard each alone, as the default resolves them
+    # (the other corrections alone: "-T1", "-WP", "-SC", "-EF")
+    "pipemare-DMalone": ("pipemare", PipeMareConfig(**{**_ALONE, "delay_momentum": "auto"})),
+    "pipemare-guard": ("pipemare", PipeMareConfig(**{**_ALONE, "stability_guard": True})),
 }
 
 
