@@ -72,7 +72,7 @@ def _swapped_optimizer(extra: Extra, name: str, model: Any, lr: float) -> Any:
     """The task's Adam(W) as ``extra`` changes it."""
     import torch
 
-    if name not in ("adam", "adamw"):
+    if name not in ("adam", "adamw") or extra.beta1 is None:
         raise ValueError(f"{extra} swaps Adam or AdamW, not {name!r}")
     decay = 0.01 if name == "adamw" else 0.0
     betas = (extra.beta1, 0.999)
@@ -137,7 +137,7 @@ def _extended(extra: Extra) -> Iterator[None]:
             _add_correction(pipe, _delay_rate())
         return pipe
 
-    protocol._optimizer, protocol._pipeline = optimizer, pipeline  # type: ignore[assignment]
+    protocol._optimizer, protocol._pipeline = optimizer, pipeline
     try:
         yield
     finally:
