@@ -27,7 +27,13 @@ START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
 class LightningAPI:
-    """The Lightning symbols the strategy needs, from one of Lightning's two packages."""
+    """The Lightning symbols the strategy needs, from one of Lightning's two packages.
+
+    Pickled (a spawned process receives the strategy and its runner) as the package's name,
+    and looked up again where it is unpickled: modules themselves do not pickle."""
+
+    def __reduce__(self) -> tuple[type, tuple[str]]:
+        return LightningAPI, (self.package,)
 
     def __init__(self, package: str) -> None:
         fabric = "lightning_fabric" if package == "pytorch_lightning" else "lightning.fabric"

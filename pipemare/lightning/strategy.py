@@ -196,6 +196,7 @@ class PipeMareStrategy(ParallelStrategy):
 
     @property
     def num_nodes(self) -> int:
+        """Machines the run spans (Lightning sets it from ``Trainer(num_nodes=...)``)."""
         return self._num_nodes
 
     @num_nodes.setter
@@ -204,6 +205,7 @@ class PipeMareStrategy(ParallelStrategy):
 
     @property
     def num_processes(self) -> int:
+        """Processes on this machine: one per device Lightning gave the strategy."""
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
@@ -212,11 +214,14 @@ class PipeMareStrategy(ParallelStrategy):
         return self.num_processes * self.num_nodes > 1
 
     @property
-    def is_distributed(self) -> bool:  # Lightning reads it for sync_dist and samplers
+    def is_distributed(self) -> bool:
+        """Whether the stages run in several processes (Lightning reads it for ``sync_dist``
+        and its samplers)."""
         return self.distributed
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, int]:
+        """How Lightning's sampler splits the data: by copy of the pipeline, not by process."""
         # every stage of a copy of the pipeline sees the same batches; the copies split them
         if not self.distributed:
             return {"num_replicas": 1, "rank": 0}
@@ -470,6 +475,8 @@ class PipeMareStrategy(ParallelStrategy):
         self._lightning.ParallelStrategy.load_model_state_dict(self, checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore the user's optimisers and pipemare's state (corrections, the run's settings,
+        each stage's random stream) from a checkpoint; applied when the pipeline is built."""
         self._runner.load_optimizer_states(self.optimizers, checkpoint["optimizer_states"])
 
     # -- collectives (identity in one process) ----------------------------------------------------
