@@ -205,8 +205,10 @@ class PipelineRunner:
             cut, why = list(saved["balance"]), "as the checkpointed run cut it"
         elif not isinstance(balance, str):
             return list(balance), decided
-        elif balance == "even" or stages == len(seq):
-            cut, why = partition.even_balance(len(seq), stages), f"balance={balance!r}: even"
+        elif stages == len(seq):
+            cut, why = partition.even_balance(len(seq), stages), "one layer per stage"
+        elif balance == "even":
+            cut, why = partition.even_balance(len(seq), stages), "balance='even'"
         elif balance == "params":
             cut, why = partition.balance_by_params(seq, stages), "balance='params'"
         else:
