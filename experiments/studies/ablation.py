@@ -45,12 +45,16 @@ class Extra:
         nesterov: NAdam (Nesterov's look-ahead; torch's ``momentum_decay`` 0.004, AsyncPP's)
             instead of Adam.
         delay_rate: each stage's rate times ``1/(1 + τ_i)``, τ_i its forward delay.
+        first_beta1: the momentum of every stage but the last (the default's delay-aware
+            momenta at P = 2, N = 1, where the first stage gets 0.99), whatever the delays;
+            None: the optimiser's own.
     """
 
     base: str
     beta1: float | None = None
     nesterov: bool = False
     delay_rate: bool = False
+    first_beta1: float | None = None
 
 
 #: name -> what it changes; the optimiser swaps apply to the tasks trained with Adam or AdamW
@@ -62,6 +66,9 @@ EXTRA: dict[str, Extra] = {
     "gpipe+nadam99": Extra("gpipe", beta1=0.99, nesterov=True),
     "gpipe+adam99": Extra("gpipe", beta1=0.99),
     "async+adam99": Extra("async", beta1=0.99),
+    # the default's momenta at P = 2, N = 1 (0.99 on the first stage, 0.9 on the last) on one
+    # device: what the raised momentum costs without any delay
+    "gpipe+first99": Extra("gpipe", first_beta1=0.99),
     # the classical rate for a τ-step delay, per stage
     "async+rate": Extra("async", delay_rate=True),
     "pipemare+rate": Extra("pipemare", delay_rate=True),
@@ -102,6 +109,20 @@ def _delay_rate() -> Any:
     return DelayRate()
 
 
+def _first_momentum(top: float) -> Any:
+    from pipemare.optim.corrections.base import Correction
+
+    class FirstMomentum(Correction):
+        """Every stage but the last steps with momentum ``top``."""
+
+        name = "first_momentum"
+
+        def momentum(self, stage: int, step: int, momentum: float) -> float:
+            return top if stage < len(self.view.delays) - 1 else momentum
+
+    return FirstMomentum()
+
+
 def _add_correction(pipe: Any, correction: Any) -> None:
     """Run ``correction`` after the pipeline's own (bound as they are)."""
     from pipemare.optim.corrections.base import StageView
@@ -135,6 +156,8 @@ def _extended(extra: Extra) -> Iterator[None]:
         pipe = build_pipeline(*args, **kwargs)
         if extra.delay_rate:
             _add_correction(pipe, _delay_rate())
+        if extra.first_beta1 is not None:
+            _add_correction(pipe, _first_momentum(extra.first_beta1))
         return pipe
 
     protocol._optimizer, protocol._pipeline = optimizer, pipeline

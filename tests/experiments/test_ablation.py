@@ -48,6 +48,9 @@ def test_the_extra_variants_swap_the_optimiser_and_scale_the_delayed_stages_rate
     with ablation._extended(ablation.EXTRA["async+rate"]):
         pipe = protocol._pipeline(task, task.build(), "async", 2, 1, 1e-3, None, 0)
     assert [pipe.optimizer.lr_factor(s, 5) for s in (0, 1)] == [0.5, 1.0]  # τ = 1, 0
+    with ablation._extended(ablation.EXTRA["gpipe+first99"]):
+        pipe = protocol._pipeline(task, task.build(), "gpipe", 2, 1, 1e-3, None, 0)
+    assert [pipe.optimizer.momentum(s, 5) for s in (0, 1)] == [0.99, 0.9]  # without delay
     assert protocol._pipeline.__name__ == "_pipeline"  # put back
 
 
