@@ -29,7 +29,7 @@ from pytorch_lightning.callbacks import Callback
 
 from pipemare.planner import replayed_step_time
 
-__all__ = ["ActionTimes", "layout_key", "measure"]
+__all__ = ["ActionTimes", "layout_key", "time_layout"]
 
 #: timed steps per layout (after the pipeline filled): medians over this many actions each
 TIMED_STEPS = 20
@@ -77,7 +77,7 @@ class _ActionTimer(Callback):
             trainer.should_stop = True
 
 
-def measure(config: dict[str, Any], steps: int = TIMED_STEPS) -> dict[str, Any]:
+def time_layout(config: dict[str, Any], steps: int = TIMED_STEPS) -> dict[str, Any]:
     """Time the actions of ``config``'s layout: its first batches through Lightning, without
     validation, loggers or other callbacks; each stage's median F, B and U seconds."""
     import torch
@@ -150,7 +150,7 @@ class ActionTimes:
         if key in self.layouts:
             return False
         print(f"timing the actions of {name}'s layout alone ({key}) ...", flush=True)
-        self.layouts[key] = {"first_measured_for": name, **measure(config)}
+        self.layouts[key] = {"first_measured_for": name, **time_layout(config)}
         self._write()
         return True
 

@@ -110,7 +110,7 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
     from pipemare.experiments.studies import action_times
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setattr(action_times, "measure", _stand_in_times)
+    monkeypatch.setattr(action_times, "time_layout", _stand_in_times)
     times = tmp_path / "action_times.json"
     study = run_study("quick", tmp_path, wandb=True, action_times=times)
     runs = sorted(p.name for p in study.iterdir() if p.is_dir())
