@@ -134,7 +134,8 @@ def _layout_name(strategy: Any) -> str | None:
         return None
     args = strategy.get("init_args") or Namespace()
     stages = args.get("stages")
-    return f"{args.get('schedule', 'pipemare')}-P{stages or 'auto'}-N{args.get('microbatches', 1)}"
+    n = args.get("microbatches", "auto")
+    return f"{args.get('schedule', 'pipemare')}-P{stages or 'auto'}-N{n}"
 
 
 def main(argv: list[str] | None = None) -> PipeMareCLI:

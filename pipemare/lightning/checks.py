@@ -49,10 +49,15 @@ def check_strategy_arguments(
     """Refuse a bad constructor argument of the strategy, naming what it takes instead: those
     it shares with the Pipeline by the engine's own check
     (:func:`~pipemare.engine.build.check_arguments`), then its own."""
+    if isinstance(microbatches, str) and microbatches != "auto":
+        raise ValueError(
+            f"microbatches must be an integer >= 1 or 'auto' (N = P where the schedule never "
+            f"flushes), got {microbatches!r}"
+        )
     check_arguments(
         schedule=schedule,
         stages=stages,
-        microbatches=microbatches,
+        microbatches=1 if microbatches == "auto" else microbatches,
         balance=balance,
         recompute=recompute,
     )

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipemare.engine.lagged import DistributedResults, LocalResults, Results
-from pipemare.engine.microbatch import scatter
+from pipemare.engine.microbatch import batch_size, scatter
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 from pipemare.engine.transport import DistributedTransport
@@ -27,11 +27,16 @@ from pipemare.lightning.checkpoint import SaveQueue
 from pipemare.lightning.launching import LightningAPI
 from pipemare.lightning.manual import steps_per_batch
 from pipemare.lightning.module_adapter import ModuleAdapter
-from pipemare.lightning.steps import UserSteps, check_last_batch, merge_published
+from pipemare.lightning.steps import (
+    UserSteps,
+    check_last_batch,
+    last_batch_rows,
+    merge_published,
+)
 from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
 from pipemare.model import cuts, partition
 from pipemare.optim.chain import ChainedOptimizer, copies_of
-from pipemare.optim.settings import Decision
+from pipemare.optim.settings import Decision, auto_microbatches
 
 __all__ = ["PipelineRunner", "stepped"]
 
@@ -73,6 +78,9 @@ class PipelineRunner:
         self.saves = SaveQueue(write, remove)
         self._pending_state: dict[str, Any] | None = None  # pipemare's part of a checkpoint
         self._trained: dict[str, Any] | None = None  # the loaded checkpoint's run
+        #: N once decided (asked, or ``"auto"`` chosen at the first batch), and the decision
+        self.microbatches: int | None = None
+        self._n_decided: list[Decision] = []
 
     # -- what the runner reads of the run ---------------------------------------------------
 
@@ -164,7 +172,8 @@ class PipelineRunner:
         assert adapter is not None
         if self.pipeline is None:
             self._prepare_model(batch, step, args)
-            self.pipeline = pipe = self._build(*self._balance(batch, step, args))
+            cut, decided = self._balance(batch, step, args)
+            self.pipeline = pipe = self._build(cut, [*self._n_decided, *decided])
             self.cut = list(pipe.balance)
             self._load_pending_state()
             self.announce()
@@ -177,16 +186,34 @@ class PipelineRunner:
         return self.pipeline
 
     def _prepare_model(self, batch: Any, step: str, args: tuple) -> None:
-        """Refuse a last batch too small to split; cut a pipelined module that is not a
-        Sequential into segments, from what the step passes it, and check the cut."""
-        if self.fitting:
-            check_last_batch(self.module.trainer, self.strategy.microbatches)
+        """Cut a pipelined module that is not a Sequential into segments, from what the step
+        passes it, and check the cut; decide N; refuse a last batch too small to split."""
         adapter = self.adapter
         assert adapter is not None
         if adapter.sequential is None:
             with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
                 adapter.prepare(step, batch, *args)
             self._check_cut()
+        self._decide_microbatches(batch)
+        if self.fitting:
+            check_last_batch(self.module.trainer, self.strategy.microbatches)
+
+    def _decide_microbatches(self, batch: Any) -> None:
+        """N: as asked, or for ``"auto"`` chosen once P and the batches are known
+        (:func:`~pipemare.optim.settings.auto_microbatches`), kept for later rebuilds."""
+        strategy = self.strategy
+        if self.microbatches is not None:
+            return
+        if isinstance(strategy.asked_microbatches, int):
+            self.microbatches = strategy.asked_microbatches
+            return
+        rows = batch_size(batch)
+        last = last_batch_rows(self.module.trainer) if self.fitting else None
+        if last is not None:
+            rows = min(rows, last)
+        stages = self.known_stages or 1
+        self.microbatches, decision = auto_microbatches(strategy.schedule, stages, rows)
+        self._n_decided = [decision]
 
     def _balance(self, sample: Any, step: str, args: tuple) -> tuple[list[int], list[Decision]]:
         """Layers per stage: as the run a resume continues cut them, given, or chosen now; and

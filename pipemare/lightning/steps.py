@@ -145,16 +145,14 @@ def closes_loader(trainer: pl.Trainer, batch_idx: int, args: tuple) -> bool:
     return bool(getattr(progress, "is_last_batch", False)) or batch_idx + 1 >= count
 
 
-def check_last_batch(trainer: pl.Trainer, microbatches: int) -> None:
-    """Refuse, before the first update, a training epoch whose last batch is too small to split.
-
-    Every minibatch is cut into N microbatches; a last batch of fewer than N samples cannot be,
-    and would fail only at the end of the first epoch.
-    """
+def _short_last_batches(trainer: pl.Trainer) -> list[tuple[int, int, int]]:
+    """``(last, samples, batch_size)`` of each training DataLoader whose last batch is smaller
+    than the others (a sized dataset, no ``drop_last``)."""
     from torch.utils.data import DataLoader
 
     loaders = trainer.train_dataloader
     flat = getattr(loaders, "flattened", None)
+    found = []
     for loader in flat if flat is not None else [loaders]:
         if not isinstance(loader, DataLoader) or loader.batch_size is None or loader.drop_last:
             continue
@@ -162,11 +160,28 @@ def check_last_batch(trainer: pl.Trainer, microbatches: int) -> None:
             n = len(loader.dataset)  # type: ignore[arg-type]
         except TypeError:  # an iterable dataset: its length is not known
             continue
-        last = n % loader.batch_size
-        if 0 < last < microbatches:
+        if n % loader.batch_size:
+            found.append((n % loader.batch_size, n, loader.batch_size))
+    return found
+
+
+def last_batch_rows(trainer: pl.Trainer) -> int | None:
+    """The fewest samples a smaller last batch of the training data holds; None where every
+    batch is full or the sizes are not known."""
+    return min((last for last, _, _ in _short_last_batches(trainer)), default=None)
+
+
+def check_last_batch(trainer: pl.Trainer, microbatches: int) -> None:
+    """Refuse, before the first update, a training epoch whose last batch is too small to split.
+
+    Every minibatch is cut into N microbatches; a last batch of fewer than N samples cannot be,
+    and would fail only at the end of the first epoch.
+    """
+    for last, n, size in _short_last_batches(trainer):
+        if last < microbatches:
             raise ValueError(
                 f"the training data's last batch holds {last} sample(s) ({n} samples in batches "
-                f"of {loader.batch_size}), fewer than microbatches={microbatches}, so it cannot "
+                f"of {size}), fewer than microbatches={microbatches}, so it cannot "
                 "be split into microbatches; pass drop_last=True to the DataLoader, choose a "
                 f"batch size that leaves at least {microbatches} samples for the last batch, or "
                 f"use at most {last} microbatches"

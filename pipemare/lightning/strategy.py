@@ -49,7 +49,7 @@ from pipemare.lightning import checks
 from pipemare.lightning.launching import LightningAPI, SigtermRelay, restarts_share_the_store
 from pipemare.lightning.runner import PipelineRunner, stepped
 from pipemare.optim.config import PipeMareConfig
-from pipemare.optim.settings import RunSettings, asked
+from pipemare.optim.settings import RunSettings, asked, auto_microbatches
 from pipemare.schedule.actions import SCHEDULES
 from pipemare.schedule.delay import StageDelay, derive_delays
 
@@ -64,6 +64,10 @@ class PipeMareStrategy(ParallelStrategy):
             ``devices=1`` one stage per child of the Sequential (the paper's fine-grained
             pipeline, simulated in one process with the same staleness).
         microbatches: N microbatches per batch; the batch size must be at least N.
+            ``"auto"`` (default): N = P on a schedule that never flushes, so that no stage's
+            weights are a whole update late on average, capped at the smallest batch's size;
+            1 on ``gpipe`` and ``1f1b`` (:func:`pipemare.optim.auto_microbatches`). The
+            choice and its reason are printed with the run's settings.
         schedule: ``pipemare`` (default), ``async``, ``pipedream``, ``1f1b`` or ``gpipe``.
         balance: layers per stage: ``"time"`` (measured forward+backward time of each layer on
             the first batch, default), ``"auto"`` (the planner's cut for this P and N from a
@@ -124,7 +128,7 @@ class PipeMareStrategy(ParallelStrategy):
     def __init__(
         self,
         stages: int | None = None,
-        microbatches: int = 1,
+        microbatches: int | str = "auto",
         schedule: str = "pipemare",
         balance: Sequence[int] | str = "time",
         config: PipeMareConfig | None = None,
@@ -167,7 +171,9 @@ class PipeMareStrategy(ParallelStrategy):
             recompute=recompute,
             heartbeat_timeout=heartbeat_timeout,
         )
-        self.stages, self.microbatches, self.schedule = stages, microbatches, schedule
+        self.stages, self.schedule = stages, schedule
+        #: N as asked: a number, or ``"auto"`` (decided when the pipeline is built)
+        self.asked_microbatches = microbatches
         self._balance = balance
         #: the corrections asked for (None: the schedule's default), resolved for the run when
         #: the pipeline is built (:attr:`settings`)
@@ -250,6 +256,16 @@ class PipeMareStrategy(ParallelStrategy):
     def replicas(self) -> int:
         """D: data-parallel copies of the pipeline (1 unless ``stages`` < the process count)."""
         return self.rank_layout.replicas if self.distributed else 1
+
+    @property
+    def microbatches(self) -> int:
+        """N: as asked, or where ``"auto"`` the choice made when the pipeline was built (before
+        then, the choice for P as far as it is known)."""
+        if self._runner.microbatches is not None:
+            return self._runner.microbatches
+        if isinstance(self.asked_microbatches, int):
+            return self.asked_microbatches
+        return auto_microbatches(self.schedule, self._runner.known_stages or 1)[0]
 
     @property
     def delays(self) -> tuple[StageDelay, ...]:

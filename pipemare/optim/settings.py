@@ -22,6 +22,10 @@ The defaults and their measurements:
 - weight prediction unless T2, local accumulation or a stashing schedule excludes it, or the
   optimiser is SGD without momentum (where it narrows the stable step range);
 - local accumulation (one update crossed) for SGD without momentum only.
+
+The layout's one default decided here, :func:`auto_microbatches` (``microbatches="auto"``, the
+strategy's default): N = P on a schedule that never flushes, so that no stage's weights are a
+whole update late on average, as few as the batch allows.
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ __all__ = [
     "Decision",
     "RunSettings",
     "asked",
+    "auto_microbatches",
     "check_for_schedule",
     "resolve",
 ]
@@ -354,6 +359,47 @@ def check_for_schedule(config: PipeMareConfig, schedule: str) -> None:
             "forward weights, not the predicted ones; use schedule='async' or 'pipemare', or "
             "weight_prediction='auto'"
         )
+
+
+def auto_microbatches(schedule: str, stages: int, rows: int | None = None) -> tuple[int, Decision]:
+    """``microbatches="auto"``: N for ``schedule`` at P = ``stages``, with the decision's reason.
+
+    On a schedule that never flushes, stage ``i`` runs a microbatch on weights
+    ``ceil((P - 1 - i - r)/N)`` updates old (:mod:`pipemare.schedule.delay`); N = P is the
+    smallest N that keeps every stage's mean delay, ``(P - 1 - i)/N``, under one update and none
+    above one. N = 1 is the worst measured default (issue 40: a GPT at P = 2 and N = 1 ends
+    +17% over one device, +2.8% at N = 2; docs/results.md). ``rows``, the fewest samples a batch
+    of the run holds (its last, where it is smaller), caps N: every microbatch keeps a sample.
+    A flushing schedule has no delay to bound and keeps N = 1 (pass ``microbatches`` to shrink
+    its bubble, ``(P - 1)/(N + P - 1)``).
+
+    Example:
+        >>> auto_microbatches("pipemare", 4)[0], auto_microbatches("pipemare", 8, rows=6)[0]
+        (4, 6)
+        >>> auto_microbatches("1f1b", 4)[1].choice
+        'N=1'
+    """
+    if spec(schedule).flushes:
+        why = (
+            "a flushing schedule has no delay to bound; pass microbatches=N to shrink its "
+            "bubble (P-1)/(N+P-1)"
+        )
+        return 1, Decision("microbatches", "N=1", why)
+    if stages <= 1:
+        return 1, Decision("microbatches", "N=1", "one stage: no delay")
+    n = stages if rows is None else max(1, min(stages, rows))
+    late = (stages - 1) / n
+    why = (
+        f"N = P: the first stage's weights {late:.2g} update(s) late on average, none more than "
+        "one; N = 1 would make them P - 1 updates late"
+    )
+    if n < stages:
+        why = (
+            f"as many as the smallest batch's {rows} sample(s) allow (N = P = {stages} keeps "
+            f"every delay under one update): the first stage's weights {late:.2g} updates late "
+            "on average"
+        )
+    return n, Decision("microbatches", f"N={n}", why)
 
 
 class _Resolution:

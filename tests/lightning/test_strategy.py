@@ -438,6 +438,29 @@ def test_a_last_batch_too_small_to_split_is_refused_before_any_update():
     trainer(PipeMareStrategy(stages=2, microbatches=2), max_epochs=1).fit(Tiny(), tiny_data(n=98))
 
 
+def test_default_microbatches_bound_the_delay_and_fit_the_last_batch(caplog):
+    """With microbatches left out, a schedule that never flushes runs N = P, said with its
+    reason; a last batch smaller than P caps N instead of being refused; gpipe keeps N = 1."""
+    strategy = PipeMareStrategy(stages=4)
+    assert strategy.microbatches == 4  # before the pipeline is built: the choice for P
+    trainer(strategy, max_steps=3, enable_progress_bar=False).fit(Tiny(), tiny_data(n=96))
+    assert strategy.microbatches == strategy.pipeline.microbatches == 4
+    assert max(d.forward_max for d in strategy.delays) == 1
+    assert all(d.forward < 1 for d in strategy.delays)
+    assert "pipemare:   microbatches: N=4 (N = P:" in caplog.text
+    caplog.clear()
+    # 98 samples in batches of 12: the last holds 2, so N = 2, and the epoch completes
+    short = PipeMareStrategy(stages=4)
+    trainer(short, max_epochs=1).fit(Tiny(), tiny_data(n=98))
+    assert short.microbatches == 2
+    assert "microbatches: N=2 (as many as the smallest batch's 2 sample(s) allow" in caplog.text
+    flushing = PipeMareStrategy(stages=4, schedule="1f1b")
+    trainer(flushing, max_steps=1).fit(Tiny(), tiny_data())
+    assert flushing.microbatches == 1
+    with pytest.raises(ValueError, match="microbatches must be an integer >= 1 or 'auto'"):
+        PipeMareStrategy(microbatches="max")
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="unknown schedule 'zero_bubble'"):
         PipeMareStrategy(schedule="zero_bubble")

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline, PipeMareConfig
-from pipemare.optim.settings import Decision, RunSettings, resolve
+from pipemare.optim.settings import Decision, RunSettings, auto_microbatches, resolve
+from pipemare.schedule.delay import derive_delays
 
 
 def test_the_resolver_reproduces_every_decision_taken_before_it_existed():
@@ -108,3 +109,23 @@ def test_a_pipeline_runs_with_its_settings_and_builds_its_corrections_from_them(
     ]
     # prediction is off for plain SGD: its forwards are not wrapped at all
     assert not settings.predicts
+
+
+@pytest.mark.parametrize("schedule", ["pipemare", "async", "pipedream"])
+@pytest.mark.parametrize("stages", [2, 3, 4, 8, 16])
+def test_auto_microbatches_keep_every_delay_under_one_update(schedule, stages):
+    n, decision = auto_microbatches(schedule, stages)
+    delays = derive_delays(schedule, stages, n)
+    assert all(d.forward < 1 for d in delays) and max(d.forward_max for d in delays) == 1
+    # the smallest such N: one fewer leaves the first stage a whole update late on average
+    assert n == 1 or derive_delays(schedule, stages, n - 1)[0].forward >= 1
+    assert decision.subject == "microbatches" and decision.choice == f"N={n}"
+    # a batch too small for N = P caps it, and says so
+    capped, why = auto_microbatches(schedule, stages, rows=stages - 1)
+    assert capped == stages - 1 and "smallest batch" in why.reason
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_auto_microbatches_leave_flushing_schedules_at_one(schedule):
+    n, decision = auto_microbatches(schedule, 8, rows=64)
+    assert n == 1 and "no delay to bound" in decision.reason
