@@ -246,7 +246,8 @@ class PipelineRunner:
             why = (
                 "balance='auto': the planner's cut from a profile of the layers"
                 if balance == "auto"
-                else "balance='time': each layer's time measured on the first microbatch"
+                else "balance='time': from each layer's time on the first microbatch, the most "
+                "even cut whose slowest stage is within 25% of the fastest cut's"
             )
         return cut, [*decided, Decision("layers per stage", str(cut), why)]
 

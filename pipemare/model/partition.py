@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 import time
@@ -104,11 +105,18 @@ def even_balance(num_layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
-def balance_by_cost(costs: Sequence[float], stages: int) -> list[int]:
+def balance_by_cost(costs: Sequence[float], stages: int, tolerance: float = 0.0) -> list[int]:
     """Contiguous split of per-layer costs into ``stages`` parts minimising the largest part.
 
     Ties are broken towards the even split, so layers that cost nothing (activations) do not
-    pile up on one stage.
+    pile up on one stage; with ``tolerance``, a largest part up to ``1 + tolerance`` times the
+    least counts as a tie (measured costs: the cut does not follow their noise).
+
+    Example:
+        >>> balance_by_cost([3.0, 3.0, 1.0, 1.0, 1.0, 1.0], 2)
+        [2, 4]
+        >>> balance_by_cost([3.0, 3.0, 1.0, 1.0, 1.0, 1.0], 2, tolerance=0.25)
+        [3, 3]
     """
     n = len(costs)
     _check_stages(n, stages)
@@ -120,7 +128,18 @@ def balance_by_cost(costs: Sequence[float], stages: int) -> list[int]:
 
     balance = _min_max_cut(n, stages, lambda _, begin, end: prefix[end] - prefix[begin])
     assert balance is not None  # every cost is a number: some cut is allowed
-    return balance
+    if tolerance <= 0:
+        return balance
+    bounds = [0, *itertools.accumulate(balance)]
+    limit = (1 + tolerance) * max(prefix[b] - prefix[a] for a, b in itertools.pairwise(bounds))
+
+    def within(_: int, begin: int, end: int) -> float | None:
+        cost = prefix[end] - prefix[begin]
+        return cost if cost <= limit else None
+
+    even = _min_max_cut(n, stages, within, even_first=True)
+    assert even is not None  # the best cut itself is within
+    return even
 
 
 def _min_max_cut(
@@ -218,9 +237,16 @@ def _layer_times(model: nn.Sequential, sample: Any, repeats: int) -> list[float]
     return times
 
 
+#: ``balance="time"`` takes the most even cut whose slowest stage is within this share of the
+#: best cut's: one batch's timings wobble by about as much, and a cut that followed the wobble
+#: would differ from run to run (and so would the training: other layers are delayed).
+TIME_TOLERANCE = 0.25
+
+
 def balance_by_time(model: nn.Sequential, sample: Any, stages: int) -> list[int]:
-    """Split so that every stage's measured forward+backward time is about the same."""
-    return balance_by_cost(layer_times(model, sample), stages)
+    """Split so that every stage's measured forward+backward time is about the same: the most
+    even cut (in layers) whose slowest stage is within :data:`TIME_TOLERANCE` of the best."""
+    return balance_by_cost(layer_times(model, sample), stages, tolerance=TIME_TOLERANCE)
 
 
 def _flat(value: Any) -> list[torch.Tensor]:

@@ -118,7 +118,8 @@ def test_the_corrections_read_each_groups_family_from_its_own_optimiser():
     names, _ = _corrections(muon_adamw, PipeMareConfig())
     assert "delay_momentum" not in names and "weight_prediction" in names
     # torch's Muon says "momentum" like SGD, but its buffer is an average: read from its type
-    names, wrapped = _corrections(muon_adamw, PipeMareConfig(delay_momentum=0.99))
+    share = PipeMareConfig(delay_momentum=0.99, delay_momentum_rise="share")
+    names, wrapped = _corrections(muon_adamw, share)
     assert names["delay_momentum"].adam_family
     assert wrapped.lr_factor(0, 10_000) == pytest.approx(1.0)
     assert wrapped.momentum(0, 10_000, group=0) == pytest.approx(0.99)  # Muon 0.95 -> 0.99

@@ -17,7 +17,7 @@ from pipemare.optim.corrections import (
     predicted_weight,
     spike_coefficients,
 )
-from pipemare.optim.corrections.momentum import delay_momenta
+from pipemare.optim.corrections.momentum import DEPTH_SPAN, delay_momenta
 from pipemare.optim.settings import resolve
 from pipemare.optim.stability import delayed_gd_bound, largest_stable_step
 from pipemare.schedule.delay import StageDelay
@@ -458,6 +458,21 @@ def test_each_rise_follows_its_formula_and_the_window_barely_moves_a_short_delay
     assert delay_momenta(0.9, 0.99, delays, "window")[0] == pytest.approx(1 - 1 / 10.75)
     assert delay_momenta(0.95, 0.99, delays, "window")[0] == pytest.approx(1 - 1 / 20.75)
     assert delay_momenta(0.9, 0.99, delays, "depth")[0] == pytest.approx(0.9 + 0.09 * 0.75 / 3)
+    # an averaged momentum never rises faster than across 8 stages: from 8 stages at N = 1 that
+    # is the share's rise, at P = 2 the late stage gets 0.913 (not 0.99), at N = 4 0.9096
+    eight = [d.forward for d in derive_delays("pipemare", 8, 1)]
+    assert delay_momenta(0.9, 0.99, eight, "depth", DEPTH_SPAN) == delay_momenta(
+        0.9, 0.99, eight, "share"
+    )
+    assert delay_momenta(0.9, 0.99, [1.0, 0.0], "depth", DEPTH_SPAN)[0] == pytest.approx(
+        0.9 + 0.09 / 7
+    )
+    assert delay_momenta(0.9, 0.99, delays, "depth", DEPTH_SPAN)[0] == pytest.approx(
+        0.9 + 0.09 * 0.75 / 7
+    )
+    cfg = PipeMareConfig(**ONLY_DM, delay_momentum=0.99)  # the default rise, depth
+    _, adam = three_stages(lambda ps: torch.optim.Adam(ps, lr=0.1), cfg)
+    assert adam.momentum(0, 0) == pytest.approx(0.9 + 0.09 * 2 / 7)
     # the cap holds, and no rule lowers a momentum
     assert delay_momenta(0.9, 0.95, [100.0, 0.0], "window") == [0.95, 0.9]
     assert delay_momenta(0.97, 0.95, [3.0, 0.0], "stretch") == [0.97, 0.97]

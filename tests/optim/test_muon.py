@@ -120,7 +120,8 @@ def test_the_default_corrections_read_both_kinds_momentum_as_an_average():
     assert "MuonAdamW" in decided["spike_compensation"].reason
     # asked for by value, delay-aware momentum raises both kinds as the averages they are
     opt = MuonAdamW(muon_param_groups(model), lr=1e-2)
-    wrapped = PipeMareOptimizer(opt, stages, delays, PipeMareConfig(delay_momentum=0.99))
+    share = PipeMareConfig(delay_momentum=0.99, delay_momentum_rise="share")
+    wrapped = PipeMareOptimizer(opt, stages, delays, share)
     # an average keeps its step size: no rate scaling, only the momenta rise with the delay
     assert wrapped.lr_factor(0, 10_000) == pytest.approx(1.0)
     assert wrapped.momentum(0, 10_000, group=0) == pytest.approx(0.99)  # Muon: 0.95 -> 0.99
