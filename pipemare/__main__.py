@@ -15,6 +15,7 @@ _COMMANDS = {
     "study": "run a named suite of configs: pipemare study default --out runs",
     "compare": "write the dashboard comparing runs: pipemare compare runs/default",
     "protocol": "the fair comparison: best LR per schedule, seeds, pipeline time (engine runs)",
+    "user-protocol": "the user's protocol: the one-device rate for all, P = 2, 4, 8, against 1F1B",
     "bench": "throughput and memory against one process and torch's pipelines: pipemare bench",
     "demo": "train a small model on real data through 8 simulated stages (the engine alone)",
     "plan": "choose stages, replicas, microbatches and the cut: pipemare plan --config CONFIG",
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> None:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
         print("usage: pipemare COMMAND [options]\n\ncommands:")
         for name, text in _COMMANDS.items():
-            print(f"  {name:<9} {text}")
+            print(f"  {name:<13} {text}")
         if argv and argv[0] not in ("-h", "--help"):
             close = difflib.get_close_matches(argv[0], _COMMANDS, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -55,6 +56,7 @@ _EXPERIMENTS_EXTRA = ("sklearn", "matplotlib", "mlxtend")
 _EXPERIMENTS = {
     "study": "pipemare.experiments.studies.study",
     "protocol": "pipemare.experiments.studies.fair",
+    "user-protocol": "pipemare.experiments.studies.user_protocol",
     "bench": "pipemare.experiments.bench.command",
     "plan": "pipemare.experiments.plan_command",
     "compare": "pipemare.experiments.dashboard.page",

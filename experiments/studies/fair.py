@@ -122,7 +122,9 @@ def _todo(jobs: list[Job], out: Path, label: str) -> list[Job]:
     return todo
 
 
-def _execute(jobs: list[Job], out: Path, workers: int, label: str) -> None:
+def execute(jobs: list[Job], out: Path, workers: int, label: str) -> None:
+    """Train the jobs with no stored run (or one set up differently), ``workers`` at a time,
+    each into ``out/runs/KEY.json``."""
     from tqdm import tqdm
 
     todo = _todo(jobs, out, label)
@@ -152,7 +154,8 @@ def next_rate(lr: float, up: bool) -> float:
     return float(f"{(0.3 if low else 1) * 10**exponent:.1g}")
 
 
-def _best_lr(out: Path, task: Task, jobs: list[Job]) -> float:
+def best_rate(out: Path, task: Task, jobs: list[Job]) -> float:
+    """The rate of ``jobs`` (one seed each) with the best metric; a tie goes to the lower rate."""
     scores = [(load_result(out, j).best(task.higher_is_better), j.lr) for j in jobs]
     sign = 1 if task.higher_is_better else -1
     return max(scores, key=lambda s: (sign * s[0], -s[1]))[1]
@@ -189,24 +192,24 @@ def run_protocol(
         for v in variants
         for p, n in _configs(t, v, grid)
     }
-    _execute([j for js in sweep.values() for j in js], out, workers, "learning-rate sweep")
+    execute([j for js in sweep.values() for j in js], out, workers, "learning-rate sweep")
     for _ in range(extend):  # a best rate at the sweep's edge: one more rate beyond it
         more = []
         for key, js in sweep.items():
             if any(load_result(out, j).refused for j in js):
                 continue  # refused at setup: another rate would be refused too
             rates = sorted({j.lr for j in js})
-            best_rate = _best_lr(out, TASKS[key[0]], js)
-            if len(rates) > 1 and best_rate in (rates[0], rates[-1]):
-                job = Job(*key, next_rate(best_rate, up=best_rate == rates[-1]), 0, steps)
+            best = best_rate(out, TASKS[key[0]], js)
+            if len(rates) > 1 and best in (rates[0], rates[-1]):
+                job = Job(*key, next_rate(best, up=best == rates[-1]), 0, steps)
                 js.append(job)
                 more.append(job)
         if not more:
             break
-        _execute(more, out, workers, "rates beyond the sweep's edge")
-    best = {key: _best_lr(out, TASKS[key[0]], js) for key, js in sweep.items()}
+        execute(more, out, workers, "rates beyond the sweep's edge")
+    best = {key: best_rate(out, TASKS[key[0]], js) for key, js in sweep.items()}
     seeded = {key: [Job(*key, best[key], s, steps) for s in range(seeds)] for key in sweep}
-    _execute([j for js in seeded.values() for j in js], out, workers, "seeds at the best rate")
+    execute([j for js in seeded.values() for j in js], out, workers, "seeds at the best rate")
     if phase == "runs":
         return {}
     if phase == "table":  # the pipeline times measured so far, nothing new

@@ -251,6 +251,8 @@ for _base in ("mnist", "digits", "plain"):
         TASKS[f"{_base}@{_opt}"] = _with(TASKS[_base], _opt)
 for _base in ("char_lm", "char_gpt"):
     TASKS[f"{_base}@muon"] = _with(TASKS[_base], "muon")
+# the GPT as people train one: AdamW (weight decay 0.01)
+TASKS["char_gpt@adamw"] = _with(TASKS["char_gpt"], "adamw")
 # Adam in a rotated basis (basis rotation, arXiv 2602.03515) where the Adam gaps are largest
 for _base in ("char_lm", "char_gpt", "plain"):
     TASKS[f"{_base}@rotated"] = _with(TASKS[_base], "rotated")

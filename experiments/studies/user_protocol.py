@@ -1,0 +1,492 @@
+"""``pipemare user-protocol``: the user's protocol. One rate per task, the one tuned on one device,
+used by every schedule; P = 2, 4, 8 at the N the strategy picks by default; 1F1B at its fastest
+N as the baseline; quality at equal steps and pipeline time to 1F1B's final quality.
+
+A user comes with a model and a learning rate tuned on one device and asks which schedule on P
+devices reaches that quality soonest. Per task:
+
+1. **The rate.** gpipe (which computes what one device computes for the minibatch) is swept over
+   the 1-3-10 grid (seed 0; a best rate at the grid's edge gets its neighbour beyond, twice at
+   most); the rate with the best validation metric is the task's, a tie going to the lower rate.
+   Every schedule runs at it.
+2. **The runs.** gpipe, and at each P the asynchronous schedules (``pipemare``, uncorrected
+   ``async``) at the default N (:func:`pipemare.optim.auto_microbatches`, ``N_auto``) and, with
+   ``--all-n``, at N = 1 and N = P too; each with ``--seeds`` seeds.
+3. **The baseline.** 1F1B computes gpipe's loss curve per step; only its pipeline time differs.
+   Its step time is measured at every N dividing the batch up to 4P (beyond, the per-microbatch
+   cost only grows on these small models) and the fastest, N*, is 1F1B's.
+4. **Pipeline time.** Each configuration's step time comes from its per-action times measured
+   once, alone (``--phase times``, nothing else on the machine), replayed through its schedule
+   (:func:`~pipemare.experiments.studies.protocol.step_time`); no clock is read while a run
+   trains. Time to quality = steps until the validation metric first comes within 1% (0.5
+   point of accuracy) of 1F1B's final quality, times the step time.
+5. **Verdicts** (issue 40's bar), per cell at the default N: quality at equal steps within 2% of
+   1F1B's (1 point); time to quality at most 0.8 of 1F1B's, or, where 1F1B's own bubble bound
+   ``1 - (P-1)/(N*+P-1)`` is above 0.75, at most that bound + 0.05; never below ``async`` by
+   more than the seed spread (half the range of the seeds).
+
+The held-out task (:data:`HELD_OUT`) decides no default; it is reported apart. Outputs in
+``OUT``: ``runs/*.json`` (shared keys with ``pipemare protocol``: a stored run is reused when it
+was set up as the job is today), ``step_times.json``, ``rates.json``, ``results.json``,
+``results.md`` and ``loss_vs_time_*.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from pipemare.experiments._commands import command_parser
+from pipemare.experiments.studies.fair import best_rate, execute, next_rate
+from pipemare.experiments.studies.grid import Job, load_result
+from pipemare.experiments.studies.protocol import TASKS, RunResult, Task
+
+__all__ = ["HELD_OUT", "STAGES", "USER_TASKS", "one_f_one_b_ns", "run_compare", "verdict"]
+
+#: the tasks of the user's protocol: the GPT with AdamW and with Muon + AdamW, the LSTM-free
+#: char LM, MNIST, the digits, the plain deep network with Adam and with SGD momentum
+USER_TASKS = (
+    "char_gpt@adamw",
+    "char_gpt@muon",
+    "char_lm",
+    "mnist",
+    "digits",
+    "plain",
+    "plain@sgdm",
+)
+
+#: decides no default (not used by any decision of :mod:`pipemare.optim.settings`)
+HELD_OUT = "digits"
+
+#: the layouts users get
+STAGES = (2, 4, 8)
+
+#: within this of 1F1B's final quality counts as reached (relative for a loss, points for
+#: accuracy)
+REACH = {"loss": 0.01, "acc": 0.005}
+
+#: the bar of quality at equal steps (relative for a loss, points for accuracy)
+QUALITY = {"loss": 0.02, "acc": 0.01}
+
+
+def _rates(task: Task) -> tuple[float, ...]:
+    """The rates the one-device sweep starts from: the task's, one step up the grid too."""
+    return tuple(sorted({*task.lrs, next_rate(max(task.lrs), up=True)}))
+
+
+def auto_n(task: Task, stages: int) -> int:
+    """The N the strategy picks by default for ``task``'s batch at P = ``stages``."""
+    from pipemare.optim import auto_microbatches
+
+    return auto_microbatches("pipemare", stages, rows=task.batch)[0]
+
+
+def one_f_one_b_ns(task: Task, stages: int) -> list[int]:
+    """The N 1F1B is timed at: every divisor of the batch up to 4P."""
+    return [n for n in range(1, min(task.batch, 4 * stages) + 1) if task.batch % n == 0]
+
+
+def _ns(task: Task, stages: int, all_n: bool) -> list[int]:
+    return sorted({auto_n(task, stages), 1, stages} if all_n else {auto_n(task, stages)})
+
+
+def tune_rate(out: Path, name: str, workers: int, steps: int | None) -> float:
+    """The one-device rate of task ``name``: gpipe's sweep (see the module's docstring)."""
+    task = TASKS[name]
+    jobs = [Job(name, "gpipe", 2, 1, lr, 0, steps) for lr in _rates(task)]
+    execute(jobs, out, workers, f"{name}: one-device rate")
+    for _ in range(2):
+        rates = sorted(j.lr for j in jobs)
+        best = best_rate(out, task, jobs)
+        if best not in (rates[0], rates[-1]):
+            break
+        job = Job(name, "gpipe", 2, 1, next_rate(best, up=best == rates[-1]), 0, steps)
+        jobs.append(job)
+        execute([job], out, workers, f"{name}: rate beyond the sweep's edge")
+    return best_rate(out, task, jobs)
+
+
+def jobs_for(
+    name: str, rate: float, seeds: int, all_n: bool, steps: int | None
+) -> dict[tuple[str, int, int], list[Job]]:
+    """(schedule, P, N) -> the seeded runs of task ``name`` at ``rate``."""
+    task = TASKS[name]
+    cells = {("gpipe", 2, 1): [Job(name, "gpipe", 2, 1, rate, s, steps) for s in range(seeds)]}
+    for p in STAGES:
+        for n in _ns(task, p, all_n):
+            for v in ("async", "pipemare"):
+                cells[(v, p, n)] = [Job(name, v, p, n, rate, s, steps) for s in range(seeds)]
+    return cells
+
+
+def _time_keys(name: str, all_n: bool) -> list[tuple[str, int, int]]:
+    task = TASKS[name]
+    keys = []
+    for p in STAGES:
+        keys += [("1f1b", p, n) for n in one_f_one_b_ns(task, p)]
+        keys.append(("gpipe", p, auto_n(task, p)))
+        keys += [(v, p, n) for n in _ns(task, p, all_n) for v in ("async", "pipemare")]
+    return keys
+
+
+def measure_times(out: Path, names: list[str], all_n: bool, steps: int = 16) -> dict[str, float]:
+    """Pipeline seconds per step of every configuration the tables need, one at a time (run
+    it alone on the machine)."""
+    import torch
+    from tqdm import tqdm
+
+    from pipemare.experiments.studies.protocol import step_time
+
+    path = out / "step_times.json"
+    times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    todo = [
+        (t, v, p, n)
+        for t in names
+        for v, p, n in _time_keys(t, all_n)
+        if f"{t}-{v}-P{p}-N{n}" not in times
+    ]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core per stage's work, as the runs train
+    try:
+        for t, v, p, n in tqdm(todo, desc="pipeline time per step", unit="config"):
+            times[f"{t}-{v}-P{p}-N{n}"] = step_time(TASKS[t], v, p, n, None, steps)
+            path.write_text(json.dumps(times, indent=1, sort_keys=True))
+    finally:
+        torch.set_num_threads(threads)
+    return times
+
+
+def _final(run: RunResult) -> float:
+    return run.metric[-1] if run.metric and math.isfinite(run.metric[-1]) else math.nan
+
+
+def _reach(run: RunResult, target: float, higher: bool) -> float:
+    for step, value in zip(run.steps, run.metric, strict=True):
+        if math.isfinite(value) and (value >= target if higher else value <= target):
+            return float(step)
+    return math.inf
+
+
+def _spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
+
+
+def verdict(row: dict[str, Any], baseline: dict[str, Any], higher: bool) -> dict[str, bool]:
+    """Issue 40's bar for one cell ``row`` against 1F1B's row ``baseline`` (the same P) and
+    ``row["async"]``, uncorrected async's quality at the same P and N."""
+    ref = baseline["final"]
+    if higher:
+        quality = row["final"] >= ref - QUALITY["acc"]
+        not_below_async = row["final"] >= row["async"] - row["async_spread"] - row["spread"]
+    else:
+        quality = row["final"] <= ref * (1 + QUALITY["loss"])
+        not_below_async = row["final"] <= row["async"] + row["async_spread"] + row["spread"]
+    ratio = row["time_vs_1f1b"]
+    bound = baseline["bubble_bound"]
+    sooner = ratio <= 0.8 or (bound > 0.75 and ratio <= bound + 0.05)
+    return {"quality": quality, "sooner": sooner, "not_below_async": not_below_async}
+
+
+def tabulate(
+    out: Path, name: str, rate: float, cells: dict[tuple[str, int, int], list[Job]], times: dict
+) -> dict[str, Any]:
+    """One task's table: per P, 1F1B at N*, gpipe, and the asynchronous cells."""
+    task = TASKS[name]
+    higher = task.higher_is_better
+    sync = [load_result(out, j) for j in cells[("gpipe", 2, 1)]]
+    final = statistics.fmean(_final(r) for r in sync)
+    target = final - REACH["acc"] if higher else final * (1 + REACH["loss"])
+    sync_steps = statistics.fmean(_reach(r, target, higher) for r in sync)
+    result: dict[str, Any] = {
+        "task": name,
+        "held_out": name == HELD_OUT,
+        "metric": "val_acc" if higher else "val_loss",
+        "higher_is_better": higher,
+        "rate": rate,
+        "steps": sync[0].steps[-1],
+        "final_1f1b": final,
+        "target": target,
+        "plateau_gain": _plateau(sync, higher),
+        "stages": {},
+    }
+    for p in STAGES:
+        ns = one_f_one_b_ns(task, p)
+        per = {n: times.get(f"{name}-1f1b-P{p}-N{n}", math.nan) for n in ns}
+        n_star = min(per, key=lambda n: (per[n], n))
+        base_time = sync_steps * per[n_star]
+        baseline = {
+            "schedule": "1f1b",
+            "N": n_star,
+            "final": final,
+            "spread": _spread([_final(r) for r in sync]),
+            "steps_to_target": sync_steps,
+            "step_time_s": per[n_star],
+            "time_to_target_s": base_time,
+            "time_vs_1f1b": 1.0,
+            "bubble_bound": 1 - (p - 1) / (n_star + p - 1),
+            "step_times_by_n": per,
+        }
+        n_gpipe = auto_n(task, p)
+        gpipe_step = times.get(f"{name}-gpipe-P{p}-N{n_gpipe}", math.nan)
+        rows = [
+            {
+                "schedule": "gpipe",
+                "N": n_gpipe,
+                "final": final,
+                "spread": baseline["spread"],
+                "steps_to_target": sync_steps,
+                "step_time_s": gpipe_step,
+                "time_to_target_s": sync_steps * gpipe_step,
+                "time_vs_1f1b": sync_steps * gpipe_step / base_time,
+            }
+        ]
+        for (v, pp, n), jobs in sorted(cells.items(), key=lambda kv: (kv[0][2], kv[0][0])):
+            if pp != p or v == "gpipe":
+                continue
+            runs = [load_result(out, j) for j in jobs]
+            finals = [_final(r) for r in runs]
+            steps_to = statistics.fmean(_reach(r, target, higher) for r in runs)
+            step_s = times.get(f"{name}-{v}-P{p}-N{n}", math.nan)
+            rows.append(
+                {
+                    "schedule": v,
+                    "N": n,
+                    "default_n": n == auto_n(task, p),
+                    "final": statistics.fmean(finals),
+                    "spread": _spread(finals),
+                    "seeds": finals,
+                    "steps_to_target": steps_to,
+                    "step_time_s": step_s,
+                    "time_to_target_s": steps_to * step_s,
+                    "time_vs_1f1b": steps_to * step_s / base_time,
+                    "diverged": sum(r.diverged for r in runs),
+                }
+            )
+        by = {(r["schedule"], r["N"]): r for r in rows}
+        for r in rows:
+            if r["schedule"] == "pipemare":
+                a = by[("async", r["N"])]
+                r["async"], r["async_spread"] = a["final"], a["spread"]
+                r["verdict"] = verdict(r, baseline, higher)
+        result["stages"][str(p)] = {"1f1b": baseline, "rows": rows}
+    return result
+
+
+def _plateau(runs: list[RunResult], higher: bool) -> float:
+    """How much the synchronous run's metric improved over the last quarter of its steps."""
+    gains = []
+    for r in runs:
+        cut = 3 * r.steps[-1] / 4
+        early = [m for s, m in zip(r.steps, r.metric, strict=True) if s <= cut]
+        late = [m for s, m in zip(r.steps, r.metric, strict=True) if s > cut]
+        if early and late:
+            gains.append(max(late) - max(early) if higher else min(early) - min(late))
+    return statistics.fmean(gains) if gains else math.nan
+
+
+def _quality(value: float, spread: float, higher: bool) -> str:
+    return f"{value:.3f} ± {spread:.3f}" if math.isfinite(value) else "—"
+
+
+def _gap(value: float, ref: float, higher: bool) -> str:
+    if not math.isfinite(value):
+        return "—"
+    if higher:
+        return f"{100 * (value - ref):+.1f} pt"
+    return f"{100 * (value / ref - 1):+.1f}%"
+
+
+def _ratio(x: float) -> str:
+    return "never" if not math.isfinite(x) else f"{x:.2f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The tables of ``results.json``: the verdict summary first, then one table per task."""
+    lines = [
+        "# The user's protocol",
+        "",
+        "Generated by `pipemare user-protocol` (experiments/studies/user_protocol.py). One "
+        "rate per task, tuned on one device (gpipe's sweep), for every schedule. Quality: the "
+        "final validation metric at equal steps, mean ± half-range over seeds. Time: pipeline time "
+        "(per-action times measured once, alone, replayed) to come within 1% (0.5 point) of "
+        "1F1B's final quality, as a ratio of 1F1B's at its fastest N (N*); `never`: not within "
+        "the run. Verdicts at the default N: Q quality within 2% (1 point) of 1F1B's; T sooner "
+        "(ratio ≤ 0.8, or ≤ 1F1B's bubble bound + 0.05 where that bound is above 0.75); A not "
+        "below async beyond the seed spread.",
+        "",
+        "## Verdicts at the default N",
+        "",
+        "| task | " + " | ".join(f"P = {p}" for p in STAGES) + " |",
+        "|---|" + "---|" * len(STAGES),
+    ]
+    for name, task in results["tasks"].items():
+        cells = []
+        for p in STAGES:
+            st = task["stages"][str(p)]
+            row = next(
+                (r for r in st["rows"] if r["schedule"] == "pipemare" and r.get("default_n")),
+                None,
+            )
+            if row is None:
+                cells.append("—")
+                continue
+            v = row["verdict"]
+            marks = "".join(k if v[key] else "·" for k, key in zip("QTA", v, strict=True))
+            gap = _gap(row["final"], task["final_1f1b"], task["higher_is_better"])
+            cells.append(f"{marks} N={row['N']}: {gap}, time {_ratio(row['time_vs_1f1b'])}")
+        label = f"{name} (held out)" if task["held_out"] else name
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for name, task in results["tasks"].items():
+        higher = task["higher_is_better"]
+        lines += [
+            "",
+            f"## {name}{' (held out: decides no default)' if task['held_out'] else ''}",
+            "",
+            f"{task['metric']}, rate {task['rate']:g} (tuned on one device), {task['steps']} "
+            f"steps; 1F1B's final quality {task['final_1f1b']:.3f}, target {task['target']:.3f}; "
+            f"the synchronous run's metric moved {task['plateau_gain']:.4f} over its last "
+            "quarter.",
+            "",
+            "| P | schedule | N | quality | vs 1F1B | steps to target | ms/step | "
+            "time to target vs 1F1B | verdict |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for p in STAGES:
+            st = task["stages"][str(p)]
+            b = st["1f1b"]
+            lines.append(
+                f"| {p} | 1f1b (N* by time) | {b['N']} | "
+                f"{_quality(b['final'], b['spread'], higher)} | | "
+                f"{b['steps_to_target']:.0f} | {1e3 * b['step_time_s']:.2f} | 1.00 "
+                f"(bubble bound {b['bubble_bound']:.2f}) | |"
+            )
+            for r in st["rows"]:
+                v = r.get("verdict")
+                mark = "" if v is None else " ".join(k for k, ok in v.items() if not ok) or "all"
+                mark = "" if v is None else ("meets" if mark == "all" else f"misses {mark}")
+                steps = r["steps_to_target"]
+                lines.append(
+                    f"| {p} | {r['schedule']}{' (default N)' if r.get('default_n') else ''} | "
+                    f"{r['N']} | {_quality(r['final'], r['spread'], higher)} | "
+                    f"{_gap(r['final'], task['final_1f1b'], higher)} | "
+                    f"{'never' if not math.isfinite(steps) else f'{steps:.0f}'} | "
+                    f"{1e3 * r['step_time_s']:.2f} | {_ratio(r['time_vs_1f1b'])} | {mark} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def plot(out: Path, results: dict[str, Any], cells: dict[str, dict], name: str) -> Path | None:
+    """Validation metric against pipeline time, pipemare (default N) against 1F1B (N*), per P,
+    for task ``name``: ``loss_vs_time_NAME.png``."""
+    if name not in results["tasks"]:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    task = results["tasks"][name]
+    fig, axes = plt.subplots(1, len(STAGES), figsize=(4.2 * len(STAGES), 3.4), sharey=True)
+    for ax, p in zip(axes, STAGES, strict=True):
+        st = task["stages"][str(p)]
+        b = st["1f1b"]
+        series = [("1f1b", b["N"], ("gpipe", 2, 1), b["step_time_s"], "#1f77b4")]
+        for r in st["rows"]:
+            if r.get("default_n"):
+                color = "#2ca02c" if r["schedule"] == "pipemare" else "#ff7f0e"
+                series.append(
+                    (r["schedule"], r["N"], (r["schedule"], p, r["N"]), r["step_time_s"], color)
+                )
+        for label, n, key, step_s, color in series:
+            for i, job in enumerate(cells[name][key]):
+                run = load_result(out, job)
+                x = [s * step_s for s in run.steps]
+                ax.plot(
+                    x,
+                    run.metric,
+                    color=color,
+                    alpha=0.8,
+                    label=f"{label} N={n}" if i == 0 else None,
+                )
+        ax.axhline(task["target"], color="grey", lw=0.8, ls="--")
+        ax.set_title(f"P = {p}")
+        ax.set_xlabel("pipeline time (s)")
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel(task["metric"])
+    fig.suptitle(f"{name}: validation against pipeline time (rate {task['rate']:g}, one device's)")
+    fig.tight_layout()
+    path = out / f"loss_vs_time_{name.replace('@', '_')}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def run_compare(
+    out: Path,
+    names: list[str],
+    seeds: int = 2,
+    workers: int = 2,
+    steps: int | None = None,
+    all_n: bool = False,
+    phase: str = "all",
+) -> dict[str, Any]:
+    """Tune, train, time and tabulate (see the module's docstring); returns ``results.json``.
+
+    ``phase``: ``"runs"`` trains only (it may share the machine); ``"times"`` measures the step
+    times only (alone on the machine); ``"table"`` tabulates what is stored; ``"all"`` all three.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    rates_path = out / "rates.json"
+    rates: dict[str, float] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
+    if phase == "times":
+        measure_times(out, names, all_n)
+        return {}
+    cells: dict[str, dict] = {}
+    for name in names:
+        if name not in rates:
+            rates[name] = tune_rate(out, name, workers, steps)
+            rates_path.write_text(json.dumps(rates, indent=1, sort_keys=True))
+        cells[name] = jobs_for(name, rates[name], seeds, all_n, steps)
+        if phase in ("runs", "all"):
+            execute([j for js in cells[name].values() for j in js], out, workers, name)
+    if phase == "runs":
+        return {}
+    if phase == "all":
+        measure_times(out, names, all_n)
+    times = json.loads((out / "step_times.json").read_text())
+    results = {
+        "tasks": {n: tabulate(out, n, rates[n], cells[n], times) for n in names},
+        "held_out": HELD_OUT,
+        "seeds": seeds,
+    }
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(markdown(results))
+    for name in names:
+        plot(out, results, cells, name)
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = command_parser("pipemare user-protocol", __doc__)
+    parser.add_argument("--out", type=Path, default=Path("runs/user-protocol"))
+    parser.add_argument("--tasks", nargs="+", default=list(USER_TASKS), choices=sorted(TASKS))
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2, help="runs at once (one core each)")
+    parser.add_argument("--steps", type=int, help="steps per run (default: the task's)")
+    parser.add_argument(
+        "--all-n", action="store_true", help="N = 1 and N = P as well as the default N"
+    )
+    parser.add_argument(
+        "--phase",
+        choices=("all", "runs", "times", "table"),
+        default="all",
+        help="runs: train only; times: measure step times only (alone on the machine); "
+        "table: tabulate what is stored",
+    )
+    args = parser.parse_args(argv)
+    run_compare(args.out, args.tasks, args.seeds, args.workers, args.steps, args.all_n, args.phase)
+    if args.phase in ("all", "table"):
+        print((args.out / "results.md").read_text())

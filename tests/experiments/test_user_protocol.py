@@ -1,0 +1,50 @@
+"""The user's protocol (``pipemare user-protocol``): its baseline's N and its verdicts."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipemare.experiments.studies import user_protocol
+from pipemare.experiments.studies.protocol import TASKS
+
+
+def test_1f1b_is_timed_at_every_n_dividing_the_batch_up_to_4p_and_pipemare_at_the_default():
+    task = TASKS["char_gpt@adamw"]  # batch 16
+    assert user_protocol.one_f_one_b_ns(task, 2) == [1, 2, 4, 8]
+    assert user_protocol.one_f_one_b_ns(task, 8) == [1, 2, 4, 8, 16]
+    assert [user_protocol.auto_n(task, p) for p in user_protocol.STAGES] == [2, 4, 8]
+    assert user_protocol.HELD_OUT in user_protocol.USER_TASKS
+    assert not TASKS[user_protocol.HELD_OUT].tuned
+
+
+def _row(final, time, async_final, spread=0.0, async_spread=0.0):
+    return {
+        "final": final,
+        "spread": spread,
+        "time_vs_1f1b": time,
+        "async": async_final,
+        "async_spread": async_spread,
+    }
+
+
+@pytest.mark.parametrize(
+    ("row", "bound", "expected"),
+    [
+        (_row(2.04, 0.79, 2.10), 0.5, (True, True, True)),  # +2%, 0.79 of 1F1B's time
+        (_row(2.05, 0.79, 2.10), 0.5, (False, True, True)),  # +2.5%: quality missed
+        (_row(2.04, 0.85, 2.10), 0.5, (True, False, True)),  # slower than 0.8
+        (_row(2.04, 0.85, 2.10), 0.82, (True, True, True)),  # within the bubble bound + 0.05
+        (_row(2.04, 0.5, 2.00, 0.01, 0.01), 0.5, (True, True, False)),  # below async
+        (_row(2.04, 0.5, 2.00, 0.02, 0.02), 0.5, (True, True, True)),  # within the spread
+    ],
+)
+def test_verdicts_follow_the_issues_bar_for_a_loss(row, bound, expected):
+    baseline = {"final": 2.0, "bubble_bound": bound}
+    got = user_protocol.verdict(row, baseline, higher=False)
+    assert (got["quality"], got["sooner"], got["not_below_async"]) == expected
+
+
+def test_verdicts_for_accuracy_count_points():
+    baseline = {"final": 0.95, "bubble_bound": 0.5}
+    assert user_protocol.verdict(_row(0.941, 0.7, 0.93), baseline, higher=True)["quality"]
+    assert not user_protocol.verdict(_row(0.939, 0.7, 0.93), baseline, higher=True)["quality"]
