@@ -68,18 +68,20 @@ def measure_step_times(
     return times
 
 
-def _first_reach(run: RunResult, target: float, higher: bool) -> float:
+def first_reach(run: RunResult, target: float, higher: bool) -> float:
+    """The first evaluated step where ``run`` reached ``target`` (inf: never)."""
     for step, value in zip(run.steps, run.metric, strict=True):
         if math.isfinite(value) and (value >= target if higher else value <= target):
             return float(step)
     return math.inf
 
 
-def _spread(values: list[float]) -> float:
+def spread(values: list[float]) -> float:
+    """Half the range of ``values`` (0 for one)."""
     return (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
 
 
-def _plateau(runs: list[RunResult], higher: bool) -> float:
+def plateau(runs: list[RunResult], higher: bool) -> float:
     """How much gpipe's best improved over the last quarter of its run (mean over seeds)."""
     gains = []
     for r in runs:
@@ -110,7 +112,7 @@ def tabulate(
         sync_best = [r.best(higher) for r in sync_runs]
         # gpipe's final quality: the level every gpipe seed reached (the weaker seed's best)
         target = min(sync_best) if higher else max(sync_best)
-        sync_steps = statistics.fmean(_first_reach(r, target, higher) for r in sync_runs)
+        sync_steps = statistics.fmean(first_reach(r, target, higher) for r in sync_runs)
         rows = []
         for p, n in grid:
             for v in variants:
@@ -123,7 +125,7 @@ def tabulate(
                     rows.append({"P": p, "N": n, "schedule": v, "refused": refused})
                     continue
                 best = [r.best(higher) for r in runs]
-                reach = [_first_reach(r, target, higher) for r in runs]
+                reach = [first_reach(r, target, higher) for r in runs]
                 steps_to = statistics.fmean(reach)
                 per_step = times.get(f"{t}-{v}-P{p}-N{n}", math.nan)
                 sync_per_step = times.get(f"{t}-gpipe-P{p}-N{n}", math.nan)
@@ -136,7 +138,7 @@ def tabulate(
                         "schedule": v,
                         "lr": seeded[key][0].lr,
                         "best": mean,
-                        "spread": _spread(best),
+                        "spread": spread(best),
                         "seeds": best,
                         "gap": gap,
                         "relative_gap": gap / abs(statistics.fmean(sync_best)),
@@ -177,7 +179,7 @@ def tabulate(
             "steps": sync_runs[0].steps[-1],
             "target": target,
             "gpipe_best": sync_best,
-            "gpipe_plateau_gain": _plateau(sync_runs, higher),
+            "gpipe_plateau_gain": plateau(sync_runs, higher),
             "rows": rows,
         }
     results["verdicts"] = verdicts(results)

@@ -41,6 +41,7 @@ from typing import Any
 
 from pipemare.experiments._commands import command_parser
 from pipemare.experiments.studies.fair import best_rate, execute, next_rate
+from pipemare.experiments.studies.fair_report import first_reach, plateau, spread
 from pipemare.experiments.studies.grid import Job, load_result
 from pipemare.experiments.studies.protocol import TASKS, RunResult, Task
 
@@ -132,7 +133,9 @@ def _time_keys(name: str, all_n: bool) -> list[tuple[str, int, int]]:
     return keys
 
 
-def measure_times(out: Path, names: list[str], all_n: bool, steps: int = 16) -> dict[str, float]:
+def measure_times(
+    out: Path, names: list[str], all_n: bool, steps: int = 12, repeats: int = 2
+) -> dict[str, float]:
     """Pipeline seconds per step of every configuration the tables need, one at a time (run
     it alone on the machine)."""
     import torch
@@ -152,7 +155,7 @@ def measure_times(out: Path, names: list[str], all_n: bool, steps: int = 16) -> 
     torch.set_num_threads(1)  # one core per stage's work, as the runs train
     try:
         for t, v, p, n in tqdm(todo, desc="pipeline time per step", unit="config"):
-            times[f"{t}-{v}-P{p}-N{n}"] = step_time(TASKS[t], v, p, n, None, steps)
+            times[f"{t}-{v}-P{p}-N{n}"] = step_time(TASKS[t], v, p, n, None, steps, repeats=repeats)
             path.write_text(json.dumps(times, indent=1, sort_keys=True))
     finally:
         torch.set_num_threads(threads)
@@ -161,17 +164,6 @@ def measure_times(out: Path, names: list[str], all_n: bool, steps: int = 16) -> 
 
 def _final(run: RunResult) -> float:
     return run.metric[-1] if run.metric and math.isfinite(run.metric[-1]) else math.nan
-
-
-def _reach(run: RunResult, target: float, higher: bool) -> float:
-    for step, value in zip(run.steps, run.metric, strict=True):
-        if math.isfinite(value) and (value >= target if higher else value <= target):
-            return float(step)
-    return math.inf
-
-
-def _spread(values: list[float]) -> float:
-    return (max(values) - min(values)) / 2 if len(values) > 1 else 0.0
 
 
 def verdict(row: dict[str, Any], baseline: dict[str, Any], higher: bool) -> dict[str, bool]:
@@ -199,7 +191,7 @@ def tabulate(
     sync = [load_result(out, j) for j in cells[("gpipe", 2, 1)]]
     final = statistics.fmean(_final(r) for r in sync)
     target = final - REACH["acc"] if higher else final * (1 + REACH["loss"])
-    sync_steps = statistics.fmean(_reach(r, target, higher) for r in sync)
+    sync_steps = statistics.fmean(first_reach(r, target, higher) for r in sync)
     result: dict[str, Any] = {
         "task": name,
         "held_out": name == HELD_OUT,
@@ -209,7 +201,7 @@ def tabulate(
         "steps": sync[0].steps[-1],
         "final_1f1b": final,
         "target": target,
-        "plateau_gain": _plateau(sync, higher),
+        "plateau_gain": plateau(sync, higher),
         "stages": {},
     }
     for p in STAGES:
@@ -221,7 +213,7 @@ def tabulate(
             "schedule": "1f1b",
             "N": n_star,
             "final": final,
-            "spread": _spread([_final(r) for r in sync]),
+            "spread": spread([_final(r) for r in sync]),
             "steps_to_target": sync_steps,
             "step_time_s": per[n_star],
             "time_to_target_s": base_time,
@@ -233,7 +225,7 @@ def tabulate(
         gpipe_step = times.get(f"{name}-gpipe-P{p}-N{n_gpipe}", math.nan)
         rows = [
             {
-                "schedule": "gpipe",
+                "schedule": "gpipe (pipemare's N)",
                 "N": n_gpipe,
                 "final": final,
                 "spread": baseline["spread"],
@@ -248,7 +240,7 @@ def tabulate(
                 continue
             runs = [load_result(out, j) for j in jobs]
             finals = [_final(r) for r in runs]
-            steps_to = statistics.fmean(_reach(r, target, higher) for r in runs)
+            steps_to = statistics.fmean(first_reach(r, target, higher) for r in runs)
             step_s = times.get(f"{name}-{v}-P{p}-N{n}", math.nan)
             rows.append(
                 {
@@ -256,7 +248,7 @@ def tabulate(
                     "N": n,
                     "default_n": n == auto_n(task, p),
                     "final": statistics.fmean(finals),
-                    "spread": _spread(finals),
+                    "spread": spread(finals),
                     "seeds": finals,
                     "steps_to_target": steps_to,
                     "step_time_s": step_s,
@@ -273,18 +265,6 @@ def tabulate(
                 r["verdict"] = verdict(r, baseline, higher)
         result["stages"][str(p)] = {"1f1b": baseline, "rows": rows}
     return result
-
-
-def _plateau(runs: list[RunResult], higher: bool) -> float:
-    """How much the synchronous run's metric improved over the last quarter of its steps."""
-    gains = []
-    for r in runs:
-        cut = 3 * r.steps[-1] / 4
-        early = [m for s, m in zip(r.steps, r.metric, strict=True) if s <= cut]
-        late = [m for s, m in zip(r.steps, r.metric, strict=True) if s > cut]
-        if early and late:
-            gains.append(max(late) - max(early) if higher else min(early) - min(late))
-    return statistics.fmean(gains) if gains else math.nan
 
 
 def _quality(value: float, spread: float, higher: bool) -> str:
