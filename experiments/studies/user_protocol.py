@@ -182,7 +182,7 @@ def verdict(row: dict[str, Any], baseline: dict[str, Any], higher: bool) -> dict
     return {"quality": quality, "sooner": sooner, "not_below_async": not_below_async}
 
 
-def tabulate(
+def task_table(
     out: Path, name: str, rate: float, cells: dict[tuple[str, int, int], list[Job]], times: dict
 ) -> dict[str, Any]:
     """One task's table: per P, 1F1B at N*, gpipe, and the asynchronous cells."""
@@ -358,7 +358,9 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(out: Path, results: dict[str, Any], cells: dict[str, dict], name: str) -> Path | None:
+def plot_against_time(
+    out: Path, results: dict[str, Any], cells: dict[str, dict], name: str
+) -> Path | None:
     """Validation metric against pipeline time, pipemare (default N) against 1F1B (N*), per P,
     for task ``name``: ``loss_vs_time_NAME.png``."""
     if name not in results["tasks"]:
@@ -438,14 +440,14 @@ def run_compare(
         measure_times(out, names, all_n)
     times = json.loads((out / "step_times.json").read_text())
     results = {
-        "tasks": {n: tabulate(out, n, rates[n], cells[n], times) for n in names},
+        "tasks": {n: task_table(out, n, rates[n], cells[n], times) for n in names},
         "held_out": HELD_OUT,
         "seeds": seeds,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(markdown(results))
     for name in names:
-        plot(out, results, cells, name)
+        plot_against_time(out, results, cells, name)
     return results
 
 

@@ -27,7 +27,9 @@ class _Record(pl.Callback):
         self.values.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
 
 
-def run(log: Path, steps: int, lr: float, schedule: str | None = None, stages: int = 1) -> float:
+def train_once(
+    log: Path, steps: int, lr: float, schedule: str | None = None, stages: int = 1
+) -> float:
     pl.seed_everything(0, verbose=False)
     adamw = functools.partial(torch.optim.AdamW, lr=lr, weight_decay=0.01)
     model = CharGPT(d_model=512, heads=8, layers=8, context=64, optimizer=adamw)
@@ -71,11 +73,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     args = parser.parse_args()
     log = args.out / "gpt_gpu.jsonl"
-    finals = {lr: run(log, args.steps, lr) for lr in (3e-4, 1e-3, 3e-3)}
+    finals = {lr: train_once(log, args.steps, lr) for lr in (3e-4, 1e-3, 3e-3)}
     best = min(finals, key=lambda lr: (finals[lr], lr))
     for stages in (2, 4, 8):
         for schedule in ("pipemare", "async"):
-            run(log, args.steps, best, schedule, stages)
+            train_once(log, args.steps, best, schedule, stages)
 
 
 if __name__ == "__main__":
