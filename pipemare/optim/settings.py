@@ -57,6 +57,7 @@ from pipemare.optim.corrections.base import (
     momentum_is_average,
 )
 from pipemare.optim.corrections.spike import unsupported
+from pipemare.optim.expectations import expectation
 from pipemare.schedule.actions import spec
 from pipemare.schedule.delay import StageDelay, derive_delays
 
@@ -644,6 +645,10 @@ def resolve(
     _local_accumulation(r)
     if config.stability_guard:  # its before_step sets the strength the others read after it
         r.run("stability_guard", config.warmup_steps, threshold=config.guard_threshold)
+    if schedule == "pipemare" and microbatches == auto_microbatches(schedule, len(delays))[0]:
+        expected = expectation(optimizer, len(delays))  # measured at the default layout only
+        if expected is not None:
+            r.decide("what to expect", expected, "measured at this layout's default")
     return RunSettings(
         schedule=schedule,
         stages=len(delays),
