@@ -16,7 +16,7 @@ import torch
 
 from pipemare.optim.corrections.base import group_momentum, is_adam_family, is_muon
 
-__all__ = ["MEASURED", "expectation", "family"]
+__all__ = ["MEASURED", "expectation", "optimizer_family"]
 
 #: (family, P) -> (tasks where pipemare reached 1F1B's quality sooner, tasks measured), from
 #: ``pipemare user-protocol`` on small models with CPU cores for devices (2026-11-27): at
@@ -39,7 +39,7 @@ MEASURED: dict[tuple[str, int], tuple[int, int]] = {
 _NAMES = {"adam": "the Adam family", "muon": "Muon + AdamW", "sgd": "SGD with momentum"}
 
 
-def family(optimizer: torch.optim.Optimizer) -> str | None:
+def optimizer_family(optimizer: torch.optim.Optimizer) -> str | None:
     """``"muon"`` if any group steps as Muon, ``"adam"`` if every group is of the Adam family,
     ``"sgd"`` for SGD with momentum; None otherwise (nothing was measured for it)."""
     groups = optimizer.param_groups
@@ -56,7 +56,7 @@ def expectation(optimizer: torch.optim.Optimizer, stages: int) -> str | None:
     """What to expect of pipemare's default at P = ``stages`` with ``optimizer``, where the
     protocol measured that 1F1B reaches the one-device quality sooner in most tasks; None where
     pipemare won, or nothing was measured."""
-    kind = family(optimizer)
+    kind = optimizer_family(optimizer)
     if kind is None or (kind, stages) not in MEASURED:
         return None
     sooner, tasks = MEASURED[(kind, stages)]

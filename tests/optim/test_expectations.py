@@ -10,11 +10,11 @@ import torch
 
 from pipemare.experiments.studies.protocol import TASKS
 from pipemare.optim import resolve
-from pipemare.optim.expectations import MEASURED, expectation, family
+from pipemare.optim.expectations import MEASURED, expectation, optimizer_family
 
 RESULTS = Path(__file__).resolve().parents[2] / "experiments/results/user_protocol/results.json"
 
-#: each task's optimiser family, as :func:`family` reads the optimiser the task trains with
+#: each task's optimiser family, as :func:`optimizer_family` reads its optimiser
 FAMILIES = {"adam": "adam", "adamw": "adam", "muon": "muon", "sgdm": "sgd"}
 
 
@@ -42,7 +42,7 @@ def test_a_losing_layout_is_said_once_at_setup_and_a_winning_one_is_not():
         if kind not in optimizers:
             continue
         opt = optimizers[kind]
-        assert family(opt) == kind
+        assert optimizer_family(opt) == kind
         said = expectation(opt, p)
         assert (said is not None) == (2 * sooner <= tasks)
         decided = [d for d in resolve(None, opt, stages=p, microbatches=p).decisions]
@@ -51,4 +51,4 @@ def test_a_losing_layout_is_said_once_at_setup_and_a_winning_one_is_not():
         # at N = 1 (not the default layout) nothing measured applies
         at_one = resolve(None, opt, stages=p, microbatches=1).decisions
         assert not [d for d in at_one if d.subject == "what to expect"]
-    assert family(torch.optim.SGD(params, lr=0.1)) is None  # plain SGD: not measured
+    assert optimizer_family(torch.optim.SGD(params, lr=0.1)) is None  # plain SGD: not measured
