@@ -14,7 +14,11 @@ For Adam and AdamW the first moment ``m̂`` plays the momentum's part with ``m =
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
+from torch import nn
 
 from pipemare.optim.corrections.base import (
     Correction,
@@ -101,29 +105,52 @@ class SpikeCompensation(Correction):
         delay = self._delay(stage)
         if delay <= 0 or not self._applies(minibatch):
             return
-        decoupled = isinstance(self.view.optimizer, torch.optim.AdamW)
+        # One fused pass per param group (and Adam step count): a loop over the weights costs
+        # several small kernels per tensor, a visible share of a step on narrow layers.
+        groups: dict[tuple[int, float], tuple[Mapping[str, Any], list[nn.Parameter]]] = {}
+        state = self.view.optimizer.state
         for p, hp in zip(params, hparams, strict=True):
-            m = group_momentum(hp)
-            if p.grad is None or m == 0.0:
+            if p.grad is None or group_momentum(hp) == 0.0:
                 continue
-            a, b = spike_coefficients(m, delay)
-            lr = float(hp["lr"]) / a  # the rate before this correction's own factor
-            state = self.view.optimizer.state[p]
-            adam = "betas" in hp
+            t = float(state[p]["step"]) if "betas" in hp else 0.0
+            groups.setdefault((id(hp), t), (hp, []))[1].append(p)
+        decoupled = isinstance(self.view.optimizer, torch.optim.AdamW)
+        for (_, t), (hp, ps) in groups.items():
+            self._compensate(ps, hp, t, delay, decoupled)
+
+    def _compensate(
+        self,
+        params: list[nn.Parameter],
+        hp: Mapping[str, Any],
+        t: float,
+        delay: float,
+        decoupled: bool,
+    ) -> None:
+        """The ``b`` term of one group's weights ``params`` (Adam's step count ``t``), each with a
+        gradient."""
+        a, b = spike_coefficients(group_momentum(hp), delay)
+        lr = float(hp["lr"]) / a  # the rate before this correction's own factor
+        state = self.view.optimizer.state
+        ps: list[torch.Tensor] = list(params)
+        adam = "betas" in hp
+        if adam:
+            beta1, beta2 = hp["betas"]
+            denom = torch._foreach_div([state[p]["exp_avg_sq"] for p in ps], 1 - beta2**t)
+            torch._foreach_sqrt_(denom)
+            torch._foreach_add_(denom, hp["eps"])
+        grads: list[torch.Tensor] = [p.grad for p in ps if p.grad is not None]
+        wd = hp.get("weight_decay", 0)
+        if wd and not (decoupled or hp.get("decoupled_weight_decay")):
+            # L2 decay is part of the gradient the optimiser saw: of the weights before its
+            # step, which the step's own direction gives back
             if adam:
-                t = float(state["step"])
-                beta1, beta2 = hp["betas"]
-                denom = (state["exp_avg_sq"] / (1 - beta2**t)).sqrt_().add_(hp["eps"])
-                direction = state["exp_avg"] / (1 - beta1**t) / denom
+                direction = torch._foreach_div([state[p]["exp_avg"] for p in ps], 1 - beta1**t)
+                torch._foreach_div_(direction, denom)
             else:
-                direction = state["momentum_buffer"]
-            g = p.grad
-            wd = hp.get("weight_decay", 0)
-            if wd and not (decoupled or hp.get("decoupled_weight_decay")):
-                # L2 decay is part of the gradient the optimiser saw: of the weights before
-                # its step, which the step's own direction gives back
-                g = g.add(p.detach() + float(hp["lr"]) * direction, alpha=wd)
-            if adam:
-                p.addcdiv_(g, denom, value=-lr * b * (1 - beta1) / (1 - beta1**t))
-            else:
-                p.add_(g, alpha=-lr * b)
+                direction = tuple(state[p]["momentum_buffer"] for p in ps)
+            before = torch._foreach_add([p.detach() for p in ps], direction, alpha=float(hp["lr"]))
+            grads = list(torch._foreach_add(grads, before, alpha=wd))
+        if adam:
+            torch._foreach_addcdiv_(ps, grads, denom, value=-lr * b * (1 - beta1) / (1 - beta1**t))
+        else:
+            torch._foreach_add_(ps, grads, alpha=-lr * b)
