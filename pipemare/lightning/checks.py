@@ -15,6 +15,7 @@ from typing import Any
 
 from pipemare.engine.build import check_arguments
 from pipemare.lightning.launching import START_METHODS, LightningAPI
+from pipemare.model.segments import DYNAMIC_SHAPES
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import check_for_schedule, resolve
 
@@ -41,6 +42,7 @@ def check_strategy_arguments(
     start_method: Any,
     module: Any = None,
     split_points: Any = None,
+    dynamic_shapes: Any = "auto",
     timeout: Any,
     stall_timeout: Any,
     recompute: Any,
@@ -91,6 +93,11 @@ def check_strategy_arguments(
         raise ValueError(
             "split_points must be a list of module names, each a cut before that module, e.g. "
             f"['gpt.transformer.h.2', 'gpt.transformer.h.4'], got {split_points!r}"
+        )
+    if dynamic_shapes not in DYNAMIC_SHAPES:
+        raise ValueError(
+            "dynamic_shapes must be 'auto' (the batch and the sequence length may vary) or "
+            f"'all' (every input size, images' too), got {dynamic_shapes!r}"
         )
     if not isinstance(timeout, datetime.timedelta):
         raise ValueError(

@@ -15,6 +15,7 @@ stand-in:
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -85,12 +86,19 @@ class ModuleAdapter:
         path: dotted path of the pipelined module inside ``module``.
         split_points: where to cut a module that is not a Sequential (module names, each cut
             before that module); None: at its repeated blocks.
+        dynamic_shapes: which input sizes may vary (``"auto"`` or ``"all"``, see
+            :func:`~pipemare.model.segments.segment_module`).
     """
 
     def __init__(
-        self, module: nn.Module, path: str, split_points: Sequence[str] | None = None
+        self,
+        module: nn.Module,
+        path: str,
+        split_points: Sequence[str] | None = None,
+        dynamic_shapes: str = "auto",
     ) -> None:
         self.module, self.path = module, path
+        self.dynamic_shapes = dynamic_shapes
         parent, _, attr = path.rpartition(".")
         self._parent = module.get_submodule(parent) if parent else module
         self._attr = attr
@@ -108,6 +116,8 @@ class ModuleAdapter:
             self.pipelined if isinstance(self.pipelined, nn.Sequential) else None
         )
         self.segmented = self.sequential is None
+        #: seconds spent tracing and cutting the module (None: not cut here)
+        self.cut_seconds: float | None = None
 
     @property
     def what(self) -> str:
@@ -136,9 +146,15 @@ class ModuleAdapter:
             from pipemare.model.segments import segment_module
 
             call_args, call_kwargs = self._capture(step, *args)
+            start = time.perf_counter()
             self.sequential = segment_module(
-                self.pipelined, call_args, call_kwargs, split_points=self.split_points
+                self.pipelined,
+                call_args,
+                call_kwargs,
+                split_points=self.split_points,
+                dynamic=self.dynamic_shapes,
             )
+            self.cut_seconds = time.perf_counter() - start
         return self.sequential
 
     @contextlib.contextmanager

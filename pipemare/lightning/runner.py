@@ -81,6 +81,7 @@ class PipelineRunner:
         #: N once decided (asked, or ``"auto"`` chosen at the first batch), and the decision
         self.microbatches: int | None = None
         self._n_decided: list[Decision] = []
+        self._call_decided: list[Decision] = []  # arguments set for the pipelined calls
 
     # -- what the runner reads of the run ---------------------------------------------------
 
@@ -117,7 +118,9 @@ class PipelineRunner:
         """Find the module to pipeline and refuse, before anything runs, what cannot be cut."""
         strategy = self.strategy
         path, _ = cuts.find_pipelined(module, strategy.module_name)
-        self.adapter = adapter = ModuleAdapter(module, path, strategy.split_points)
+        self.adapter = adapter = ModuleAdapter(
+            module, path, strategy.split_points, strategy.dynamic_shapes
+        )
         checks.check_split_points(adapter, strategy.split_points)
         self._check_cut()  # a module cut into segments is checked at the first batch
         adapter.check_no_outside_parameters()
@@ -173,7 +176,8 @@ class PipelineRunner:
         if self.pipeline is None:
             self._prepare_model(batch, step, args)
             cut, decided = self._balance(batch, step, args)
-            self.pipeline = pipe = self._build(cut, [*self._n_decided, *decided])
+            decided = [*self._call_decided, *self._n_decided, *decided]
+            self.pipeline = pipe = self._build(cut, decided)
             self.cut = list(pipe.balance)
             self._load_pending_state()
             self.announce()
@@ -194,6 +198,7 @@ class PipelineRunner:
             with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
                 adapter.prepare(step, batch, *args)
             self._check_cut()
+            self._call_decided = call_decisions(adapter)
         self._decide_microbatches(batch)
         if self.fitting:
             check_last_batch(self.module.trainer, self.strategy.microbatches)
@@ -534,3 +539,33 @@ class PipelineRunner:
         self._pending_state = None
         checkpoint.warn_layout_changes(notes, self.api.rank_zero_warn)
         checkpoint.warn_run_changes(run_notes, self.api.rank_zero_warn)
+
+
+def call_decisions(adapter: ModuleAdapter) -> list[Decision]:
+    """How the module was cut, in how long, and what its calls get that the user's step does
+    not pass, with the reasons."""
+    seq = adapter.sequential
+    if not adapter.segmented or seq is None:
+        return []
+    out = [
+        Decision(
+            "segments",
+            f"{len(seq)}, traced and cut in {adapter.cut_seconds or 0.0:.1f} s",
+            f"{type(adapter.pipelined).__name__} is not an nn.Sequential: torch.export traced "
+            "its forward at the first batch",
+        )
+    ]
+    defaults = getattr(seq, "call_defaults", {})
+    if "use_cache" not in defaults:
+        return out
+    config = getattr(adapter.pipelined, "config", None)
+    kept = getattr(config, "use_cache", None)
+    return [
+        *out,
+        Decision(
+            "use_cache",
+            f"False in {adapter.what}'s calls",
+            "a key/value cache for generation cannot travel between stages and training does "
+            "not read it" + (f"; its config keeps use_cache={kept}" if kept is not None else ""),
+        ),
+    ]

@@ -80,6 +80,11 @@ class PipeMareStrategy(ParallelStrategy):
             (:func:`pipemare.model.segments.segment_module`). ``sequential``: its former name.
         split_points: cuts of a module that is not a Sequential, each before the named module
             (``["gpt.transformer.h.2"]``); default its pipeline plan or its repeated blocks.
+        dynamic_shapes: which input sizes of a traced module may change between batches:
+            ``"auto"`` (default) the batch, and the length of token-like inputs (rank 1 to 3:
+            ids, masks, labels, embeddings), as padding each batch to its longest sequence
+            needs; ``"all"`` every size, images' height and width included (tracing may then
+            take minutes on windowed vision transformers such as Swin).
         start_method: how Lightning starts processes: ``popen`` (default), ``spawn``, ``fork``.
         timeout: the process group's timeout (default 30 minutes).
         stall_timeout: seconds a process waits for another stage before it fails, naming that
@@ -135,6 +140,7 @@ class PipeMareStrategy(ParallelStrategy):
         sequential: str | None = None,
         module: str | None = None,
         split_points: Sequence[str] | None = None,
+        dynamic_shapes: str = "auto",
         start_method: str = "popen",
         timeout: datetime.timedelta = datetime.timedelta(minutes=30),
         stall_timeout: float = 300.0,
@@ -165,6 +171,7 @@ class PipeMareStrategy(ParallelStrategy):
             sequential=sequential,
             module=module,
             split_points=split_points,
+            dynamic_shapes=dynamic_shapes,
             start_method=start_method,
             timeout=timeout,
             stall_timeout=stall_timeout,
@@ -183,6 +190,7 @@ class PipeMareStrategy(ParallelStrategy):
         self.sequential, self.recompute = sequential, recompute
         self.module_name = module if module is not None else sequential
         self.split_points = None if split_points is None else list(split_points)
+        self.dynamic_shapes = dynamic_shapes
         self._start_method, self._timeout = start_method, timeout
         self.stall_timeout = float(stall_timeout)
         self.heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)

@@ -21,14 +21,20 @@ from pipemare.model.blocks import Cut, as_cuts, block_cuts, pp_plan_cuts
 from pipemare.model.graph_split import SegmentProgram, UncuttableModelError, split_program
 
 __all__ = [
+    "DYNAMIC_SHAPES",
     "Segment",
     "SegmentedModule",
     "UncuttableModelError",
+    "cache_off",
     "export_module",
     "segment_module",
     "source_names",
     "tied_parameters",
 ]
+
+
+#: which input sizes a traced module accepts changing (see :func:`segment_module`)
+DYNAMIC_SHAPES = ("auto", "all")
 
 
 class Segment(nn.Module):
@@ -123,15 +129,19 @@ def _check_shapes(program: SegmentProgram, values: tuple, constraints: dict[Any,
         _check_input_constraints_for_graph(program.input_nodes, flat, constraints)
     except RuntimeError as err:
         raise ValueError(
-            f"the model was cut for inputs of other shapes: {err}. Cut it again "
-            "(segment_module) with example inputs of the shapes it will see"
+            f"the model was cut for inputs of other shapes: {err}. Only the batch and the "
+            "sequence length may vary by default; for other sizes (images' height and width) "
+            "cut it with dynamic='all' (PipeMareStrategy(dynamic_shapes='all'), "
+            "segment_module(..., dynamic='all')), or with example inputs of the shapes it will "
+            "see"
         ) from err
 
 
 class SegmentedModule(nn.Sequential):
     """A module cut into segments; ``self(self.flatten_inputs(*args, **kwargs))`` equals
     ``module(*args, **kwargs)``. Attributes: ``cuts`` (the cuts taken, in order), ``tied``
-    (see :func:`tied_parameters`)."""
+    (see :func:`tied_parameters`), ``call_defaults`` (keyword arguments every call gets
+    unless it passes its own, e.g. ``{"use_cache": False}``: see :func:`training_call`)."""
 
     def __init__(
         self,
@@ -141,8 +151,10 @@ class SegmentedModule(nn.Sequential):
         constants: list[Any],
         tied: list[tuple[str, list[int]]],
         signature: tuple[list[str], int],
+        call_defaults: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(*segments)
+        self.call_defaults = dict(call_defaults or {})
         self._positional, self._num_args = signature  # parameter names; how many came by position
         self.cuts = cuts
         self.tied = tied
@@ -168,7 +180,7 @@ class SegmentedModule(nn.Sequential):
         """
         from torch.export._tree_utils import reorder_kwargs
 
-        args, kwargs = self._as_traced(args, kwargs)
+        args, kwargs = self._as_traced(args, {**self.call_defaults, **kwargs})
         with contextlib.suppress(ValueError):  # the spec check below says what differs
             kwargs = reorder_kwargs(kwargs, self._in_spec)
         leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -187,22 +199,36 @@ class SegmentedModule(nn.Sequential):
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
 
-def _dynamic_shapes(module: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
-    """Every dimension of every tensor argument dynamic (``Dim.AUTO``): microbatches differ in
-    size from the example batch."""
+def _dynamic_shapes(
+    module: nn.Module, args: tuple, kwargs: dict, every: bool = False
+) -> dict[str, Any]:
+    """Which sizes may vary between calls (``Dim.AUTO``): the batch of every tensor argument
+    (microbatches differ in size from the example batch) and the sequence length of token-like
+    ones (token ids, masks and labels, rank 1 or 2; embeddings ``(batch, length, width)``), as
+    padding to each batch's longest sequence needs; with ``every``, every size. Images and other
+    inputs of rank 4 or more keep their other sizes by default: making them symbolic costs a
+    windowed vision transformer's trace minutes (a tiny Swin: 87 s against 2 s on torch 2.13)."""
     bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
 
     def spec(x: Any) -> Any:
-        return {d: Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None
+        if not isinstance(x, torch.Tensor):
+            return None
+        varying = range(x.dim()) if every or x.dim() <= 2 else (0, 1) if x.dim() == 3 else (0,)
+        return {d: Dim.AUTO for d in varying}
 
     return {name: pytree.tree_map(spec, value) for name, value in bound.items()}
 
 
 def export_module(
-    module: nn.Module, args: tuple, kwargs: dict | None = None, *, training: bool = True
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict | None = None,
+    *,
+    training: bool = True,
+    dynamic: str = "auto",
 ) -> ExportedProgram:
-    """Trace ``module`` in train or eval mode with ``torch.export`` (non-strict, sizes dynamic
-    where the model allows, else the example's sizes).
+    """Trace ``module`` in train or eval mode with ``torch.export`` (non-strict; the sizes
+    ``dynamic`` names may vary where the model allows, else the example's sizes are fixed).
 
     Raises:
         UncuttableModelError: the forward cannot be traced into one graph; the message names
@@ -223,13 +249,13 @@ def export_module(
     hook = register_module_buffer_registration_hook(traced_assignment)
     try:
         try:
-            dynamic = _dynamic_shapes(module, args, kwargs)
-            ep = torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=dynamic)
+            shapes = _dynamic_shapes(module, args, kwargs, every=dynamic == "all")
+            ep = torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=shapes)
         except Exception:
             assigned.clear()
             ep = torch.export.export(module, args, kwargs, strict=False)
     except Exception as err:
-        raise UncuttableModelError(_explain(err, module)) from err
+        raise UncuttableModelError(_explain(err, module, args, kwargs)) from err
     finally:
         hook.remove()
         module.train(was_training)
@@ -243,15 +269,57 @@ def export_module(
     return ep
 
 
-def _explain(err: Exception, module: nn.Module) -> str:
+def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
+    """What the module's own forward raises on the example (run once, without gradients, on
+    copies of the arguments, its random state kept), or None: then the trace is at fault."""
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.clone(), (args, kwargs))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            module(*args, **kwargs)
+    except Exception as err:
+        return err
+    return None
+
+
+def cache_off(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``{"use_cache": False}`` where ``module`` would build a key/value cache for generation
+    and the call leaves ``use_cache`` to it (Hugging Face's causal LMs and encoder–decoders:
+    ``config.use_cache`` is True as they ship); else ``{}``. A cache cannot travel between
+    stages, and training does not read it; the config keeps its setting (Hugging Face's
+    gradient checkpointing switches it off per call the same way). Models that cannot generate
+    (a classifier whose config carries ``use_cache`` anyway) are left alone."""
+    named = inspect.signature(module.forward).parameters.get("use_cache")
+    if "use_cache" in kwargs or named is None:
+        return {}
+    can_generate = getattr(module, "can_generate", None)
+    if callable(can_generate) and not can_generate():
+        return {}
+    config = getattr(module, "config", None)
+    if named.default is None and config is not None:  # Hugging Face: None defers to the config
+        wanted = bool(getattr(config, "use_cache", False))
+    else:
+        wanted = named.default is True
+    return {"use_cache": False} if wanted else {}
+
+
+def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> str:
     text = str(err)
     found = re.search(r"The following call raised this error:\n(.*?)\n\n", text, re.S)
     where = " ".join(found.group(1).split()) if found else text.strip().splitlines()[0][:300]
-    if "cache_utils" in text or "Cache'>" in text:
+    name = type(module).__name__
+    if re.search(r"Found <class '[\w.]*(cache_utils\.\w+|Cache)'> in output", text):
         return (
-            f"cannot cut {type(module).__name__} into segments: its forward returns a key/value "
-            "cache for generation, which cannot travel between stages. For training, switch "
-            "the cache off: model.config.use_cache = False (or pass use_cache=False)"
+            f"cannot cut {name} into segments: its forward returns a key/value cache for "
+            "generation, which cannot travel between stages. Leave use_cache out of the call "
+            "(pipemare then switches the cache off for the pipelined calls, as Hugging Face's "
+            "gradient checkpointing does) or pass use_cache=False"
+        )
+    own = _eager_error(module, args, kwargs)
+    if own is not None:
+        return (
+            f"{name}'s forward fails on the example batch on its own, before pipemare cuts "
+            f"anything: {type(own).__name__}: {own}. Fix the model or its configuration; "
+            "pipemare runs it as it is"
         )
     data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__
     construct = (
@@ -320,6 +388,7 @@ def segment_module(
     kwargs: dict | None = None,
     *,
     split_points: Sequence[str | Cut] | None = None,
+    dynamic: str = "auto",
 ) -> SegmentedModule:
     """Cut ``module`` into segments at its block boundaries (or before the named modules).
 
@@ -331,6 +400,13 @@ def segment_module(
         split_points: module names, each a cut before that module (``"transformer.h.2"``), or
             :class:`Cut`s. By default, the model's own pipeline plan (Hugging Face
             ``_pp_plan``) where it ships one, else around each of its repeated blocks.
+        dynamic: which input sizes may differ from the example's: ``"auto"`` the batch, and the
+            length of token-like inputs (rank 1 to 3); ``"all"`` every size, images' too.
+
+    A module that builds a key/value cache for generation (Hugging Face's causal LMs and
+    encoder–decoders, ``config.use_cache`` True as they ship) is traced and called with
+    ``use_cache=False`` unless the call passes ``use_cache`` itself
+    (:attr:`SegmentedModule.call_defaults`, :func:`cache_off`).
 
     Returns:
         A :class:`SegmentedModule` whose segments share the module's parameters and buffers.
@@ -361,11 +437,18 @@ def segment_module(
     args, kwargs = pytree.tree_map_only(
         torch.Tensor, lambda t: t.detach().clone(), (tuple(args), dict(kwargs or {}))
     )
+    defaults = cache_off(module, kwargs)
+    kwargs = {**defaults, **kwargs}
     if split_points is None:
         cuts = pp_plan_cuts(module) or block_cuts(module)
     else:
         cuts = as_cuts(split_points)
-    eps = {mode: export_module(module, args, kwargs, training=mode) for mode in (True, False)}
+    if dynamic not in DYNAMIC_SHAPES:
+        raise ValueError(f"dynamic must be one of {DYNAMIC_SHAPES}, got {dynamic!r}")
+    eps = {
+        mode: export_module(module, args, kwargs, training=mode, dynamic=dynamic)
+        for mode in (True, False)
+    }
     programs = {mode: split_program(ep, cuts) for mode, ep in eps.items()}
     if len(programs[True]) != len(programs[False]):
         raise UncuttableModelError(
@@ -394,4 +477,4 @@ def segment_module(
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = inspect.signature(module.forward).parameters.values()
     signature = ([p.name for p in params if p.kind in kinds], len(args))
-    return SegmentedModule(segments, cuts, in_spec, baked, ties, signature)
+    return SegmentedModule(segments, cuts, in_spec, baked, ties, signature, defaults)

@@ -39,7 +39,21 @@ def gpt_cut():
 def resnet_cut():
     torch.manual_seed(0)
     net = resnet18()
-    return net, segment_module(net, (torch.randn(4, 3, 32, 32),))
+    return net, segment_module(net, (torch.randn(4, 3, 32, 32),), dynamic="all")
+
+
+def test_by_default_only_the_batch_and_the_sequence_length_may_vary():
+    """An image's height and width are fixed at the example's unless asked (a windowed vision
+    transformer's trace takes minutes with them symbolic); another size gets advice that works."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    seg = segment_module(net, (torch.randn(4, 3, 12, 12),))
+    assert run(seg, torch.randn(3, 3, 12, 12)).shape == (3, 2, 8, 8)
+    with pytest.raises(ValueError, match="dynamic='all'"):
+        run(seg, torch.randn(2, 3, 10, 10))
+    every = segment_module(net, (torch.randn(4, 3, 12, 12),), dynamic="all")
+    x = torch.randn(2, 3, 10, 10)
+    torch.testing.assert_close(run(every, x), net(x))
 
 
 def test_gpt_is_cut_around_each_block_with_its_tie_reported_once(gpt_cut):
@@ -239,7 +253,6 @@ def _hf_gpt2():
         n_head=2,
         vocab_size=50,
         n_positions=32,
-        use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
     )
@@ -256,11 +269,42 @@ def _hf_llama():
         num_key_value_heads=1,
         vocab_size=50,
         tie_word_embeddings=True,
-        use_cache=False,
         bos_token_id=0,
         eos_token_id=0,
     )
     return transformers.LlamaForCausalLM(config), "model.embed_tokens.weight"
+
+
+def test_the_cache_is_switched_off_for_the_calls_only_and_advice_that_works_otherwise():
+    """A causal LM as it ships (``use_cache=True``) is traced and called without its cache, its
+    config untouched; asked for the cache explicitly, the refusal's advice works; a model whose
+    own forward fails is told so, and fixing what it names works."""
+    transformers = pytest.importorskip("transformers")
+    model, _ = _hf_gpt2()
+    assert model.config.use_cache
+    ids = torch.randint(0, 50, (4, 8))
+    seg = segment_module(model, (), {"input_ids": ids, "labels": ids})
+    assert seg.call_defaults == {"use_cache": False} and model.config.use_cache
+    model.eval(), seg.eval()  # its dropout
+    torch.testing.assert_close(
+        run(seg, input_ids=ids, labels=ids).loss, model(ids, labels=ids).loss
+    )
+    with pytest.raises(UncuttableModelError, match="Leave use_cache out of the call"):
+        segment_module(model, (), {"input_ids": ids, "use_cache": True})
+    segment_module(model, (), {"input_ids": ids, "use_cache": False})  # the other advice
+
+    config = transformers.T5Config(
+        vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0
+    )  # T5Config() names no decoder start token: T5 cannot compute a loss on one device either
+    t5 = transformers.T5ForConditionalGeneration(config)
+    with pytest.raises(UncuttableModelError, match="fails on the example batch on its own") as err:
+        segment_module(t5, (), {"input_ids": ids, "labels": ids})
+    assert "decoder_start_token_id" in str(err.value) and "cache" not in str(err.value)
+    t5.config.decoder_start_token_id = 0  # as every T5 checkpoint's config sets it
+    seg = segment_module(t5, (), {"input_ids": ids, "labels": ids})
+    assert seg.call_defaults == {"use_cache": False}
+    t5.eval(), seg.eval()
+    torch.testing.assert_close(run(seg, input_ids=ids, labels=ids).loss, t5(ids, labels=ids).loss)
 
 
 @pytest.mark.parametrize("build", [_hf_gpt2, _hf_llama], ids=["gpt2", "llama"])
