@@ -7,19 +7,14 @@ module; the asynchronous default trains them."""
 from __future__ import annotations
 
 import copy
-import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader
 
 from pipemare import PipeMareConfig, PipeMareStrategy
 from pipemare.callbacks import StalenessMonitor
-from support.launch import environment, run_all
 from support.models import quiet_trainer
 from support.real_modules import (
     SETUPS,
@@ -30,33 +25,15 @@ from support.real_modules import (
     images,
     tokens,
 )
+from support.real_runs import comparable, two_processes_equal_one_device, val_loss
 
 STEPS = 20
-SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
-
-
-def _comparable(name: str, value: torch.Tensor) -> torch.Tensor:
-    """``value`` with the GPT's key bias zeroed. Its gradient is zero in exact arithmetic (a
-    bias on the keys adds the same ``q·b`` to every score of a row, which softmax ignores), so
-    what it gets is rounding noise; AdamW's normalisation turns that noise into steps of the
-    size of the rate, which differ with the order of the sums (2e-3 after 20 steps, where every
-    other weight agrees to 1e-5)."""
-    if name.endswith("attn.c_attn.bias"):
-        value = value.clone()
-        third = value.numel() // 3
-        value[third : 2 * third] = 0
-    return value
 
 
 def _same(a: pl.LightningModule, b: pl.LightningModule, tol: float = 1e-5) -> None:
     for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):
-        x, y = _comparable(name, x), _comparable(name, y)
+        x, y = comparable(name, x), comparable(name, y)
         torch.testing.assert_close(x, y, rtol=tol, atol=tol, msg=name)
-
-
-def _val(module: pl.LightningModule, data: DataLoader) -> float:
-    (out,) = quiet_trainer("auto").validate(module, data, verbose=False)
-    return out["val_loss"]
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -73,12 +50,12 @@ def test_a_tied_gpt_trains_through_gpipe_as_on_one_device(stages, tmp_path):
     assert [torch.equal(twin, tie.param) for _, twin in tie.copies.values()] == [True]
     t.save_checkpoint(tmp_path / "gpt.ckpt")
     loaded = GPTModule.load_from_checkpoint(tmp_path / "gpt.ckpt")  # the plain module
-    assert _val(loaded, tokens()) == pytest.approx(_val(plain, tokens()), rel=1e-5)
+    assert val_loss(loaded, tokens()) == pytest.approx(val_loss(plain, tokens()), rel=1e-5)
 
 
 def test_the_asynchronous_default_trains_the_tied_gpt():
     model = GPTModule(dropout=0.1)
-    before = _val(model, tokens())
+    before = val_loss(model, tokens())
     strategy = PipeMareStrategy(stages=4, microbatches=4)
     monitor = StalenessMonitor(log_every_n_steps=5)
     quiet_trainer(strategy, max_steps=3 * STEPS, callbacks=[monitor]).fit(model, tokens())
@@ -87,7 +64,7 @@ def test_the_asynchronous_default_trains_the_tied_gpt():
     assert tied["tau_tied_measured"] == pytest.approx(0.75)
     assert "tau_tied" not in monitor.stage_stats[0]
     chance = math.log(37)  # random tokens: below this it learnt the training sequences
-    assert before > chance and _val(model, tokens()) < chance - 0.05
+    assert before > chance and val_loss(model, tokens()) < chance - 0.05
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -101,7 +78,7 @@ def test_a_resnet18_trains_through_gpipe_as_on_one_device(stages, tmp_path):
     _same(piped, plain, tol=1e-4)  # BatchNorm's running statistics included
     t.save_checkpoint(tmp_path / "resnet.ckpt")
     loaded = ResNetModule.load_from_checkpoint(tmp_path / "resnet.ckpt")
-    assert _val(loaded, images()) == pytest.approx(_val(plain, images()), rel=1e-4)
+    assert val_loss(loaded, images()) == pytest.approx(val_loss(plain, images()), rel=1e-4)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -117,35 +94,13 @@ def test_a_hugging_face_causal_lm_trains_through_gpipe_as_on_one_device(kind, st
     assert strategy.pipeline.ties.ties  # both tie their input embedding to the head
 
 
-@pytest.mark.parametrize("model", sorted(SETUPS))
+@pytest.mark.parametrize("model", sorted(m for m in SETUPS if not m.startswith("zoo-")))
 def test_two_gloo_processes_train_it_as_one_device(model, tmp_path):
     """Each stage in its own process: a tie's copies live apart, its gradient crosses
     processes, and every process ends with the whole model, equal to one device's."""
     if model in ("gpt2", "llama"):
         pytest.importorskip("transformers")
-    worker = str(SUPPORT / "real_model_worker.py")
-    cmd = [sys.executable, worker, "--out", str(tmp_path), "--model", model]
-    run_all([(cmd, environment())])
-    build, data, _, steps = SETUPS[model]
-    plain = build()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the workers run: the ResNet turns last bits into 0.1s
-    try:
-        reference = quiet_trainer("auto", max_steps=steps)
-        reference.fit(plain, data())
-    finally:
-        torch.set_num_threads(threads)
-    want = _val(plain, data())
-    for rank in (0, 1):
-        weights = torch.load(tmp_path / f"weights-{rank}.pt")
-        for name, value in plain.state_dict().items():
-            mine, want_w = _comparable(name, weights[name]), _comparable(name, value)
-            torch.testing.assert_close(mine, want_w, rtol=1e-4, atol=1e-4, msg=name)
-        report = json.loads((tmp_path / f"report-{rank}.json").read_text())
-        assert report["val_loss"] == pytest.approx(want, rel=1e-4)
-        assert report["global_step"] == reference.global_step
-    loaded = type(plain).load_from_checkpoint(tmp_path / "model.ckpt")
-    assert _val(loaded, data()) == pytest.approx(want, rel=1e-4)
+    two_processes_equal_one_device(model, tmp_path, weights=True)
 
 
 def test_muon_with_adamw_trains_the_tied_gpt_through_gpipe_as_on_one_device():
@@ -203,7 +158,7 @@ def test_two_optimisers_under_the_asynchronous_default_train_and_resume(tmp_path
 
     base = ManualGPTModule()
     full, first, resumed = (copy.deepcopy(base) for _ in range(3))
-    before = _val(base, tokens())
+    before = val_loss(base, tokens())
     t = fit(full, 3)
     described = t.strategy.pipeline.optimizer.describe()
     assert "weight_prediction" in described and "delay_momentum" not in described
@@ -216,7 +171,7 @@ def test_two_optimisers_under_the_asynchronous_default_train_and_resume(tmp_path
     t = fit(resumed, 3, ckpt_path=ckpt.last_model_path)
     assert t.global_step == 2 * 3 * 8
     _same(resumed, full, tol=1e-6)
-    assert _val(full, tokens()) < before - 0.1  # it trained
+    assert val_loss(full, tokens()) < before - 0.1  # it trained
 
 
 @pytest.mark.parametrize(("optimizer", "lr"), [("muon", 0.02), ("rotated", 3e-3)])
@@ -237,11 +192,11 @@ def test_a_run_resumes_from_its_checkpoint_as_the_uninterrupted_run(tmp_path, op
 
     base = GPTModule(lr=lr, optimizer=optimizer)
     full, first, resumed = (copy.deepcopy(base) for _ in range(3))
-    before = _val(base, tokens())
+    before = val_loss(base, tokens())
     fit(full, 3)
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=tmp_path, save_last=True)
     fit(first, 2, callbacks=[ckpt])
     t = fit(resumed, 3, ckpt_path=ckpt.last_model_path)
     assert t.global_step == 3 * 8
     _same(resumed, full, tol=1e-6)
-    assert _val(full, tokens()) < before - 0.1  # it trained
+    assert val_loss(full, tokens()) < before - 0.1  # it trained

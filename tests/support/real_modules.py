@@ -13,6 +13,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from pipemare.optim import MuonAdamW, RotatedAdamW, muon_param_groups, rotated_param_groups
 from support.real_models import GPT, GPTConfig, resnet18
+from support.zoo import ZooModule
+from support.zoo import data as zoo_data
 
 
 class GPTModule(pl.LightningModule):
@@ -120,7 +122,8 @@ def images() -> DataLoader:
 
 
 class HFModule(pl.LightningModule):
-    """A Hugging Face causal LM as its users train it: the loss from ``labels=``."""
+    """A Hugging Face causal LM as its users train it: the loss from ``labels=``, the config's
+    ``use_cache`` as it ships (True)."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -131,14 +134,14 @@ class HFModule(pl.LightningModule):
         if kind == "gpt2":
             config = transformers.GPT2Config(
                 vocab_size=37, n_positions=16, n_embd=16, n_layer=4, n_head=2,
-                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
             )  # fmt: skip
             self.model = transformers.GPT2LMHeadModel(config)
         else:
             config = transformers.LlamaConfig(
                 vocab_size=37, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
                 num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=16,
-                tie_word_embeddings=True, use_cache=False,
+                tie_word_embeddings=True,
             )  # fmt: skip
             self.model = transformers.LlamaForCausalLM(config)
 
@@ -164,4 +167,8 @@ SETUPS = {
     "gpt2": (lambda: HFModule("gpt2"), tokens, 2, 10),
     "llama": (lambda: HFModule("llama"), tokens, 2, 10),
     "resnet": (ResNetModule, images, 1, 8),
+    # from the zoo (support/zoo.py, tests/lightning/test_zoo.py): an encoder-decoder and a
+    # mixture of experts, their configs as they ship
+    "zoo-t5": (lambda: ZooModule("t5"), lambda: zoo_data("seq2seq", n=80), 2, 10),
+    "zoo-mixtral": (lambda: ZooModule("mixtral"), lambda: zoo_data("causal", n=80), 2, 10),
 }

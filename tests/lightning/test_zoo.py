@@ -1,0 +1,90 @@
+"""Hugging Face architectures as their users build them (tests/support/zoo.py: one family per
+modelling file, only sizes and dropout changed, the key/value cache on as the configs ship it),
+through the strategy with nothing else said:
+
+- gpipe at P = 2 computes what one device computes: the same held-out loss after 10 steps
+  (N = 1 where the model has BatchNorm, which normalises over what it is given);
+- the default schedule (``pipemare``, N = P) trains each on a learnable task: after 40 steps its
+  held-out loss is within 10% of one device's, both well below where they started;
+- an encoder–decoder (T5) and a mixture of experts (Mixtral) on two gloo processes, a stage
+  each, end with one device's held-out loss.
+
+Each model's tracing and cutting time is printed in the test report (``-rA``; CI's own step)."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import pytorch_lightning as pl
+
+from pipemare import PipeMareStrategy
+from support.models import quiet_trainer
+from support.real_runs import two_processes_equal_one_device, val_loss
+from support.zoo import FAMILIES, ZooModule, data, has_batchnorm
+
+pytestmark = pytest.mark.zoo
+
+#: steps of the gpipe comparison and of the default schedule's training (the tasks' loss is
+#: near its floor by 40: two runs compare there, not on their way down)
+EQUAL_STEPS, TRAIN_STEPS = 10, 40
+
+
+def _val(module: pl.LightningModule) -> float:
+    return val_loss(module, data(module.kind, n=64, seed=1))
+
+
+def _fit(module: pl.LightningModule, strategy, steps: int) -> PipeMareStrategy | None:
+    trainer = quiet_trainer(strategy, max_steps=steps)
+    trainer.fit(module, data(module.kind))
+    return strategy if isinstance(strategy, PipeMareStrategy) else None
+
+
+def _cut_seconds(strategy: PipeMareStrategy) -> float:
+    adapter = strategy._runner.adapter
+    assert adapter is not None and adapter.cut_seconds is not None
+    return adapter.cut_seconds
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_gpipe_equals_one_device_and_the_default_trains_it(family, record_property):
+    pytest.importorskip("transformers")
+    base = ZooModule(family)
+    start = _val(base)
+    n = 1 if has_batchnorm(base.model) else 2
+
+    plain, piped = copy.deepcopy(base), copy.deepcopy(base)
+    _fit(plain, "auto", EQUAL_STEPS)
+    gpipe = PipeMareStrategy(stages=2, microbatches=n, schedule="gpipe")
+    began = time.perf_counter()
+    _fit(piped, gpipe, EQUAL_STEPS)
+    gpipe_seconds = time.perf_counter() - began
+    assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)
+    # the user's config keeps its cache setting; only the pipelined calls switch it off
+    config = getattr(piped.model, "config", None)
+    assert getattr(config, "use_cache", None) == getattr(base.model.config, "use_cache", None)
+
+    one, default = copy.deepcopy(base), copy.deepcopy(base)
+    _fit(one, "auto", TRAIN_STEPS)
+    strategy = PipeMareStrategy(stages=2)
+    _fit(default, strategy, TRAIN_STEPS)
+    assert strategy.schedule == "pipemare" and strategy.microbatches == 2
+    want, got = _val(one), _val(default)
+    assert want < 0.8 * start, f"one device did not learn the task ({start:.3f} -> {want:.3f})"
+    assert got <= 1.1 * want, f"{family}: pipemare {got:.4f} against one device {want:.4f}"
+
+    cut = _cut_seconds(gpipe)
+    record_property("cut_seconds", round(cut, 2))
+    print(
+        f"\nzoo {family}: cut {cut:.1f} s (gpipe run {gpipe_seconds:.1f} s); held-out loss "
+        f"{start:.3f} -> one device {want:.4f}, pipemare P=2 N=2 {got:.4f} "
+        f"({got / want - 1:+.1%})"
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("model", ["zoo-t5", "zoo-mixtral"])
+def test_two_gloo_processes_train_zoo_models_as_one_device(model, tmp_path):
+    pytest.importorskip("transformers")
+    two_processes_equal_one_device(model, tmp_path, weights=False)
