@@ -21,8 +21,8 @@ import pytorch_lightning as pl
 
 from pipemare import PipeMareStrategy
 from support.models import quiet_trainer
-from support.real_runs import two_processes_equal_one_device, val_loss
-from support.zoo import FAMILIES, ZooModule, data, has_batchnorm
+from support.real_runs import two_process_workflow, two_processes_equal_one_device, val_loss
+from support.zoo import FAMILIES, GPT2Module, ZooModule, data, has_batchnorm
 
 pytestmark = pytest.mark.zoo
 
@@ -88,3 +88,34 @@ def test_gpipe_equals_one_device_and_the_default_trains_it(family, record_proper
 def test_two_gloo_processes_train_zoo_models_as_one_device(model, tmp_path):
     pytest.importorskip("transformers")
     two_processes_equal_one_device(model, tmp_path, weights=False)
+
+
+@pytest.mark.distributed
+def test_gpt2_from_its_config_defaults_through_the_strategy_by_name(tmp_path):
+    """``GPT2Config()`` with only its sizes shrunk, ``Trainer(strategy=<name>, devices=2)``
+    and nothing else: ``pipemare_gpipe`` ends as one device (dropout off, as masks differ);
+    ``pipemare`` (dropout on, as the config ships) trains it as the default layout, N = P = 2,
+    within the zoo's 10% of one device's held-out loss. Issue 40's bar is 2%: measured +6.5%
+    after 120 steps at AdamW 1e-2 (printed), so that bar is missed here and reported."""
+    pytest.importorskip("transformers")
+    gpipe = ["--strategy", "pipemare_gpipe", "--no-dropout", "--steps", str(EQUAL_STEPS)]
+    reports = two_process_workflow(tmp_path / "gpipe", "--task", "gpt2", *gpipe)
+    plain = GPT2Module(dropout=False)
+    quiet_trainer("auto", max_steps=EQUAL_STEPS).fit(plain, data("causal", n=8 * EQUAL_STEPS))
+    want = val_loss(plain, data("causal", n=64, seed=1))
+    for report in reports:
+        assert report["val_loss"] == pytest.approx(want, rel=1e-4)
+        assert report["schedule"] == "gpipe" and report["global_step"] == EQUAL_STEPS
+
+    steps = 3 * TRAIN_STEPS
+    reports = two_process_workflow(tmp_path / "default", "--task", "gpt2", "--steps", str(steps))
+    one = GPT2Module()
+    quiet_trainer("auto", max_steps=steps).fit(one, data("causal", n=8 * steps))
+    want = val_loss(one, data("causal", n=64, seed=1))
+    got = reports[0]["val_loss"]
+    print(f"\ngpt2 defaults, 2 processes: pipemare {got:.4f}, one device {want:.4f} "
+          f"({got / want - 1:+.2%})")  # fmt: skip
+    for report in reports:
+        assert (report["schedule"], report["microbatches"], report["stages"]) == ("pipemare", 2, 2)
+        assert report["val_loss"] == pytest.approx(got, rel=1e-6)  # one result, every rank
+    assert got <= 1.1 * want

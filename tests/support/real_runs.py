@@ -18,6 +18,7 @@ from support.models import quiet_trainer
 from support.real_modules import SETUPS
 
 WORKER = Path(__file__).resolve().parent / "real_model_worker.py"
+WORKFLOWS = Path(__file__).resolve().parent / "workflow_worker.py"
 
 
 def comparable(name: str, value: torch.Tensor) -> torch.Tensor:
@@ -65,3 +66,11 @@ def two_processes_equal_one_device(model: str, out: Path, weights: bool) -> None
         assert report["global_step"] == reference.global_step
     loaded = type(plain).load_from_checkpoint(out / "model.ckpt")
     assert val_loss(loaded, data()) == pytest.approx(want, rel=1e-4)
+
+
+def two_process_workflow(out: Path, *args: str) -> list[dict]:
+    """support/workflow_worker.py with ``args`` on two gloo processes; each rank's report."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, str(WORKFLOWS), "--out", str(out), *args]
+    run_all([(cmd, environment())])
+    return [json.loads((out / f"report-{rank}.json").read_text()) for rank in (0, 1)]

@@ -1,0 +1,62 @@
+"""One process of a 2-process run of what users ask pipeline libraries for, started by
+Lightning's launcher (``devices=2``, one stage per process, gloo):
+
+- ``--task gpt2``: a Hugging Face GPT-2 from ``GPT2Config()`` with only its sizes shrunk
+  (``--no-dropout``: its dropout set to 0 as well) through ``Trainer(strategy=<name>)``,
+  the strategy given by its registered name and nothing else;
+- ``--task gpt``: the tied nanoGPT validated before any fit, then resumed from a checkpoint
+  written at another P (``--ckpt``) and trained on to ``--steps``.
+
+Every rank writes ``report-<rank>.json``: the validation losses, the step reached, the
+schedule and N the strategy chose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from support.models import quiet_trainer
+from support.real_modules import GPTModule, tokens
+from support.zoo import GPT2Module, data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--task", choices=("gpt2", "gpt"), required=True)
+    parser.add_argument("--strategy", default="pipemare")
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--no-dropout", action="store_true")
+    parser.add_argument("--ckpt")
+    args = parser.parse_args()
+    out = Path(args.out)
+    # the loader as it is, so that one device sees the same batches
+    trainer = quiet_trainer(
+        args.strategy, devices=2, max_steps=args.steps, use_distributed_sampler=False
+    )
+    report: dict = {}
+    if args.task == "gpt2":
+        model = GPT2Module(dropout=not args.no_dropout)
+        trainer.fit(model, data("causal", n=8 * args.steps))
+        (val,) = trainer.validate(model, data("causal", n=64, seed=1), verbose=False)
+    else:
+        model = GPTModule()
+        (before,) = trainer.validate(model, tokens(), verbose=False)
+        report["val_before_fit"] = before["val_loss"]
+        trainer.fit(model, tokens(n=256), ckpt_path=args.ckpt)
+        (val,) = trainer.validate(model, tokens(), verbose=False)
+    strategy = trainer.strategy
+    report.update(
+        val_loss=val["val_loss"],
+        global_step=trainer.global_step,
+        schedule=strategy.schedule,
+        microbatches=strategy.microbatches,
+        stages=strategy.num_stages,
+    )
+    (out / f"report-{trainer.global_rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
