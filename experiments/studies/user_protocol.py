@@ -134,10 +134,12 @@ def _time_keys(name: str, all_n: bool) -> list[tuple[str, int, int]]:
 
 
 def measure_times(
-    out: Path, names: list[str], all_n: bool, steps: int = 12, repeats: int = 2
+    out: Path, names: list[str], all_n: bool, steps: int = 12, repeats: int = 3
 ) -> dict[str, float]:
     """Pipeline seconds per step of every configuration the tables need, one at a time (run
-    it alone on the machine)."""
+    it alone on the machine): the median of ``repeats`` windows. Three, so that one disturbed
+    window is outvoted; the median of two is their mean, and one disturbed window moved a
+    configuration's time by up to 2.5x between two sittings on this two-core machine."""
     import torch
     from tqdm import tqdm
 
