@@ -7,7 +7,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["batch_size", "combine", "scatter", "to_device"]
+__all__ = [
+    "IGNORE_INDEX",
+    "batch_size",
+    "combine",
+    "row_shares",
+    "scatter",
+    "to_device",
+    "token_shares",
+]
+
+#: the label that a token-averaged loss leaves out (PyTorch's cross-entropy default, and Hugging
+#: Face's for padding)
+IGNORE_INDEX = -100
 
 
 def _map(batch: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -69,6 +81,45 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
         return lambda t: t.tensor_split(chunks)[i] if t.dim() > 0 else t
 
     return [_map(batch, piece(i)) for i in range(chunks)]
+
+
+def row_shares(chunks: list[Any]) -> list[float]:
+    """Each microbatch's share of the rows: the weights of a loss that averages over rows.
+
+    Example:
+        >>> row_shares([torch.zeros(3, 2), torch.zeros(1, 2)])
+        [0.75, 0.25]
+    """
+    sizes = [batch_size(c) for c in chunks]
+    return [n / sum(sizes) for n in sizes]
+
+
+def token_shares(shift: int = 0) -> Callable[[list[Any]], list[float]]:
+    """Weights for a loss that averages over the label tokens it counts, as Hugging Face's
+    losses do (labels equal to :data:`IGNORE_INDEX`, e.g. padding, left out): each
+    microbatch's share of the batch's counted tokens, so that the weighted sum of the
+    microbatches' mean losses is the batch's mean loss. ``shift``: positions a causal LM drops
+    from the front of each row's labels before counting (1: it predicts token ``t + 1``
+    from ``t``). Microbatches without a mapping's ``labels`` of rank 2 or more (a classifier's
+    one label per row) are weighted by rows.
+
+    Example:
+        >>> labels = torch.tensor([[5, 6, -100], [7, -100, -100], [1, 2, 3], [4, 5, 6]])
+        >>> token_shares()([{"labels": labels[:2]}, {"labels": labels[2:]}])
+        [0.3333333333333333, 0.6666666666666666]
+    """
+
+    def shares(chunks: list[Any]) -> list[float]:
+        counts = []
+        for chunk in chunks:
+            labels = chunk.get("labels") if isinstance(chunk, Mapping) else None
+            if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
+                return row_shares(chunks)
+            counts.append(int((labels[..., shift:] != IGNORE_INDEX).sum()))
+        total = sum(counts)
+        return [n / total for n in counts] if total else row_shares(chunks)
+
+    return shares
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -11,7 +11,7 @@ from torch import nn
 
 from pipemare.engine import build
 from pipemare.engine.executor import Executor
-from pipemare.engine.microbatch import batch_size, scatter, to_device
+from pipemare.engine.microbatch import row_shares, scatter, to_device
 from pipemare.engine.payload import as_payload
 from pipemare.engine.replicas import broadcast_state
 from pipemare.engine.telemetry import Probe
@@ -60,6 +60,10 @@ class Pipeline:
         device: where this process's stages run (default: where the model is).
         input_fn: batch -> the model's input (default ``batch[0]``).
         target_fn: batch -> what ``loss_fn`` compares with (default ``batch[1]``).
+        microbatch_weights: the microbatches of one batch -> each one's share of the batch's
+            loss (default: its share of the rows, for a loss that averages over rows). A loss
+            that averages over counted tokens (padding ignored) needs each microbatch's share
+            of those tokens instead: :func:`~pipemare.engine.microbatch.token_shares`.
         forward_context: context manager factory around each stage's forward (e.g. autocast).
         seed: seeds each stage's own random stream (default: from ``torch.initial_seed()``).
         clip_grad_norm: clip by the global L2 norm over all stages (:mod:`~pipemare.engine.clip`).
@@ -104,6 +108,7 @@ class Pipeline:
         device: torch.device | str | None = None,
         input_fn: Callable[[Any], Any] = _first,
         target_fn: Callable[[Any], Any] = _second,
+        microbatch_weights: Callable[[list[Any]], list[float]] | None = None,
         forward_context: Callable[[], contextlib.AbstractContextManager[Any]] | None = None,
         seed: int | None = None,
         clip_grad_norm: float | None = None,
@@ -146,6 +151,7 @@ class Pipeline:
         )
         self.config = settings.config
         self.input_fn, self.target_fn, self.loss_fn = input_fn, target_fn, loss_fn
+        self.microbatch_weights = microbatch_weights or row_shares
 
         local = transport.local_stages
         for i, module in enumerate(self.stage_modules):
@@ -256,8 +262,7 @@ class Pipeline:
         self.ties.follow_modes()
         self.optimizer.record(k)
         chunks = scatter(batch, self.microbatches)
-        total = batch_size(batch)
-        self.executor.feed(chunks, [batch_size(c) / total for c in chunks])
+        self.executor.feed(chunks, self.microbatch_weights(chunks))
         self.executor.run()
         return self.executor.pop_loss(k)
 

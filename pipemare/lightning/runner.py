@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipemare.engine.lagged import DistributedResults, LocalResults, Results
-from pipemare.engine.microbatch import batch_size, scatter
+from pipemare.engine.microbatch import batch_size, scatter, token_shares
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 from pipemare.engine.transport import DistributedTransport
@@ -310,6 +310,7 @@ class PipelineRunner:
             device=strategy.root_device,
             input_fn=steps.input,
             target_fn=lambda mb: mb,
+            microbatch_weights=label_token_weights(self.adapter),
             forward_context=strategy.precision_plugin.forward_context,
             recompute=strategy.recompute,
             layout_decisions=decided,
@@ -555,6 +556,15 @@ def call_decisions(adapter: ModuleAdapter) -> list[Decision]:
             "its forward at the first batch",
         )
     ]
+    if label_token_weights(adapter) is not None:
+        out.append(
+            Decision(
+                "microbatch weights",
+                "each microbatch's share of the batch's counted label tokens",
+                "a Hugging Face loss averages over the label tokens that are not -100 "
+                "(padding), so the minibatch's loss and gradient are one device's",
+            )
+        )
     defaults = getattr(seq, "call_defaults", {})
     if "use_cache" not in defaults:
         return out
@@ -569,3 +579,16 @@ def call_decisions(adapter: ModuleAdapter) -> list[Decision]:
             "not read it" + (f"; its config keeps use_cache={kept}" if kept is not None else ""),
         ),
     ]
+
+
+def label_token_weights(adapter: ModuleAdapter | None) -> Callable[[list[Any]], list[float]] | None:
+    """For a Hugging Face model (a ``config`` and ``can_generate``), microbatch weights by
+    counted label tokens (:func:`~pipemare.engine.microbatch.token_shares`; a causal LM's
+    labels shifted by one, as its loss shifts them); None: by rows."""
+    model = adapter.pipelined if adapter is not None else None
+    config = getattr(model, "config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if config is None or not callable(can_generate):
+        return None
+    causal = bool(can_generate()) and not getattr(config, "is_encoder_decoder", False)
+    return token_shares(shift=1 if causal else 0)

@@ -4,6 +4,8 @@ Lightning's launcher (``devices=2``, one stage per process, gloo):
 - ``--task gpt2``: a Hugging Face GPT-2 from ``GPT2Config()`` with only its sizes shrunk
   (``--no-dropout``: its dropout set to 0 as well) through ``Trainer(strategy=<name>)``,
   the strategy given by its registered name and nothing else;
+- ``--task padded``: the zoo's GPT-2 on batches padded to their own longest sequence
+  (``support.zoo.padded_data``);
 - ``--task gpt``: the tied nanoGPT validated before any fit, then resumed from a checkpoint
   written at another P (``--ckpt``) and trained on to ``--steps``.
 
@@ -19,13 +21,13 @@ from pathlib import Path
 
 from support.models import quiet_trainer
 from support.real_modules import GPTModule, tokens
-from support.zoo import GPT2Module, data
+from support.zoo import GPT2Module, ZooModule, data, padded_data
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--task", choices=("gpt2", "gpt"), required=True)
+    parser.add_argument("--task", choices=("gpt2", "gpt", "padded"), required=True)
     parser.add_argument("--strategy", default="pipemare")
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--no-dropout", action="store_true")
@@ -41,6 +43,10 @@ def main() -> None:
         model = GPT2Module(dropout=not args.no_dropout)
         trainer.fit(model, data("causal", n=8 * args.steps))
         (val,) = trainer.validate(model, data("causal", n=64, seed=1), verbose=False)
+    elif args.task == "padded":
+        model = ZooModule("gpt2")
+        trainer.fit(model, padded_data())
+        (val,) = trainer.validate(model, padded_data(n=32, seed=1), verbose=False)
     else:
         model = GPTModule()
         (before,) = trainer.validate(model, tokens(), verbose=False)

@@ -346,3 +346,23 @@ class GPT2Module(ZooModule):
             vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=4, n_head=4, **off
         )
         self.kind, self.model, self.lr = "causal", transformers.GPT2LMHeadModel(config), lr
+
+
+def padded_data(n: int = 96, batch: int = 8, seed: int = 0) -> DataLoader:
+    """The causal task at lengths 4 to ``LENGTH``, as Hugging Face pads it: each batch padded to
+    its own longest sequence by ``DataCollatorForSeq2Seq`` (padding ``0``, an attention mask,
+    labels ``-100`` where padded), with a word-level tokenizer built in memory."""
+    import tokenizers
+    import transformers
+    from tokenizers.models import WordLevel
+
+    vocab = {"[PAD]": 0, **{f"t{i}": i for i in range(1, VOCAB)}}
+    words = tokenizers.Tokenizer(WordLevel(vocab, unk_token="[PAD]"))
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=words, pad_token="[PAD]")
+    collate = transformers.DataCollatorForSeq2Seq(tokenizer, padding="longest")
+    gen = torch.Generator().manual_seed(seed)
+    tokens = Batches("causal", n, seed).items["input_ids"]
+    lengths = torch.randint(4, LENGTH + 1, (n,), generator=gen)
+    rows = [t[:k].tolist() for t, k in zip(tokens, lengths, strict=True)]
+    examples = [{"input_ids": r, "labels": r} for r in rows]
+    return DataLoader(examples, batch_size=batch, collate_fn=collate)  # type: ignore[arg-type]
