@@ -19,7 +19,7 @@ from torch import nn
 
 from pipemare.optim import RotatedAdamW
 
-__all__ = ["measure"]
+__all__ = ["rotated_step_cost"]
 
 
 def _block(width: int) -> nn.Module:
@@ -34,7 +34,9 @@ def _seconds(fn, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats
 
 
-def measure(width: int, tokens: int, every: int = 10, periods: int = 2) -> dict[str, float]:
+def rotated_step_cost(
+    width: int, tokens: int, every: int = 10, periods: int = 2
+) -> dict[str, float]:
     """Milliseconds of one step's forward+backward, AdamW's step and RotatedAdamW's step (its
     step averaged over ``periods`` eigendecomposition periods)."""
     torch.manual_seed(0)
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| width | tokens | fwd+bwd ms | AdamW step ms | RotatedAdamW step ms | step ratio |")
     print("|---|---|---|---|---|---|")
     for width in args.widths:
-        r = measure(width, args.tokens)
+        r = rotated_step_cost(width, args.tokens)
         print(
             f"| {width} | {args.tokens} | {r['forward_backward_ms']:.1f} | "
             f"{r['adamw_step_ms']:.1f} | {r['rotated_step_ms']:.1f} | {r['step_ratio']:.2f} |",

@@ -317,9 +317,9 @@ def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> st
     own = _eager_error(module, args, kwargs)
     if own is not None:
         return (
-            f"{name}'s forward fails on the example batch on its own, before pipemare cuts "
-            f"anything: {type(own).__name__}: {own}. Fix the model or its configuration; "
-            "pipemare runs it as it is"
+            f"cannot cut {name} into segments: its forward fails on the example batch on its "
+            f"own, before any cut: {type(own).__name__}: {own}. Fix the model or its "
+            "configuration; pipemare runs it as it is"
         )
     data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__
     construct = (
