@@ -141,7 +141,7 @@ class SegmentedModule(nn.Sequential):
     """A module cut into segments; ``self(self.flatten_inputs(*args, **kwargs))`` equals
     ``module(*args, **kwargs)``. Attributes: ``cuts`` (the cuts taken, in order), ``tied``
     (see :func:`tied_parameters`), ``call_defaults`` (keyword arguments every call gets
-    unless it passes its own, e.g. ``{"use_cache": False}``: see :func:`training_call`)."""
+    unless it passes its own, e.g. ``{"use_cache": False}``: see :func:`cache_off`)."""
 
     def __init__(
         self,
