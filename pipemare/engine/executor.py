@@ -15,6 +15,7 @@ import torch
 
 from pipemare.engine.clip import GradClip
 from pipemare.engine.errors import NonFiniteGradientError
+from pipemare.engine.microbatch import zero_loss
 from pipemare.engine.payload import as_payload
 from pipemare.engine.replicas import GradientAverager
 from pipemare.engine.stage import Stage
@@ -206,7 +207,8 @@ class Executor:
                 inputs = self._recv(i - 1, i, ACT, m)
             if last:
                 data, weight = self._take(m) if i > 0 else (data, weight)
-                out = stage.forward(m, inputs, head=lambda y: self.loss_fn(y, data))
+                head = (lambda y: self.loss_fn(y, data)) if weight else zero_loss
+                out = stage.forward(m, inputs, head=head)
                 k = m // self.microbatches
                 entry = self._losses.setdefault(k, [0.0, 0])
                 entry[0] = entry[0] + out.detach() * weight

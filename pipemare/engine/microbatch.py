@@ -13,8 +13,10 @@ __all__ = [
     "combine",
     "row_shares",
     "scatter",
+    "split",
     "to_device",
     "token_shares",
+    "zero_loss",
 ]
 
 #: the label that a token-averaged loss leaves out (PyTorch's cross-entropy default, and Hugging
@@ -81,6 +83,42 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
         return lambda t: t.tensor_split(chunks)[i] if t.dim() > 0 else t
 
     return [_map(batch, piece(i)) for i in range(chunks)]
+
+
+def split(
+    batch: Any, chunks: int, shares: Callable[[list[Any]], list[float]]
+) -> tuple[list[Any], list[float]]:
+    """``batch`` as ``chunks`` microbatches and each one's weight (``shares`` of the real ones).
+
+    A batch of fewer samples than ``chunks`` (an epoch's last, smaller batch) becomes one
+    microbatch per sample, and the slots left are filled with copies of them of weight 0: the
+    schedule keeps its N microbatches per minibatch, and the gradient and loss are the
+    batch's own. A filler runs forward and backward (its loss is zero: nothing it computes
+    reaches the gradient or the logs), so layers that update state in the forward pass, such
+    as BatchNorm's running statistics, also see the copies.
+
+    Example:
+        >>> mbs, w = split(torch.arange(2.0).unsqueeze(1), 4, row_shares)
+        >>> [m.tolist() for m in mbs], w
+        ([[[0.0]], [[1.0]], [[0.0]], [[1.0]]], [0.5, 0.5, 0.0, 0.0])
+    """
+    real = scatter(batch, min(chunks, batch_size(batch)))
+    fill = chunks - len(real)
+    return real + [real[j % len(real)] for j in range(fill)], shares(real) + [0.0] * fill
+
+
+def zero_loss(outputs: Any) -> torch.Tensor:
+    """The loss of a microbatch of weight 0 (a filler of :func:`split`): zero, on the graph of
+    the last stage's floating-point ``outputs`` so that its backward runs like any other's. The
+    step's own loss, and its logs and metrics, are not computed for it.
+
+    Example:
+        >>> zero_loss({"logits": torch.ones(2, 3, requires_grad=True)}).item()
+        0.0
+    """
+    parts: list[torch.Tensor] = []
+    _map(outputs, lambda t: parts.append(t.sum() * 0) if t.is_floating_point() else None)
+    return torch.stack(parts).sum() if parts else torch.zeros(())
 
 
 def row_shares(chunks: list[Any]) -> list[float]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from pipemare.engine import build
 from pipemare.engine.executor import Executor
-from pipemare.engine.microbatch import row_shares, scatter, to_device
+from pipemare.engine.microbatch import row_shares, scatter, split, to_device
 from pipemare.engine.payload import as_payload
 from pipemare.engine.replicas import broadcast_state
 from pipemare.engine.telemetry import Probe
@@ -256,13 +256,14 @@ class Pipeline:
 
         Returns the minibatch's loss where the last stage runs (every microbatch of it has
         passed the last stage by then), None in other processes. With a non-flushing schedule
-        its weight update happens later, as the pipeline moves on.
+        its weight update happens later, as the pipeline moves on. A batch of fewer samples
+        than N (an epoch's last) runs a sample per microbatch, the other slots filled with
+        copies of weight 0 (:func:`~pipemare.engine.microbatch.split`).
         """
         k = self.minibatches_fed
         self.ties.follow_modes()
         self.optimizer.record(k)
-        chunks = scatter(batch, self.microbatches)
-        self.executor.feed(chunks, self.microbatch_weights(chunks))
+        self.executor.feed(*split(batch, self.microbatches, self.microbatch_weights))
         self.executor.run()
         return self.executor.pop_loss(k)
 

@@ -27,12 +27,7 @@ from pipemare.lightning.checkpoint import SaveQueue
 from pipemare.lightning.launching import LightningAPI
 from pipemare.lightning.manual import steps_per_batch
 from pipemare.lightning.module_adapter import ModuleAdapter
-from pipemare.lightning.steps import (
-    UserSteps,
-    check_last_batch,
-    last_batch_rows,
-    merge_published,
-)
+from pipemare.lightning.steps import UserSteps, merge_published, short_batches
 from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
 from pipemare.model import cuts, partition
 from pipemare.optim.chain import ChainedOptimizer, copies_of
@@ -82,6 +77,7 @@ class PipelineRunner:
         self.microbatches: int | None = None
         self._n_decided: list[Decision] = []
         self._call_decided: list[Decision] = []  # arguments set for the pipelined calls
+        self._short_decided: list[Decision] = []  # how a last batch smaller than N runs
 
     # -- what the runner reads of the run ---------------------------------------------------
 
@@ -176,7 +172,7 @@ class PipelineRunner:
         if self.pipeline is None:
             self._prepare_model(batch, step, args)
             cut, decided = self._balance(batch, step, args)
-            decided = [*self._call_decided, *self._n_decided, *decided]
+            decided = [*self._call_decided, *self._n_decided, *self._short_decided, *decided]
             self.pipeline = pipe = self._build(cut, decided)
             self.cut = list(pipe.balance)
             self._load_pending_state()
@@ -191,7 +187,7 @@ class PipelineRunner:
 
     def _prepare_model(self, batch: Any, step: str, args: tuple) -> None:
         """Cut a pipelined module that is not a Sequential into segments, from what the step
-        passes it, and check the cut; decide N; refuse a last batch too small to split."""
+        passes it, and check the cut; decide N; refuse batches smaller than N."""
         adapter = self.adapter
         assert adapter is not None
         if adapter.sequential is None:
@@ -201,7 +197,8 @@ class PipelineRunner:
             self._call_decided = call_decisions(adapter)
         self._decide_microbatches(batch)
         if self.fitting:
-            check_last_batch(self.module.trainer, self.strategy.microbatches)
+            assert self.microbatches is not None
+            self._short_decided = short_batches(self.module.trainer, batch, self.microbatches)
 
     def _decide_microbatches(self, batch: Any) -> None:
         """N: as asked, or for ``"auto"`` chosen once P and the batches are known
@@ -213,9 +210,6 @@ class PipelineRunner:
             self.microbatches = strategy.asked_microbatches
             return
         rows = batch_size(batch)
-        last = last_batch_rows(self.module.trainer) if self.fitting else None
-        if last is not None:
-            rows = min(rows, last)
         stages = self.known_stages or 1
         self.microbatches, decision = auto_microbatches(strategy.schedule, stages, rows)
         self._n_decided = [decision]

@@ -23,13 +23,14 @@ from pipemare.engine.microbatch import batch_size
 from pipemare.lightning.logreplay import LogRecorder, Record, merge_records
 from pipemare.lightning.manual import ManualOptimization, steps_per_batch
 from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
+from pipemare.optim.settings import Decision
 
 __all__ = [
     "UserSteps",
-    "check_last_batch",
     "closes_epoch",
     "closes_loader",
     "merge_published",
+    "short_batches",
 ]
 
 
@@ -165,24 +166,27 @@ def _short_last_batches(trainer: pl.Trainer) -> list[tuple[int, int, int]]:
     return found
 
 
-def last_batch_rows(trainer: pl.Trainer) -> int | None:
-    """The fewest samples a smaller last batch of the training data holds; None where every
-    batch is full or the sizes are not known."""
-    return min((last for last, _, _ in _short_last_batches(trainer)), default=None)
+def short_batches(trainer: pl.Trainer, batch: Any, microbatches: int) -> list[Decision]:
+    """Refuse, at the first batch, training batches smaller than N; say how a smaller last
+    batch of an epoch runs.
 
-
-def check_last_batch(trainer: pl.Trainer, microbatches: int) -> None:
-    """Refuse, before the first update, a training epoch whose last batch is too small to split.
-
-    Every minibatch is cut into N microbatches; a last batch of fewer than N samples cannot be,
-    and would fail only at the end of the first epoch.
+    A batch size below N is a setting to change (no batch could fill the pipeline); a last
+    batch below N runs a sample per microbatch, the slots left filled with copies of weight 0
+    (:func:`~pipemare.engine.microbatch.split`): the gradient, loss and logs are the batch's.
     """
+    rows = batch_size(batch)
+    if rows < microbatches:
+        raise ValueError(
+            f"a batch of {rows} samples cannot be split into {microbatches} microbatches; "
+            f"use a batch size >= {microbatches} or fewer microbatches"
+        )
+    decided = []
     for last, n, size in _short_last_batches(trainer):
         if last < microbatches:
-            raise ValueError(
-                f"the training data's last batch holds {last} sample(s) ({n} samples in batches "
-                f"of {size}), fewer than microbatches={microbatches}, so it cannot "
-                "be split into microbatches; pass drop_last=True to the DataLoader, choose a "
-                f"batch size that leaves at least {microbatches} samples for the last batch, or "
-                f"use at most {last} microbatches"
+            why = (
+                f"{n} samples in batches of {size}: it runs a sample per microbatch, the "
+                f"{microbatches - last} left are copies of weight 0 (nothing of theirs reaches "
+                "the gradient or the logs); drop_last=True skips it"
             )
+            decided.append(Decision("last batch", f"{last} sample(s) < N={microbatches}", why))
+    return decided

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -163,13 +165,24 @@ def test_stage_output_must_be_tensor_or_tuple_of_tensors():
         pipe.step((torch.randn(2, 2), torch.randn(2, 1)))
 
 
-def test_batch_smaller_than_microbatches():
-    net = nn.Sequential(nn.Linear(2, 1))
-    pipe = Pipeline(net, torch.optim.SGD(net.parameters(), lr=0.1), mse, stages=1, microbatches=4)
-    with pytest.raises(
-        ValueError, match="a batch of 3 samples cannot be split into 4 microbatches"
-    ):
-        pipe.step((torch.randn(3, 2), torch.randn(3, 1)))
+def test_a_batch_smaller_than_n_updates_as_one_device():
+    """3 samples at N = 4: a sample per microbatch and one weightless copy; the update and
+    the loss are the batch's own, and a batch of full size follows as usual."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref = copy.deepcopy(net)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    pipe = sgd_pipeline(net, mse, lr=0.1, stages=3, microbatches=4, schedule="gpipe")
+    for rows in (3, 8):
+        x, y = torch.randn(rows, 2), torch.randn(rows, 1)
+        loss = pipe.step((x, y))
+        want = mse(ref(x), y)
+        opt.zero_grad()
+        want.backward()
+        opt.step()
+        torch.testing.assert_close(loss, want.detach())
+        for a, b in zip(net.parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
 def test_unknown_schedule():

@@ -3,7 +3,7 @@ an attention mask, labels ``-100`` where padded), through every schedule on a GP
 epoch's varying lengths run on the one trace per mode taken at the first batch, and each
 microbatch's loss is weighted by its share of the counted label tokens, so gpipe and 1f1b end
 with one device's held-out loss, and the asynchronous schedules within 10% of it. On two
-processes too.
+processes too, and with a last batch smaller than N.
 """
 
 from __future__ import annotations
@@ -48,6 +48,23 @@ def test_padded_batches_of_varying_length_through_every_schedule(schedule, monke
         assert got == pytest.approx(want, rel=1e-4)
     else:  # trains: below where it started, within the zoo's 10% of one device
         assert got < start and got <= 1.1 * want
+
+
+def test_an_epoch_whose_last_batch_is_smaller_than_n_equals_one_device(monkeypatch):
+    """43 samples in batches of 8 at N = 4: the last batch's 3 run a sample per microbatch
+    (a size the trace never saw) beside a weightless copy, on the same two traces."""
+    pytest.importorskip("transformers")
+    base = ZooModule("gpt2")
+    plain, piped = copy.deepcopy(base), copy.deepcopy(base)
+    epoch = dict(max_epochs=1, max_steps=-1)
+    quiet_trainer("auto", **epoch).fit(plain, padded_data(n=43))
+    traces = []
+    export = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: traces.append(1) or export(*a, **k))
+    t = quiet_trainer(PipeMareStrategy(stages=2, microbatches=4, schedule="gpipe"), **epoch)
+    t.fit(piped, padded_data(n=43))
+    assert t.global_step == 6 and len(traces) == 2
+    assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)
 
 
 @pytest.mark.distributed

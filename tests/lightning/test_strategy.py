@@ -9,7 +9,6 @@ import pytorch_lightning as pl
 import torch
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import DataLoader
 
 import pipemare
 from pipemare import PipeMareConfig, PipeMareStrategy
@@ -419,28 +418,33 @@ def test_manual_optimisation_refuses_what_a_pipeline_cannot_do(mistake, message)
             assert torch.equal(a, b)
 
 
-def test_a_last_batch_too_small_to_split_is_refused_before_any_update():
-    model = Tiny()
-    before = weights(model)
-    with pytest.raises(
-        ValueError,
-        match=r"last batch holds 2 sample\(s\) \(98 samples in batches of 12\), fewer than "
-        r"microbatches=4.*drop_last=True",
-    ):
-        trainer(PipeMareStrategy(stages=2, microbatches=4), max_epochs=1).fit(
-            model, tiny_data(n=98)
-        )
-    assert all(torch.equal(a, b) for a, b in zip(before, weights(model), strict=True))
-    # handled: drop_last, or a last batch that still splits
-    gen_loader = tiny_data(n=98)
-    dropped = DataLoader(gen_loader.dataset, batch_size=12, drop_last=True)
-    trainer(PipeMareStrategy(stages=2, microbatches=4), max_epochs=1).fit(Tiny(), dropped)
-    trainer(PipeMareStrategy(stages=2, microbatches=2), max_epochs=1).fit(Tiny(), tiny_data(n=98))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_last_batch_smaller_than_n_trains_as_on_one_device(schedule, caplog):
+    """98 samples in batches of 12 at N = 4: the last batch's 2 samples run a microbatch
+    each, two weightless copies fill the schedule, and weights and logged loss are one
+    device's over two epochs."""
+    pl.seed_everything(0)
+    base = Tiny()
+    plain, piped = copy.deepcopy(base), copy.deepcopy(base)
+    one = trainer("auto", max_epochs=2)
+    one.fit(plain, tiny_data(n=98))
+    strategy = PipeMareStrategy(stages=3, microbatches=4, schedule=schedule, balance=[2, 2, 1])
+    t = trainer(strategy, max_epochs=2)
+    t.fit(piped, tiny_data(n=98))
+    assert t.global_step == one.global_step == 18
+    for a, b in zip(weights(piped), weights(plain), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    # the last step logged is the short batch's: its loss, not the copies'
+    torch.testing.assert_close(
+        t.callback_metrics["train_loss"], one.callback_metrics["train_loss"], rtol=0, atol=1e-6
+    )
+    assert "last batch: 2 sample(s) < N=4 (98 samples in batches of 12" in caplog.text
+    assert "drop_last=True skips it" in caplog.text
 
 
 def test_default_microbatches_bound_the_delay_and_fit_the_last_batch(caplog):
     """With microbatches left out, a schedule that never flushes runs N = P, said with its
-    reason; a last batch smaller than P caps N instead of being refused; gpipe keeps N = 1."""
+    reason; a batch size below P caps N, a last batch below P does not; gpipe keeps N = 1."""
     strategy = PipeMareStrategy(stages=4)
     assert strategy.microbatches == 4  # before the pipeline is built: the choice for P
     trainer(strategy, max_steps=3, enable_progress_bar=False).fit(Tiny(), tiny_data(n=96))
@@ -449,11 +453,17 @@ def test_default_microbatches_bound_the_delay_and_fit_the_last_batch(caplog):
     assert all(d.forward < 1 for d in strategy.delays)
     assert "pipemare:   microbatches: N=4 (N = P:" in caplog.text
     caplog.clear()
-    # 98 samples in batches of 12: the last holds 2, so N = 2, and the epoch completes
+    # 98 samples in batches of 12: the last holds 2, and N stays P (the copies fill it)
     short = PipeMareStrategy(stages=4)
     trainer(short, max_epochs=1).fit(Tiny(), tiny_data(n=98))
-    assert short.microbatches == 2
-    assert "microbatches: N=2 (as many as the smallest batch's 2 sample(s) allow" in caplog.text
+    assert short.microbatches == 4
+    assert "last batch: 2 sample(s) < N=4" in caplog.text
+    caplog.clear()
+    # a batch size below P caps N, said with its reason
+    small = PipeMareStrategy(stages=4)
+    trainer(small, max_steps=2).fit(Tiny(), tiny_data(n=24, batch=3))
+    assert small.microbatches == 3
+    assert "microbatches: N=3 (as many as the smallest batch's 3 sample(s) allow" in caplog.text
     flushing = PipeMareStrategy(stages=4, schedule="1f1b")
     trainer(flushing, max_steps=1).fit(Tiny(), tiny_data())
     assert flushing.microbatches == 1
