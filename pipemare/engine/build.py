@@ -4,7 +4,7 @@ the stages, gradient clipping and the replicas' gradient averaging."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,7 +32,13 @@ __all__ = [
 
 
 def check_arguments(
-    *, schedule: str, stages: Any, microbatches: Any, balance: Any, recompute: Any
+    *,
+    schedule: str,
+    stages: Any,
+    microbatches: Any,
+    balance: Any,
+    recompute: Any,
+    compile: Any = False,
 ) -> ScheduleSpec:
     """Refuse a bad value of an argument the Pipeline and the strategy share, up front.
 
@@ -48,6 +54,8 @@ def check_arguments(
         balance: a name from :data:`~pipemare.model.cuts.BALANCES`, a list of layer counts,
             or None for the default.
         recompute: whether stages rerun their forward at backward time.
+        compile: whether (True, or a dict of ``torch.compile``'s options) each stage's
+            layers are compiled.
 
     Returns:
         What ``schedule`` means.
@@ -76,7 +84,32 @@ def check_arguments(
             f"recompute must be True or False, got {recompute!r}; True keeps only each "
             "stage's inputs and reruns its forward at backward time"
         )
+    compile_options(compile)
     return sp
+
+
+#: what ``compile`` may set of ``torch.compile``'s keyword arguments
+COMPILE_OPTIONS = ("backend", "mode", "dynamic", "fullgraph", "options")
+
+
+def compile_options(value: Any) -> dict[str, Any] | None:
+    """``torch.compile``'s keyword arguments for each stage from a ``compile`` argument: None
+    for False, ``{}`` (its defaults: inductor) for True, the dict's own for a dict.
+
+    Example:
+        >>> compile_options(False), compile_options(True), compile_options({"backend": "eager"})
+        (None, {}, {'backend': 'eager'})
+    """
+    if isinstance(value, bool):
+        return {} if value else None
+    if isinstance(value, Mapping) and all(k in COMPILE_OPTIONS for k in value):
+        return dict(value)
+    unknown = sorted(set(value) - set(COMPILE_OPTIONS)) if isinstance(value, Mapping) else None
+    raise ValueError(
+        f"compile must be True, False or a dict of torch.compile's options "
+        f"({', '.join(COMPILE_OPTIONS)}), got {value!r}"
+        + (f": {', '.join(map(repr, unknown))} is not one of them" if unknown else "")
+    )
 
 
 def default_device(model: nn.Module, device: torch.device | str | None) -> torch.device:
@@ -147,9 +180,11 @@ def make_stages(
     microbatches: int,
     seed: int | None,
     recompute: bool,
+    compile: dict[str, Any] | None = None,
 ) -> list[Stage]:
     """The ``local`` stages of ``modules``, each with a random stream of its own, seeded from
-    ``seed`` (default: ``torch.initial_seed()``). The last stage never recomputes."""
+    ``seed`` (default: ``torch.initial_seed()``). The last stage never recomputes. With
+    ``compile`` (``torch.compile``'s options) each stage's layers are compiled."""
     base_seed = torch.initial_seed() if seed is None else seed
     return [
         Stage(
@@ -163,6 +198,7 @@ def make_stages(
             microbatches=microbatches,
             seed=(base_seed + 7919 * (i + 1)) % 2**63,
             recompute=recompute and i < len(modules) - 1,
+            compile=compile,
         )
         for i in local
     ]

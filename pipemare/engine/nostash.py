@@ -46,6 +46,10 @@ class SavedTensors:
         buffers: the stage's buffers, by ``id`` (held anyway, so never counted as held).
         weight_at: ``(param, version)`` -> what a backward pass sees of ``param`` for a
             microbatch forwarded at ``version``.
+        compiled: the stage's layers are compiled: the hooks run outside the compiler
+            (``torch.compiler.disable``). Dynamo would otherwise trace the pack hook as a
+            frame of its own and, its result depending on which tensor it packs, compile it
+            again for each until its recompile limit.
     """
 
     def __init__(
@@ -53,8 +57,10 @@ class SavedTensors:
         params: Mapping[int, nn.Parameter],
         buffers: Mapping[int, torch.Tensor],
         weight_at: Callable[[nn.Parameter, int], torch.Tensor],
+        compiled: bool = False,
     ) -> None:
         self._params, self._buffers, self._weight_at = params, buffers, weight_at
+        self._compiled = compiled
 
     def hooks(
         self, version: int, track: bool, held: Held | None
@@ -78,6 +84,10 @@ class SavedTensors:
             offset = int(t.storage_offset() - base.storage_offset())
             return _ParamRef(base, version, t.size(), t.stride(), offset)
 
+        if self._compiled:
+            return torch.autograd.graph.saved_tensors_hooks(
+                torch.compiler.disable(pack), torch.compiler.disable(self._unpack)
+            )
         return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
 
     def _unpack(self, packed: Any) -> torch.Tensor:

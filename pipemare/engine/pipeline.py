@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -78,6 +78,10 @@ class Pipeline:
             weights its backward uses (under ``async``/``pipemare`` the activations then come
             from backward-time weights too; see :mod:`pipemare.engine.recompute`). The last
             stage, whose forward runs the loss, never reruns.
+        compile: ``torch.compile`` each stage's layers (True: its defaults, inductor), or a
+            dict of its options (``backend``, ``mode``, ``dynamic``, ``fullgraph``,
+            ``options``). The backward still sees the weights the schedule gives it (the
+            no-stash hooks hold under the compiled graph); the loss is not compiled.
         layout_decisions: how the caller chose P and the cut on the user's behalf (the Lightning
             strategy says so), recorded first in :attr:`settings`.
 
@@ -117,6 +121,7 @@ class Pipeline:
         steps_per_epoch: int | None = None,
         check_finite: bool = True,
         recompute: bool = False,
+        compile: bool | Mapping[str, Any] = False,
         layout_decisions: Sequence[Decision] = (),
     ) -> None:
         partition.check_sequential(model)
@@ -126,6 +131,7 @@ class Pipeline:
             microbatches=microbatches,
             balance=balance,
             recompute=recompute,
+            compile=compile,
         )
         self.device = build.default_device(model, device)
         transport = build.make_transport(transport, stages, len(model), self.device, microbatches)
@@ -175,6 +181,7 @@ class Pipeline:
             microbatches=microbatches,
             seed=seed,
             recompute=recompute,
+            compile=build.compile_options(compile),
         )
         self.clip = build.make_clip(
             clip_grad_norm, clip_grad_value, sp.flushes, transport, self.device, microbatches

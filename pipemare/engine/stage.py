@@ -65,6 +65,12 @@ class Stage:
             :attr:`peak_saved_bytes`). Default: on where it costs next to nothing (the stage
             tracks parameters, so its pack hook runs anyway, or it recomputes); a flushing
             stage that does not recompute needs a hook on every saved tensor to count.
+        compile: ``torch.compile``'s options to compile the stage's forward with, or None.
+            ``module`` itself stays as it is (its parameter names too); the rerun of
+            ``recompute`` runs it uncompiled. The compiled forward saves for its backward what
+            AOTAutograd chooses, through the same hooks: parameters it saves are still saved
+            by reference, so the no-stash backward is unchanged (the hooks themselves run
+            uncompiled).
 
     Attributes:
         saved_bytes: bytes this stage keeps right now for the backward passes of its
@@ -99,9 +105,12 @@ class Stage:
         seed: int | None = None,
         recompute: bool = False,
         measure_saved: bool | None = None,
+        compile: dict[str, Any] | None = None,
     ) -> None:
         self.index = index
         self.module = module
+        # what the forward calls; ``module`` keeps its own names (state dicts, the rerun)
+        self._call = module if compile is None else torch.compile(module, **compile)
         self.version = 0
         self.stashes = stashes
         self.track = track
@@ -112,7 +121,7 @@ class Stage:
         self._params = {id(p): p for p in module.parameters()}
         self._named_params = dict(module.named_parameters())
         buffers = {id(b): b for b in module.buffers()}
-        self._saved = SavedTensors(self._params, buffers, self.weight_at)
+        self._saved = SavedTensors(self._params, buffers, self.weight_at, compile is not None)
         self._stash = Stash(self._params)
         self.recompute = recompute
         self.measure_saved = (track or recompute) if measure_saved is None else measure_saved
@@ -164,7 +173,7 @@ class Stage:
             hooks,
             self._forward_context(),
         ):
-            outputs = self.module(inputs)
+            outputs = self._call(inputs)
             result = head(outputs) if head is not None else outputs
         if grad:
             self._keep(microbatch, inputs, result, rng, held)

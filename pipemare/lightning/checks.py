@@ -47,6 +47,7 @@ def check_strategy_arguments(
     stall_timeout: Any,
     recompute: Any,
     heartbeat_timeout: Any = 30.0,
+    compile: Any = False,
 ) -> None:
     """Refuse a bad constructor argument of the strategy, naming what it takes instead: those
     it shares with the Pipeline by the engine's own check
@@ -62,6 +63,7 @@ def check_strategy_arguments(
         microbatches=1 if microbatches == "auto" else microbatches,
         balance=balance,
         recompute=recompute,
+        compile=compile,
     )
     if config is not None and not isinstance(config, PipeMareConfig):
         raise TypeError(

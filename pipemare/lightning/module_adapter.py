@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._dynamo import OptimizedModule
 
 __all__ = ["ModuleAdapter", "loss_of"]
 
@@ -102,8 +103,17 @@ class ModuleAdapter:
         parent, _, attr = path.rpartition(".")
         self._parent = module.get_submodule(parent) if parent else module
         self._attr = attr
-        #: the module the step calls, as the user wrote it
-        self.pipelined: nn.Module = getattr(self._parent, attr)
+        #: how the user compiled the pipelined module (``"torch.compile"``, ``"compile()"``),
+        #: or None; the pipeline compiles each stage instead
+        self.user_compiled: str | None = None
+        pipelined = getattr(self._parent, attr)
+        if isinstance(pipelined, OptimizedModule):  # torch.compile(model): unwrapped, for good
+            self.user_compiled, pipelined = "torch.compile", pipelined._orig_mod
+            self._parent._modules[attr] = pipelined
+        elif getattr(pipelined, "_compiled_call_impl", None) is not None:  # model.compile()
+            self.user_compiled = "compile()"
+        #: the module the step calls, as the user wrote it (unwrapped from torch.compile)
+        self.pipelined: nn.Module = pipelined
         #: the split points as names inside the pipelined module
         self.split_points = None
         if split_points is not None:

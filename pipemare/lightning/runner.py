@@ -172,7 +172,13 @@ class PipelineRunner:
         if self.pipeline is None:
             self._prepare_model(batch, step, args)
             cut, decided = self._balance(batch, step, args)
-            decided = [*self._call_decided, *self._n_decided, *self._short_decided, *decided]
+            decided = [
+                *self._call_decided,
+                *self._compiled()[1],
+                *self._n_decided,
+                *self._short_decided,
+                *decided,
+            ]
             self.pipeline = pipe = self._build(cut, decided)
             self.cut = list(pipe.balance)
             self._load_pending_state()
@@ -307,10 +313,30 @@ class PipelineRunner:
             microbatch_weights=label_token_weights(self.adapter),
             forward_context=strategy.precision_plugin.forward_context,
             recompute=strategy.recompute,
+            compile=self._compiled()[0],
             layout_decisions=decided,
             **self._clipping(),
             **self._run_length(),
         )
+
+    def _compiled(self) -> tuple[dict[str, Any] | bool, list[Decision]]:
+        """``torch.compile``'s options for each stage (False: none), and the decision to say."""
+        options, user = self.strategy.compile, self.adapter and self.adapter.user_compiled
+        if options is None and not user:
+            return False, []
+        shown = ", ".join(f"{k}={v!r}" for k, v in (options or {}).items()) or "its defaults"
+        choice = f"each stage's forward, torch.compile with {shown}"
+        if user:
+            what = self.adapter.what  # type: ignore[union-attr]
+            call = "torch.compile(...)" if user == "torch.compile" else f"{what}.compile()"
+            why = (
+                f"{what} was passed through {call}; a compiled whole cannot be cut, so each "
+                "stage is compiled instead"
+                + ("" if options else " (compile={...} on the strategy chooses the options)")
+            )
+        else:
+            why = "asked; the backward still sees the schedule's weights, with no weight copies"
+        return options or {}, [Decision("compile", choice, why)]
 
     def _run_length(self) -> dict[str, Any]:
         """The run's optimiser steps and steps per epoch, for T1's horizon, where known."""

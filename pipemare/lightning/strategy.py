@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from pytorch_lightning.strategies import ParallelStrategy
 
+from pipemare.engine.build import compile_options
 from pipemare.engine.heartbeat import Heartbeat, announce
 from pipemare.engine.lagged import result_lag
 from pipemare.engine.layout import RankLayout
@@ -100,6 +101,14 @@ class PipeMareStrategy(ParallelStrategy):
             its backward uses (under ``async``/``pipemare`` those are backward-time weights,
             so the activations differ from the saved-activation default; exact for ``gpipe``,
             ``1f1b`` and ``pipedream``).
+        compile: ``torch.compile`` each stage's forward: True (its defaults: inductor) or a
+            dict of its options (``backend``, ``mode``, ``dynamic``, ``fullgraph``,
+            ``options``). A pipelined module the user passed through ``torch.compile`` (or
+            ``.compile()``) is unwrapped and compiled stage by stage the same way, with
+            ``torch.compile``'s defaults unless ``compile`` gives options. The backward
+            still uses the weights the schedule gives it: no weight copies under ``pipemare``
+            (:mod:`pipemare.engine.nostash`). Compiling the LightningModule itself is refused
+            by Lightning for strategies other than its own.
 
     With ``stages`` below the process count (``devices * num_nodes``), the processes run
     ``devices * num_nodes / stages`` data-parallel copies of the pipeline
@@ -146,6 +155,7 @@ class PipeMareStrategy(ParallelStrategy):
         stall_timeout: float = 300.0,
         recompute: bool = False,
         heartbeat_timeout: float | None = 30.0,
+        compile: bool | dict[str, Any] = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -177,6 +187,7 @@ class PipeMareStrategy(ParallelStrategy):
             stall_timeout=stall_timeout,
             recompute=recompute,
             heartbeat_timeout=heartbeat_timeout,
+            compile=compile,
         )
         self.stages, self.schedule = stages, schedule
         #: N as asked: a number, or ``"auto"`` (decided when the pipeline is built)
@@ -191,6 +202,9 @@ class PipeMareStrategy(ParallelStrategy):
         self.module_name = module if module is not None else sequential
         self.split_points = None if split_points is None else list(split_points)
         self.dynamic_shapes = dynamic_shapes
+        #: ``torch.compile``'s options for each stage (None: not compiled unless the user's
+        #: module was)
+        self.compile = compile_options(compile)
         self._start_method, self._timeout = start_method, timeout
         self.stall_timeout = float(stall_timeout)
         self.heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
