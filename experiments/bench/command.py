@@ -8,6 +8,10 @@ process) that trains the same model, batch and optimiser (SGD, momentum 0.9) in 
   InterleavedZeroBubble with hand-split stages (:mod:`~pipemare.experiments.bench.torch_peer`);
 - ``engine``: pipemare's :class:`~pipemare.Pipeline` with every schedule;
 - ``lightning``: ``Trainer(strategy=PipeMareStrategy(...))`` with every schedule;
+- with ``--compile``, ``engine+compile`` and ``single+compile``: the engine's schedules and the
+  single process again, each stage's forward through ``torch.compile`` (inductor), with their
+  speed against the same run uncompiled (``× eager``) and the untimed warm-up's seconds, where
+  the compiling happens;
 
 so every ratio compares runs of one launch. Each configuration is one JSON line: samples/s,
 per-stage utilisation (compute over wall) and communication seconds, the bubble (mean idle
@@ -58,31 +62,32 @@ def run_benchmarks(args: argparse.Namespace) -> list[dict]:
 
 def _forward(args: argparse.Namespace) -> list[str]:
     names = ("out", "width", "depth", "batch", "microbatches", "steps", "warmup", "lr", "schedules")
-    return flags(args, *names)
+    return flags(args, *names) + (["--compile"] if args.compile else [])
 
 
 def table(rows: list[dict]) -> str:
     """A markdown table of the JSON rows."""
     lines = [
-        "| P | kind | schedule | samples/s | × single | × torch 1F1B | of stage bound "
+        "| P | kind | schedule | samples/s | × single | × torch 1F1B | × eager | of stage bound "
         "| utilisation per stage | bubble | resident MB per 1,000 steps |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
             lines.append(
-                f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['error']} |||||||"
+                f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['error']} ||||||||"
             )
             continue
         util = " / ".join(f"{u:.2f}" for u in r["utilisation"])
         vs_torch = f"{r['vs_torch_1f1b']:.2f}" if r.get("vs_torch_1f1b") else "-"
+        vs_eager = f"{r['vs_eager']:.2f}" if r.get("vs_eager") else "-"  # compiled rows
         # copies of a shorter pipeline have other stages than the bound measured for P stages
         bound = "-" if "copies" in r else f"{r.get('of_stage_bound', 1.0):.2f}"
         growth = r.get("resident_mb_per_1000")  # the rank that grew most
         grown = "-" if growth is None else f"{max(growth):+.1f}"
         lines.append(
             f"| {r['processes']} | {r['kind']} | {r['schedule']} | {r['samples_per_s']:.0f} | "
-            f"{r['vs_single']:.2f} | {vs_torch} | {bound} | {util} | "
+            f"{r['vs_single']:.2f} | {vs_torch} | {vs_eager} | {bound} | {util} | "
             f"{r['bubble']:.2f} | {grown} |"
         )
     return "\n".join(lines)
@@ -95,23 +100,27 @@ def chart(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({r["processes"] for r in rows if r["kind"] != "single"})
+    groups = sorted({r["processes"] for r in rows if not r["kind"].startswith("single")})
     fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
     colours = {
         "single": "grey",
         "torch": "tab:orange",
         "engine": "tab:blue",
         "lightning": "tab:green",
+        "single+compile": "dimgrey",
+        "engine+compile": "tab:purple",
     }
     for ax, p in zip(axes[0], groups, strict=True):
         single = next(r for r in rows if r["kind"] == "single" and r.get("launch") == p)
-        shown = [single] + [r for r in rows if r["processes"] == p and "samples_per_s" in r]
+        compiled = [r for r in rows if r["kind"] == "single+compile" and r.get("launch") == p]
+        shown = [single, *compiled]
+        shown += [r for r in rows if r["processes"] == p and "samples_per_s" in r]
         labels = [f"{r['kind']}\n{r['schedule'].replace('Interleaved', 'Intl.')}" for r in shown]
         ax.bar(range(len(shown)), [r["samples_per_s"] for r in shown],
                color=[colours[r["kind"]] for r in shown])  # fmt: skip
         ax.set_xticks(range(len(shown)), labels, rotation=70, fontsize=7)
         ax.axhline(single["samples_per_s"] * min(p, os.cpu_count() or 1), ls="--", c="k", lw=0.8)
-        bound = next(r for r in shown if r["kind"] != "single")
+        bound = next(r for r in shown if not r["kind"].startswith("single"))
         if "stage_bound_vs_single" in bound:
             ax.axhline(single["samples_per_s"] * bound["stage_bound_vs_single"], c="tab:red", lw=1)
         ax.set_title(
@@ -194,6 +203,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     parser.add_argument("--memory-stages", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--timeout", type=float, default=3600)
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time each schedule (and the single process) with torch.compile's defaults "
+        "on each stage's forward: rows 'engine+compile' and 'single+compile', with x eager",
+    )
     return parser
 
 

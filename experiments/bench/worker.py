@@ -41,13 +41,16 @@ def _timed(step: Any, warmup: int, steps: int) -> float:
     return time.perf_counter() - start
 
 
-def _single(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> dict[str, Any] | None:
+def _single(
+    args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor, compiled: bool = False
+) -> dict[str, Any] | None:
     model = mlp(args.width, args.depth)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    run = torch.compile(model) if compiled else model  # torch.compile's defaults: inductor
 
     def step() -> None:
         opt.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(model(x), y).backward()
+        nn.functional.cross_entropy(run(x), y).backward()
         opt.step()
 
     if dist.get_rank() != 0:
@@ -87,6 +90,8 @@ def _stage_memory(
         "buffers": sum(pipe.optimizer.buffer_bytes(i).values()),
         "activations": saved_bytes(copy.deepcopy(pipe.stage_modules[i]), inputs)
         * stage.peak_in_flight,
+        # what the stage's hooks counted at its peak (compiled graphs save what they choose)
+        "saved_peak": stage.peak_saved_bytes,
     }
 
 
@@ -100,7 +105,12 @@ def _spans_summary(spans: list, stages: int, wall: float) -> tuple[list[float], 
 
 
 def _engine(
-    args: argparse.Namespace, schedule: str, balance: list[int], x: torch.Tensor, y: torch.Tensor
+    args: argparse.Namespace,
+    schedule: str,
+    balance: list[int],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    compiled: bool = False,
 ) -> dict[str, Any]:
     from pipemare import Pipeline
     from pipemare.engine.telemetry import Probe
@@ -116,10 +126,13 @@ def _engine(
         transport="distributed",
         balance=balance,
         total_steps=args.warmup + args.steps,
+        compile=compiled,
     )
     pipe.probe = Probe(timeline=True, max_spans=1_000_000)
-    for _ in range(args.warmup):
+    began = time.perf_counter()
+    for _ in range(args.warmup):  # compiling, where asked, happens here
         pipe.step((x, y))
+    warmup = time.perf_counter() - began
     assert pipe.probe is not None
     pipe.probe.take_spans()
     dist.barrier()
@@ -132,7 +145,8 @@ def _engine(
     spans = [s for s in pipe.probe.take_spans() if s[3] >= 0]
     pipe.drain()
     memory = _stage_memory(pipe, opt, args, x)
-    return {"wall_s": wall, "spans": spans, "memory": memory, "growth": memory_growth(trace)}
+    growth = memory_growth(trace)
+    return {"wall_s": wall, "spans": spans, "memory": memory, "growth": growth, "warmup_s": warmup}
 
 
 class _Module:
@@ -291,6 +305,8 @@ def _row(
     if "growth" in parts[0] and args.steps >= MEMORY_STEPS:
         for key in parts[0]["growth"]:
             row[key] = [part["growth"][key] for part in parts]
+    if "warmup_s" in parts[0]:  # the untimed first steps (compiling included, where asked)
+        row["warmup_s"] = max(part["warmup_s"] for part in parts)
     if stages != p:
         row["stages"], row["copies"] = stages, p // stages
     return row
@@ -359,6 +375,17 @@ def run_worker(args: argparse.Namespace) -> None:
                 rows.append(_row(kind, name, args, parts))
             dist.barrier()
 
+    if args.compile:  # each stage's forward compiled, beside the eager rows above
+        parts = _gather(_single(args, x, y, compiled=True))
+        if rank == 0:
+            rows.append(_row("single+compile", "-", args, [parts[0]]))
+            rows[-1]["processes"] = 1
+        for name in args.schedules:
+            parts = _gather(_engine(args, name, balance, x, y, compiled=True))
+            if rank == 0:
+                rows.append(_row("engine+compile", name, args, parts))
+            dist.barrier()
+
     if world >= 4 and world % 2 == 0:  # data x pipeline: world/2 copies of a 2-stage pipeline
         for name in [n for n in args.schedules if n in ("pipemare", "1f1b")]:
             halves = partition.balance_by_params(model, 2)
@@ -390,6 +417,11 @@ def _add_ratios(rows: list[dict], processes: int) -> None:
         if "samples_per_s" not in r:
             continue
         r["vs_single"] = r["samples_per_s"] / single
+        if r["kind"].endswith("+compile"):  # against the same run uncompiled
+            eager = r["kind"].removesuffix("+compile")
+            same = [e for e in rows if e["kind"] == eager and e["schedule"] == r["schedule"]]
+            if same and "samples_per_s" in same[0]:
+                r["vs_eager"] = r["samples_per_s"] / same[0]["samples_per_s"]
         r["vs_torch_1f1b"] = r["samples_per_s"] / torch_1f1b if torch_1f1b else None
         # what P one-thread processes could reach at most on this machine's cores
         r["cpu_bound_vs_single"] = min(r["processes"], cores)
