@@ -160,3 +160,24 @@ def test_a_gpt2_cut_into_segments_compiles_with_inductor():
     # a weight saved by value would be counted here, parameters saved by reference are not
     for s, e in zip(stages, before, strict=True):
         assert 0 < s.peak_saved_bytes <= e.peak_saved_bytes
+
+
+@pytest.mark.zoo
+@pytest.mark.distributed
+def test_a_gpt2_the_user_compiled_trains_on_two_processes_as_one_device(tmp_path):
+    """``model.model = torch.compile(model.model)`` as on one device, then
+    ``Trainer(strategy="pipemare_gpipe", devices=2)``: each process compiles its stage
+    (inductor) and both end with the uncompiled one device's held-out loss."""
+    pytest.importorskip("transformers")
+    from support.real_runs import two_process_workflow, val_loss
+    from support.zoo import GPT2Module, data
+
+    steps = 10
+    args = ["--task", "gpt2", "--strategy", "pipemare_gpipe", "--no-dropout", "--compile"]
+    reports = two_process_workflow(tmp_path, *args, "--steps", str(steps))
+    plain = GPT2Module(dropout=False)
+    quiet_trainer("auto", max_steps=steps).fit(plain, data("causal", n=8 * steps))
+    want = val_loss(plain, data("causal", n=64, seed=1))
+    for report in reports:
+        assert report["val_loss"] == pytest.approx(want, rel=1e-4)
+        assert report["global_step"] == steps

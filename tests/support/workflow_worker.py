@@ -9,6 +9,8 @@ Lightning's launcher (``devices=2``, one stage per process, gloo):
 - ``--task gpt``: the tied nanoGPT validated before any fit, then resumed from a checkpoint
   written at another P (``--ckpt``) and trained on to ``--steps``.
 
+``--compile``: the Hugging Face model passed through ``torch.compile`` as on one device.
+
 Every rank writes ``report-<rank>.json``: the validation losses, the step reached, the
 schedule and N the strategy chose.
 """
@@ -18,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+
+import torch
 
 from support.models import quiet_trainer
 from support.real_modules import GPTModule, tokens
@@ -32,6 +36,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, required=True)
     parser.add_argument("--no-dropout", action="store_true")
     parser.add_argument("--ckpt")
+    parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     out = Path(args.out)
     # the loader as it is, so that one device sees the same batches
@@ -41,6 +46,8 @@ def main() -> None:
     report: dict = {}
     if args.task == "gpt2":
         model = GPT2Module(dropout=not args.no_dropout)
+        if args.compile:
+            model.model = torch.compile(model.model)
         trainer.fit(model, data("causal", n=8 * args.steps))
         (val,) = trainer.validate(model, data("causal", n=64, seed=1), verbose=False)
     elif args.task == "padded":
