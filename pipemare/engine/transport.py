@@ -10,6 +10,7 @@ described by a header (:mod:`pipemare.engine.wire`).
 from __future__ import annotations
 
 import abc
+import atexit
 import collections
 import datetime
 import math
@@ -110,6 +111,27 @@ def init_process_group(backend: str) -> None:
             "SLURM) or run all stages in one process with transport='inprocess'"
         )
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    destroy_at_exit()
+
+
+def destroy_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, before it tears itself
+    down (once per process). Left to the interpreter's teardown, gloo's worker threads can
+    still hold work whose tensors need the interpreter, and the process occasionally aborts
+    at its very end ("terminate called without an active exception", SIGABRT) after a run
+    that succeeded. Lightning does this for NCCL only."""
+    global _destroy_registered
+    if not _destroy_registered:
+        atexit.register(_destroy_default_group)
+        _destroy_registered = True
+
+
+_destroy_registered = False
+
+
+def _destroy_default_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _own_group(groups: Sequence[Sequence[int]], rank: int, backend: str) -> Any:

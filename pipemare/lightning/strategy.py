@@ -46,6 +46,7 @@ from pipemare.engine.heartbeat import Heartbeat, announce
 from pipemare.engine.lagged import result_lag
 from pipemare.engine.layout import RankLayout
 from pipemare.engine.pipeline import Pipeline
+from pipemare.engine.transport import destroy_at_exit
 from pipemare.lightning import checks
 from pipemare.lightning.launching import LightningAPI, SigtermRelay, restarts_share_the_store
 from pipemare.lightning.runner import PipelineRunner, stepped
@@ -379,6 +380,7 @@ class PipeMareStrategy(ParallelStrategy):
         self.set_world_ranks()
         backend = api.backend_for_device(self.root_device)
         api.init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        destroy_at_exit()
         if restarts_share_the_store():
             api.rank_zero_warn(
                 "pipemare: torchrun may restart this job (--max-restarts), and its workers share "
