@@ -138,8 +138,9 @@ def token_shares(shift: int = 0) -> Callable[[list[Any]], list[float]]:
     microbatch's share of the batch's counted tokens, so that the weighted sum of the
     microbatches' mean losses is the batch's mean loss. ``shift``: positions a causal LM drops
     from the front of each row's labels before counting (1: it predicts token ``t + 1``
-    from ``t``). Microbatches without a mapping's ``labels`` of rank 2 or more (a classifier's
-    one label per row) are weighted by rows.
+    from ``t``). The labels are a mapping's ``labels`` entry or a tuple's last element
+    (``(inputs, targets)``); microbatches without labels of rank 2 or more (a classifier's one
+    label per row) are weighted by rows.
 
     Example:
         >>> labels = torch.tensor([[5, 6, -100], [7, -100, -100], [1, 2, 3], [4, 5, 6]])
@@ -150,7 +151,7 @@ def token_shares(shift: int = 0) -> Callable[[list[Any]], list[float]]:
     def shares(chunks: list[Any]) -> list[float]:
         counts = []
         for chunk in chunks:
-            labels = chunk.get("labels") if isinstance(chunk, Mapping) else None
+            labels = _labels(chunk)
             if not isinstance(labels, torch.Tensor) or labels.dim() < 2:
                 return row_shares(chunks)
             counts.append(int((labels[..., shift:] != IGNORE_INDEX).sum()))
@@ -158,6 +159,16 @@ def token_shares(shift: int = 0) -> Callable[[list[Any]], list[float]]:
         return [n / total for n in counts] if total else row_shares(chunks)
 
     return shares
+
+
+def _labels(chunk: Any) -> Any:
+    """A microbatch's labels: its ``labels`` entry, or the last element of a tuple or list
+    (``(inputs, targets)``)."""
+    if isinstance(chunk, Mapping):
+        return chunk.get("labels")
+    if isinstance(chunk, (tuple, list)) and chunk:
+        return chunk[-1]
+    return None
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -31,6 +31,10 @@ __all__ = [
 ]
 
 
+#: what ``microbatch_weights`` may name
+MICROBATCH_WEIGHTS = ("auto", "rows", "tokens")
+
+
 def check_strategy_arguments(
     *,
     stages: Any,
@@ -48,6 +52,7 @@ def check_strategy_arguments(
     recompute: Any,
     heartbeat_timeout: Any = 30.0,
     compile: Any = False,
+    microbatch_weights: Any = "auto",
 ) -> None:
     """Refuse a bad constructor argument of the strategy, naming what it takes instead: those
     it shares with the Pipeline by the engine's own check
@@ -95,6 +100,13 @@ def check_strategy_arguments(
         raise ValueError(
             "split_points must be a list of module names, each a cut before that module, e.g. "
             f"['gpt.transformer.h.2', 'gpt.transformer.h.4'], got {split_points!r}"
+        )
+    if not callable(microbatch_weights) and microbatch_weights not in MICROBATCH_WEIGHTS:
+        raise ValueError(
+            "microbatch_weights must be 'auto' (by counted label tokens for a Hugging Face "
+            "model, else by rows), 'rows', 'tokens' (labels other than -100 in the batch's "
+            "'labels' or its last element) or a function of the microbatches returning their "
+            f"shares, got {microbatch_weights!r}"
         )
     if dynamic_shapes not in DYNAMIC_SHAPES:
         raise ValueError(

@@ -175,6 +175,7 @@ class PipelineRunner:
             decided = [
                 *self._call_decided,
                 *self._compiled()[1],
+                *self._weights()[1],
                 *self._n_decided,
                 *self._short_decided,
                 *decided,
@@ -297,6 +298,7 @@ class PipelineRunner:
         and run length."""
         assert self.adapter is not None and self.adapter.sequential is not None
         strategy, seq, steps = self.strategy, self.adapter.sequential, self.steps
+        weights = steps.shares = self._weights()[0]
         return Pipeline(
             seq,
             self._user_optimizer(seq),
@@ -310,7 +312,7 @@ class PipelineRunner:
             device=strategy.root_device,
             input_fn=steps.input,
             target_fn=lambda mb: mb,
-            microbatch_weights=label_token_weights(self.adapter),
+            microbatch_weights=weights,
             forward_context=strategy.precision_plugin.forward_context,
             recompute=strategy.recompute,
             compile=self._compiled()[0],
@@ -318,6 +320,27 @@ class PipelineRunner:
             **self._clipping(),
             **self._run_length(),
         )
+
+    def _weights(self) -> tuple[Callable[[list[Any]], list[float]] | None, list[Decision]]:
+        """How each microbatch's loss is weighted (None: by rows), and the decision to say."""
+        asked = self.strategy.microbatch_weights
+        tokens = "each microbatch's share of the batch's counted label tokens"
+        if callable(asked):
+            name = getattr(asked, "__name__", type(asked).__name__)
+            return asked, [Decision("microbatch weights", f"from {name}", "microbatch_weights")]
+        if asked == "rows":
+            return None, []
+        if asked == "tokens":
+            why = "microbatch_weights='tokens': a loss that averages over the labels not -100"
+            return token_shares(), [Decision("microbatch weights", tokens, why)]
+        auto = label_token_weights(self.adapter)
+        if auto is None:
+            return None, []
+        why = (
+            "a Hugging Face loss averages over the label tokens that are not -100 (padding), "
+            "so the minibatch's loss and gradient are one device's"
+        )
+        return auto, [Decision("microbatch weights", tokens, why)]
 
     def _compiled(self) -> tuple[dict[str, Any] | bool, list[Decision]]:
         """``torch.compile``'s options for each stage (False: none), and the decision to say."""
@@ -576,15 +599,6 @@ def call_decisions(adapter: ModuleAdapter) -> list[Decision]:
             "its forward at the first batch",
         )
     ]
-    if label_token_weights(adapter) is not None:
-        out.append(
-            Decision(
-                "microbatch weights",
-                "each microbatch's share of the batch's counted label tokens",
-                "a Hugging Face loss averages over the label tokens that are not -100 "
-                "(padding), so the minibatch's loss and gradient are one device's",
-            )
-        )
     defaults = getattr(seq, "call_defaults", {})
     if "use_cache" not in defaults:
         return out

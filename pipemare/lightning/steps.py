@@ -55,12 +55,16 @@ class UserSteps:
         self.manual = ManualOptimization(module)
         self._forward_context = forward_context
         self.name, self.args, self.size = "training_step", (), 1
+        self._batch: Any = None
+        #: the pipeline's microbatch weights (None: by rows); logs are combined with them
+        self.shares: Callable[[list[Any]], list[float]] | None = None
         #: where the last stage publishes each minibatch's ``(loss, records)``
         self.results: Results | None = None
 
     def begin(self, name: str, batch: Any, args: tuple) -> None:
         """The step the next microbatches belong to."""
         self.name, self.args, self.size = name, args, batch_size(batch)
+        self._batch = batch
 
     @contextlib.contextmanager
     def logging_to(self, log: Callable[..., None]) -> Iterator[None]:
@@ -81,9 +85,19 @@ class UserSteps:
 
     def head(self, out: Any, microbatch: Any) -> Any:
         """Last stage: the rest of the step on the pipeline's output, its logs recorded."""
-        weight = batch_size(microbatch) / self.size
+        weight = self._share(microbatch)
         with self.logging_to(self.recorder.recording(weight, self.size)):
             return self.adapter.run_with_output(self.name, out, microbatch, *self.args)
+
+    def _share(self, microbatch: Any) -> float:
+        """``microbatch``'s share of its batch by the pipeline's weights (rows by default), so
+        that its logs combine as its loss does: the weights' ratio between it and the whole
+        batch (for counted tokens, its tokens over the batch's)."""
+        if self.shares is not None:
+            mine, whole = self.shares([microbatch, self._batch])
+            if whole > 0:
+                return mine / whole
+        return batch_size(microbatch) / self.size
 
     def loss(self, out: Any, microbatch: Any) -> torch.Tensor:
         if self.manual.active and self.name == "training_step":

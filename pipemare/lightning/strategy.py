@@ -110,6 +110,14 @@ class PipeMareStrategy(ParallelStrategy):
             still uses the weights the schedule gives it: no weight copies under ``pipemare``
             (:mod:`pipemare.engine.nostash`). Compiling the LightningModule itself is refused
             by Lightning for strategies other than its own.
+        microbatch_weights: each microbatch's share of its batch's loss, so that the
+            minibatch's loss and gradient are one device's. ``"auto"`` (default): for a Hugging
+            Face model its share of the counted label tokens (labels other than -100, a
+            causal LM's after its shift by one), else its share of the rows; ``"rows"``;
+            ``"tokens"``: its share of the labels other than -100 in the batch's ``labels``
+            entry or its last element (``(inputs, targets)``), for a loss that averages over
+            them (``cross_entropy(..., ignore_index=-100)``); or a function from the list of
+            microbatches to their shares.
 
     With ``stages`` below the process count (``devices * num_nodes``), the processes run
     ``devices * num_nodes / stages`` data-parallel copies of the pipeline
@@ -157,6 +165,7 @@ class PipeMareStrategy(ParallelStrategy):
         recompute: bool = False,
         heartbeat_timeout: float | None = 30.0,
         compile: bool | dict[str, Any] = False,
+        microbatch_weights: str | Callable[[list[Any]], list[float]] = "auto",
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -189,6 +198,7 @@ class PipeMareStrategy(ParallelStrategy):
             recompute=recompute,
             heartbeat_timeout=heartbeat_timeout,
             compile=compile,
+            microbatch_weights=microbatch_weights,
         )
         self.stages, self.schedule = stages, schedule
         #: N as asked: a number, or ``"auto"`` (decided when the pipeline is built)
@@ -206,6 +216,8 @@ class PipeMareStrategy(ParallelStrategy):
         #: ``torch.compile``'s options for each stage (None: not compiled unless the user's
         #: module was)
         self.compile = compile_options(compile)
+        #: how each microbatch's loss is weighted in its minibatch's (see the argument)
+        self.microbatch_weights = microbatch_weights
         self._start_method, self._timeout = start_method, timeout
         self.stall_timeout = float(stall_timeout)
         self.heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
