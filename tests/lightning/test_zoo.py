@@ -95,8 +95,9 @@ def test_gpt2_from_its_config_defaults_through_the_strategy_by_name(tmp_path):
     """``GPT2Config()`` with only its sizes shrunk, ``Trainer(strategy=<name>, devices=2)``
     and nothing else: ``pipemare_gpipe`` ends as one device (dropout off, as masks differ);
     ``pipemare`` (dropout on, as the config ships) trains it as the default layout, N = P = 2,
-    within the zoo's 10% of one device's held-out loss. Issue 40's bar is 2%: measured +6.5%
-    after 120 steps at AdamW 1e-2 (printed), so that bar is missed here and reported."""
+    within the zoo's 10% of one device's held-out loss. Issue 40's bar is 2%: this seed
+    reads +6.5% after 120 steps at AdamW 1e-2 (printed), eight seeds +7.9% (docs/results.md:
+    dropout makes one seed's figure vary by about 4%), so that bar is missed and reported."""
     pytest.importorskip("transformers")
     gpipe = ["--strategy", "pipemare_gpipe", "--no-dropout", "--steps", str(EQUAL_STEPS)]
     reports = two_process_workflow(tmp_path / "gpipe", "--task", "gpt2", *gpipe)
