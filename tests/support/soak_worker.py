@@ -5,7 +5,8 @@ simulated) or one process per stage (torchrun). Every ``--every`` steps each pro
 its live tensors and reads its resident memory; each rank writes the samples to --out.
 
 The tests run it short; ``--steps 1536 --every 128`` is the 12 epochs of 128 steps of the
-issue that found the leaks (see docs/benchmarks.md, "Memory over a long run").
+issue that found the leaks (see docs/benchmarks.md, "Memory over a long run"); ``--compile``
+compiles each stage.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--devices", type=int, default=1, help="processes (torchrun) or 1")
     parser.add_argument("--monitors", action="store_true", help="attach pipemare's three")
+    parser.add_argument("--compile", action="store_true", help="compile each stage (inductor)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +67,10 @@ def main() -> None:
             logger = CSVLogger(args.out, name=schedule)
         trainer = quiet_trainer(
             pipemare.PipeMareStrategy(
-                stages=args.stages, microbatches=args.microbatches, schedule=schedule
+                stages=args.stages,
+                microbatches=args.microbatches,
+                schedule=schedule,
+                compile=args.compile,
             ),
             devices=args.devices,
             max_steps=args.steps,
