@@ -13,7 +13,7 @@ __all__ = [
     "combine",
     "row_shares",
     "scatter",
-    "split",
+    "scatter_filled",
     "to_device",
     "token_shares",
     "zero_loss",
@@ -85,7 +85,7 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
     return [_map(batch, piece(i)) for i in range(chunks)]
 
 
-def split(
+def scatter_filled(
     batch: Any, chunks: int, shares: Callable[[list[Any]], list[float]]
 ) -> tuple[list[Any], list[float]]:
     """``batch`` as ``chunks`` microbatches and each one's weight (``shares`` of the real ones).
@@ -98,7 +98,7 @@ def split(
     as BatchNorm's running statistics, also see the copies.
 
     Example:
-        >>> mbs, w = split(torch.arange(2.0).unsqueeze(1), 4, row_shares)
+        >>> mbs, w = scatter_filled(torch.arange(2.0).unsqueeze(1), 4, row_shares)
         >>> [m.tolist() for m in mbs], w
         ([[[0.0]], [[1.0]], [[0.0]], [[1.0]]], [0.5, 0.5, 0.0, 0.0])
     """
@@ -108,9 +108,9 @@ def split(
 
 
 def zero_loss(outputs: Any) -> torch.Tensor:
-    """The loss of a microbatch of weight 0 (a filler of :func:`split`): zero, on the graph of
-    the last stage's floating-point ``outputs`` so that its backward runs like any other's. The
-    step's own loss, and its logs and metrics, are not computed for it.
+    """The loss of a microbatch of weight 0 (a filler of :func:`scatter_filled`): zero, on the
+    graph of the last stage's floating-point ``outputs`` so that its backward runs like any
+    other's. The step's own loss, and its logs and metrics, are not computed for it.
 
     Example:
         >>> zero_loss({"logits": torch.ones(2, 3, requires_grad=True)}).item()

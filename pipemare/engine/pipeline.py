@@ -11,7 +11,7 @@ from torch import nn
 
 from pipemare.engine import build
 from pipemare.engine.executor import Executor
-from pipemare.engine.microbatch import row_shares, scatter, split, to_device
+from pipemare.engine.microbatch import row_shares, scatter, scatter_filled, to_device
 from pipemare.engine.payload import as_payload
 from pipemare.engine.replicas import broadcast_state
 from pipemare.engine.telemetry import Probe
@@ -265,12 +265,12 @@ class Pipeline:
         passed the last stage by then), None in other processes. With a non-flushing schedule
         its weight update happens later, as the pipeline moves on. A batch of fewer samples
         than N (an epoch's last) runs a sample per microbatch, the other slots filled with
-        copies of weight 0 (:func:`~pipemare.engine.microbatch.split`).
+        copies of weight 0 (:func:`~pipemare.engine.microbatch.scatter_filled`).
         """
         k = self.minibatches_fed
         self.ties.follow_modes()
         self.optimizer.record(k)
-        self.executor.feed(*split(batch, self.microbatches, self.microbatch_weights))
+        self.executor.feed(*scatter_filled(batch, self.microbatches, self.microbatch_weights))
         self.executor.run()
         return self.executor.pop_loss(k)
 

@@ -186,7 +186,8 @@ def short_batches(trainer: pl.Trainer, batch: Any, microbatches: int) -> list[De
 
     A batch size below N is a setting to change (no batch could fill the pipeline); a last
     batch below N runs a sample per microbatch, the slots left filled with copies of weight 0
-    (:func:`~pipemare.engine.microbatch.split`): the gradient, loss and logs are the batch's.
+    (:func:`~pipemare.engine.microbatch.scatter_filled`): the gradient, loss and logs are the
+    batch's.
     """
     rows = batch_size(batch)
     if rows < microbatches:

@@ -371,7 +371,7 @@ def auto_microbatches(schedule: str, stages: int, rows: int | None = None) -> tu
     above one. N = 1 is the worst measured default (issue 40: a GPT at P = 2 and N = 1 ends
     +17% over one device, +2.8% at N = 2; docs/results.md). ``rows``, the samples of the run's first
     batch, caps N: every microbatch keeps a sample (a smaller last batch does not: copies of
-    weight 0 fill its slots, :func:`~pipemare.engine.microbatch.split`).
+    weight 0 fill its slots, :func:`~pipemare.engine.microbatch.scatter_filled`).
     A flushing schedule has no delay to bound and keeps N = 1 (pass ``microbatches`` to shrink
     its bubble, ``(P - 1)/(N + P - 1)``).
 
