@@ -10,6 +10,7 @@ import torch
 __all__ = [
     "IGNORE_INDEX",
     "batch_size",
+    "check_splits",
     "combine",
     "row_shares",
     "scatter",
@@ -60,6 +61,15 @@ def batch_size(batch: Any) -> int:
     return sizes.pop()
 
 
+def check_splits(size: int, chunks: int) -> None:
+    """Refuse a batch of ``size`` samples that cannot give each of ``chunks`` microbatches one."""
+    if size < chunks:
+        raise ValueError(
+            f"a batch of {size} samples cannot be split into {chunks} microbatches; "
+            f"use a batch size >= {chunks} or fewer microbatches"
+        )
+
+
 def scatter(batch: Any, chunks: int) -> list[Any]:
     """Split ``batch`` into ``chunks`` microbatches whose sizes differ by at most one.
 
@@ -72,12 +82,7 @@ def scatter(batch: Any, chunks: int) -> list[Any]:
     """
     if chunks < 1:
         raise ValueError(f"microbatches must be at least 1, got {chunks}")
-    size = batch_size(batch)
-    if size < chunks:
-        raise ValueError(
-            f"a batch of {size} samples cannot be split into {chunks} microbatches; "
-            f"use a batch size >= {chunks} or fewer microbatches"
-        )
+    check_splits(batch_size(batch), chunks)
 
     def piece(i: int) -> Callable[[torch.Tensor], torch.Tensor]:
         return lambda t: t.tensor_split(chunks)[i] if t.dim() > 0 else t

@@ -61,6 +61,7 @@ class SavedTensors:
     ) -> None:
         self._params, self._buffers, self._weight_at = params, buffers, weight_at
         self._compiled = compiled
+        self._unpack_hook = torch.compiler.disable(self._unpack) if compiled else self._unpack
 
     def hooks(
         self, version: int, track: bool, held: Held | None
@@ -84,11 +85,9 @@ class SavedTensors:
             offset = int(t.storage_offset() - base.storage_offset())
             return _ParamRef(base, version, t.size(), t.stride(), offset)
 
-        if self._compiled:
-            return torch.autograd.graph.saved_tensors_hooks(
-                torch.compiler.disable(pack), torch.compiler.disable(self._unpack)
-            )
-        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack)
+        if self._compiled:  # pack is a closure of this forward's: wrapped per forward
+            pack = torch.compiler.disable(pack)
+        return torch.autograd.graph.saved_tensors_hooks(pack, self._unpack_hook)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if not isinstance(packed, _ParamRef):

@@ -172,15 +172,17 @@ class PipelineRunner:
         if self.pipeline is None:
             self._prepare_model(batch, step, args)
             cut, decided = self._balance(batch, step, args)
+            compiled, compile_decided = self._compiled()
+            weights, weights_decided = self._weights()
             decided = [
                 *self._call_decided,
-                *self._compiled()[1],
-                *self._weights()[1],
+                *compile_decided,
+                *weights_decided,
                 *self._n_decided,
                 *self._short_decided,
                 *decided,
             ]
-            self.pipeline = pipe = self._build(cut, decided)
+            self.pipeline = pipe = self._build(cut, decided, compiled, weights)
             self.cut = list(pipe.balance)
             self._load_pending_state()
             self.announce()
@@ -293,12 +295,18 @@ class PipelineRunner:
             return stepped(optimizers)
         return torch.optim.SGD(seq.parameters(), lr=0.0)  # never stepped with a real rate
 
-    def _build(self, balance: list[int], decided: list[Decision]) -> Pipeline:
-        """The Pipeline over the Sequential, cut by ``balance``, with the Trainer's clipping
-        and run length."""
+    def _build(
+        self,
+        balance: list[int],
+        decided: list[Decision],
+        compiled: dict[str, Any] | bool,
+        weights: Callable[[list[Any]], list[float]] | None,
+    ) -> Pipeline:
+        """The Pipeline over the Sequential, cut by ``balance``, compiled and its microbatches
+        weighted as decided, with the Trainer's clipping and run length."""
         assert self.adapter is not None and self.adapter.sequential is not None
         strategy, seq, steps = self.strategy, self.adapter.sequential, self.steps
-        weights = steps.shares = self._weights()[0]
+        steps.shares = weights  # the step's logs combine as the losses do
         return Pipeline(
             seq,
             self._user_optimizer(seq),
@@ -315,7 +323,7 @@ class PipelineRunner:
             microbatch_weights=weights,
             forward_context=strategy.precision_plugin.forward_context,
             recompute=strategy.recompute,
-            compile=self._compiled()[0],
+            compile=compiled,
             layout_decisions=decided,
             **self._clipping(),
             **self._run_length(),

@@ -19,7 +19,7 @@ import pytorch_lightning as pl
 import torch
 
 from pipemare.engine.lagged import Results
-from pipemare.engine.microbatch import batch_size
+from pipemare.engine.microbatch import batch_size, check_splits
 from pipemare.lightning.logreplay import LogRecorder, Record, merge_records
 from pipemare.lightning.manual import ManualOptimization, steps_per_batch
 from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
@@ -189,12 +189,7 @@ def short_batches(trainer: pl.Trainer, batch: Any, microbatches: int) -> list[De
     (:func:`~pipemare.engine.microbatch.scatter_filled`): the gradient, loss and logs are the
     batch's.
     """
-    rows = batch_size(batch)
-    if rows < microbatches:
-        raise ValueError(
-            f"a batch of {rows} samples cannot be split into {microbatches} microbatches; "
-            f"use a batch size >= {microbatches} or fewer microbatches"
-        )
+    check_splits(batch_size(batch), microbatches)
     decided = []
     for last, n, size in _short_last_batches(trainer):
         if last < microbatches:
