@@ -308,7 +308,7 @@ class PipeMareOptimizer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> list[str]:
         """Restore :meth:`state_dict`; T1's horizon is the saved run's unless the config's
-        settings for it changed (:func:`~pipemare.optim.run_length.keep_horizon`).
+        settings for it changed (:meth:`~pipemare.optim.settings.RunSettings.resumed`).
 
         Returns:
             What differs from the saved run's derived settings (old and new value), for the
