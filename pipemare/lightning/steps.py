@@ -1,10 +1,11 @@
 """The LightningModule's own step functions, run per microbatch in the pipeline, logs replayed.
 
 The user's ``training_step`` (or ``validation_step``, ...) runs in two halves: on the first
-stage up to the point where it calls its ``nn.Sequential`` (what it passes is the pipeline's
-input), on the last stage from there on (the loss, metrics, ``self.log``). Its ``self.log``
-calls are recorded per microbatch, combined per minibatch, published with the minibatch's
-loss (:mod:`pipemare.engine.lagged`), and replayed through the real ``LightningModule.log`` on every
+stage up to the point where it calls its pipelined module (an ``nn.Sequential``, or a module
+traced and cut into segments; what it passes is the pipeline's input), on the last stage from
+there on (the loss, metrics, ``self.log``). Its ``self.log`` calls are recorded per
+microbatch, combined per minibatch, published with the minibatch's loss
+(:mod:`pipemare.engine.lagged`), and replayed through the real ``LightningModule.log`` on every
 process at the same step, lagged by the pipeline's depth.
 """
 
