@@ -7,25 +7,24 @@
 - mkdocstrings reads the package from a tree of links laid out as it installs: griffe finds
   submodules by walking folders, and ``callbacks/`` and ``experiments/`` install as
   ``pipemare.callbacks`` and ``pipemare.experiments``.
-- :class:`RuntimeClasses` documents a class that a module builds with a call
-  (``PipeMareStrategy = strategy_class(...)``) as the class it is at run time;
-  :class:`DocstringMarkup` shows the docstrings' Sphinx roles as code.
+- :class:`DocstringMarkup` turns the docstrings' Sphinx roles into cross-references and
+  checks them: a strict build fails on a role that names no object.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import re
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import griffe
 from mkdocs.config.defaults import MkDocsConfig
-from mkdocs.plugins import event_priority
+from mkdocs.plugins import event_priority, get_plugin_logger
 from mkdocs.structure.files import File, Files, InclusionLevel
 from mkdocs.structure.pages import Page
 
@@ -97,61 +96,121 @@ def installed_tree() -> Path:
     return tree
 
 
-_ROLE = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):`(~?)([\w.]+)(\(\))?`")
+#: a Sphinx role: ``:class:`~a.B```, ``:meth:`.c()```, ``:meth:`Title <a.B.c>```
+_ROLE = re.compile(
+    r":(?P<role>class|func|meth|mod|attr|data|exc|obj):`(?:(?P<title>[^`<]+?)\s*<(?P<target>[\w.]+)>"
+    r"|(?P<short>~?)(?P<name>\.?[\w.]+)(?P<call>\(\))?)`"
+)
 _EXAMPLE = re.compile(r"^(\s*)Example::?$", re.M)
-
-
-def markdown_docstring(text: str) -> str:
-    """A docstring as griffe's Google-style parser and Markdown render it well: Sphinx roles
-    (``:class:`~a.B```) as code spans, and an ``Example:`` heading as griffe's ``Examples:``
-    section (griffe renders a doctest under any other heading as prose)."""
-
-    def code(match: re.Match[str]) -> str:
-        short, path, call = match.groups()
-        return f"`{path.rpartition('.')[2] if short else path}{call or ''}`"
-
-    return _EXAMPLE.sub(r"\1Examples:", _ROLE.sub(code, text))
+#: roles naming a class's member, looked up in the class before its module
+_MEMBER_ROLES = frozenset({"meth", "attr"})
+_log = get_plugin_logger("docstrings")
+#: what looking a path up in griffe's tree raises where nothing is there
+_NOT_THERE = (KeyError, AttributeError, griffe.AliasResolutionError, griffe.CyclicAliasError)
 
 
 class DocstringMarkup(griffe.Extension):
-    """Applies :func:`markdown_docstring` to every docstring griffe reads."""
+    """Rewrites the docstrings of ``packages``, once griffe has loaded one whole, as griffe's
+    Google-style parser and Markdown render them: each Sphinx role as a cross-reference
+    (:func:`markdown_docstring`), an ``Example:`` heading as griffe's ``Examples:`` section
+    (griffe renders a doctest under any other heading as prose).
 
-    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
-        if obj.docstring is not None:
-            obj.docstring.value = markdown_docstring(obj.docstring.value)
-
-
-class RuntimeClasses(griffe.Extension):
-    """Documents an exported ``Name = make_class(...)`` as the class the call returns.
-
-    Static analysis sees only an attribute; the class is imported, and its docstring and bases
-    become a griffe class in the attribute's place (members come from the bases, listed with
-    mkdocstrings' ``inherited_members``).
+    A role naming an object links to it where a page renders it and reads as code where none
+    does; a role naming nothing is a warning, which fails a strict build.
     """
 
-    def on_module_members(self, *, mod: griffe.Module, agent: Any, **kwargs: Any) -> None:
-        exported = {str(name) for name in mod.exports or ()}
-        for name, member in list(mod.members.items()):
-            if name not in exported or member.is_alias or not member.is_attribute:
-                continue
-            if not isinstance(member.value, griffe.ExprCall):
-                continue
-            value = getattr(importlib.import_module(mod.path), name, None)
-            if not inspect.isclass(value) or value.__name__ != name:
-                continue
-            doc = inspect.getdoc(value)
-            docstring = doc and griffe.Docstring(
-                markdown_docstring(doc),
-                lineno=member.lineno,
-                parser=agent.docstring_parser,
-                parser_options=agent.docstring_options,
-            )
-            bases = [f"{base.__module__}.{base.__qualname__}" for base in value.__bases__]
-            runtime = griffe.Class(
-                name,
-                lineno=member.lineno,
-                endlineno=member.endlineno,
-                bases=bases,
-                docstring=docstring or None,
-            )
-            mod.set_member(name, runtime)
+    def __init__(self, packages: Sequence[str] = (PACKAGE,)) -> None:
+        super().__init__()
+        self.packages = frozenset(packages)
+
+    def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
+        if pkg.name not in self.packages:
+            return
+        for obj in _objects(pkg):
+            if obj.docstring is not None:
+                text = markdown_docstring(obj, lambda path: self._exists(path, loader))
+                obj.docstring.value = text
+
+    def _exists(self, path: str, loader: griffe.GriffeLoader) -> bool:
+        """Whether ``path`` names an object: in these packages as griffe read them, elsewhere
+        as Python imports it."""
+        try:
+            loader.modules_collection[path]
+        except _NOT_THERE:
+            return path.partition(".")[0] not in self.packages and _imports(path)
+        return True
+
+
+def markdown_docstring(owner: griffe.Object, exists: Callable[[str], bool]) -> str:
+    """``owner``'s docstring with each Sphinx role as an autorefs cross-reference: an optional
+    one to the object it names (``:class:`~a.B``` links ``B`` to ``a.B``), or, where ``exists``
+    finds none, a warning and a plain one, which autorefs reports too.
+
+    A role's name is looked up much as Sphinx does: in the scopes around the docstring, then as
+    a full path (:func:`_candidates`).
+    """
+    assert owner.docstring is not None
+    text = owner.docstring.value
+
+    def reference(match: re.Match[str]) -> str:
+        name = (match["target"] or match["name"]).lstrip(".")
+        if match["target"]:
+            title = " ".join(match["title"].split())
+        else:
+            title = (name.rpartition(".")[2] if match["short"] else name) + (match["call"] or "")
+        candidates = _candidates(owner, name, member=match["role"] in _MEMBER_ROLES)
+        path = next((p for p in candidates if exists(p)), None)
+        if path is None:
+            line = (owner.docstring.lineno or 0) + text.count("\n", 0, match.start())
+            _log.warning("%s:%d: %s names no object", _source(owner), line, match[0])
+            return f"[`{title}`][{name}]"
+        return f'<autoref identifier="{path}" optional><code>{title}</code></autoref>'
+
+    return _EXAMPLE.sub(r"\1Examples:", _ROLE.sub(reference, text))
+
+
+def _objects(obj: griffe.Object) -> Iterator[griffe.Object]:
+    """``obj`` and everything defined in it (not what it imports)."""
+    yield obj
+    for member in obj.members.values():
+        if not member.is_alias:
+            yield from _objects(cast(griffe.Object, member))
+
+
+def _candidates(owner: griffe.Object, name: str, member: bool) -> list[str]:
+    """The paths ``name`` may stand for in ``owner``'s docstring, the likeliest first: the scopes
+    around it, innermost first, with a class's scope first only for a member's role (as in
+    Sphinx, ``:func:`f``` in a method is the module's ``f``, ``:meth:`f``` the class's), then
+    ``name`` as a full path."""
+    scopes = []
+    scope: griffe.Object | None = owner if owner.is_class or owner.is_module else owner.parent
+    while scope is not None:
+        scopes.append(scope)
+        scope = scope.parent
+    if not member:
+        scopes.sort(key=lambda s: not s.is_module)
+    return [*(f"{s.path}.{name}" for s in scopes), name]
+
+
+def _imports(path: str) -> bool:
+    """Whether Python imports ``path``: a module, or an attribute of one."""
+    module, rest = path, []
+    while module:
+        try:
+            obj = importlib.import_module(module)
+        except ImportError:
+            module, _, last = module.rpartition(".")
+            rest.insert(0, last)
+            continue
+        for name in rest:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def _source(obj: griffe.Object) -> str:
+    """Where ``obj`` is written: its file in the repository, seen through the link tree."""
+    path = Path(str(obj.filepath)).resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)

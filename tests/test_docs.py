@@ -117,16 +117,21 @@ def test_the_api_reference_names_every_name_the_package_exports():
     assert not absent, f"not in docs/api/: {absent}"
 
 
-def test_the_site_builds_strictly(tmp_path):
-    site = tmp_path / "site"
-    done = subprocess.run(
+def build(project: Path, site: Path) -> subprocess.CompletedProcess[str]:
+    """``mkdocs build --strict`` of the project in ``project`` into ``site``."""
+    return subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT,
+        cwd=project,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def test_the_site_builds_strictly(tmp_path):
+    site = tmp_path / "site"
+    done = build(ROOT, site)
     assert done.returncode == 0, done.stderr[-4000:]
     strategy = (site / "api" / "strategy" / "index.html").read_text()
     assert "PipeMareStrategy" in strategy and "reported_step" in strategy
@@ -136,3 +141,31 @@ def test_the_site_builds_strictly(tmp_path):
     results = (site / "results" / "index.html").read_text()
     plot = "experiments/results/protocol/mnist_protocol.png"
     assert plot in results and (site / plot).is_file()
+
+
+def test_a_docstring_naming_a_missing_object_fails_the_build(tmp_path):
+    """The site's docstring hook over a one-module site: a Sphinx role that names an object
+    becomes a link to it, one that names nothing fails the strict build, named."""
+    package = tmp_path / "src" / "tiny"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(
+        '"""A tiny module: :func:`~tiny.here` is here, :class:`Gone` is not."""\n\n\n'
+        'def here():\n    """Here."""\n'
+    )
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "index.md").write_text("::: tiny\n")
+    extension = {f"{ROOT}/docs/hooks.py:DocstringMarkup": {"packages": ["tiny"]}}
+    python = {"paths": ["src"], "options": {"extensions": [extension]}}
+    config = {
+        "site_name": "tiny",
+        "theme": {"name": "mkdocs"},
+        "plugins": ["autorefs", {"mkdocstrings": {"handlers": {"python": python}}}],
+    }
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
+    site = tmp_path / "site"
+    done = build(tmp_path, site)
+    assert done.returncode != 0
+    assert ":class:`Gone` names no object" in done.stderr, done.stderr[-4000:]
+    assert "here` names no object" not in done.stderr
+    page = (site / "index.html").read_text()
+    assert 'href="#tiny.here"' in page
