@@ -32,7 +32,7 @@ from torch import nn
 
 from pipemare.engine.transport import Transport
 
-__all__ = ["TIE_GRAD", "TIE_WEIGHT", "Tie", "TiedWeights", "untie"]
+__all__ = ["TIE_GRAD", "TIE_WEIGHT", "Tie", "TiedWeights", "tied_parameters", "untie"]
 
 TIE_WEIGHT, TIE_GRAD = "tie-weight", "tie-grad"
 
@@ -56,44 +56,67 @@ class Tie:
         return [self.owner, *sorted(self.copies)]
 
 
+#: where stages hold a parameter: stage -> every (layer, name in that layer) holding it
+Holders = dict[int, list[tuple[str, str]]]
+
+
+def tied_parameters(stage_modules: Sequence[nn.Module]) -> list[tuple[nn.Parameter, Holders]]:
+    """The parameters that several of ``stage_modules`` hold (tied weights), in the order the
+    stages first hold them, each with where each stage holding it holds it.
+
+    Example:
+        >>> emb = nn.Embedding(5, 3)
+        >>> head = nn.Linear(3, 5, bias=False)
+        >>> head.weight = emb.weight
+        >>> stages = [nn.Sequential(emb, nn.ReLU()), nn.Sequential(nn.ReLU(), head)]
+        >>> [(p is emb.weight, where) for p, where in tied_parameters(stages)]
+        [(True, {0: [('0', 'weight')], 1: [('1', 'weight')]})]
+    """
+    holders: dict[int, Holders] = {}
+    params: dict[int, nn.Parameter] = {}
+    for s, stage in enumerate(stage_modules):
+        for key, p in stage.named_parameters(remove_duplicate=False):
+            layer_name, _, name = key.partition(".")
+            holders.setdefault(id(p), {}).setdefault(s, []).append((layer_name, name))
+            params[id(p)] = p
+    return [(params[pid], where) for pid, where in holders.items() if len(where) > 1]
+
+
 def untie(stage_modules: Sequence[nn.Sequential]) -> list[Tie]:
-    """Find parameters held by several stages and give every holder but the first a copy.
+    """Find parameters held by several stages (:func:`tied_parameters`) and give every holder
+    but the first a copy.
 
     A holding layer of a later stage is replaced, in that stage's ``nn.Sequential`` only, by a
     copy of the layer that shares every tensor with it except the tied ones: the user's model
     keeps its own layers and its tie.
     """
-    holders: dict[int, dict[int, list[tuple[str, str]]]] = {}  # param -> stage -> (layer, name)
-    params: dict[int, nn.Parameter] = {}
-    for s, stage in enumerate(stage_modules):
-        for layer_name, layer in stage.named_children():
-            for name, p in layer.named_parameters(remove_duplicate=False):
-                holders.setdefault(id(p), {}).setdefault(s, []).append((layer_name, name))
-                params[id(p)] = p
-    tied = {pid: by_stage for pid, by_stage in holders.items() if len(by_stage) > 1}
+    tied = tied_parameters(stage_modules)
     ties = []
-    for pid, by_stage in tied.items():
-        owner = min(by_stage)
-        layer_name, name = by_stage[owner][0]
-        ties.append(Tie(f"{layer_name}.{name}", owner, params[pid]))
+    for p, where in tied:
+        owner = min(where)
+        layer_name, name = where[owner][0]
+        ties.append(Tie(f"{layer_name}.{name}", owner, p))
+    shared = {id(p) for p, _ in tied}
     for s, stage in enumerate(stage_modules):
         mine = [
-            (pid, t) for pid, t in zip(tied, ties, strict=True) if s in tied[pid] and s != t.owner
+            (where, t)
+            for (_, where), t in zip(tied, ties, strict=True)
+            if s in where and s != t.owner
         ]
         if not mine:
             continue
         # one copy per tied parameter on this stage, every other tensor shared
-        memo: dict[int, object] = {id(t): t for t in _tensors(stage) if id(t) not in tied}
-        layers = {layer for pid, _ in mine for layer, _ in tied[pid][s]}
+        memo: dict[int, object] = {id(t): t for t in _tensors(stage) if id(t) not in shared}
+        layers = {layer for where, _ in mine for layer, _ in where[s]}
         copied = {}
         for layer_name in layers:
             original = stage._modules[layer_name]
             assert original is not None
             stage._modules[layer_name] = twin_layer = copy.deepcopy(original, memo)
             copied[layer_name] = (twin_layer, original)
-        for pid, tie in mine:
-            tie.layers += [copied[layer] for layer, _ in tied[pid][s]]
-            layer_name, name = tied[pid][s][0]
+        for where, tie in mine:
+            tie.layers += [copied[layer] for layer, _ in where[s]]
+            layer_name, name = where[s][0]
             twin = stage.get_submodule(layer_name).get_parameter(name)
             tie.copies[s] = (f"{layer_name}.{name}", twin)
     return ties

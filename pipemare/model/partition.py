@@ -21,7 +21,6 @@ __all__ = [
     "check_sequential",
     "even_balance",
     "layer_times",
-    "shared_parameters",
     "split",
 ]
 
@@ -66,26 +65,6 @@ def check_balance(balance: Sequence[int], num_layers: int, what: str = "the mode
             f"balance {counts} covers {sum(counts)} layers but {what} has {num_layers}; list how "
             f"many consecutive layers each stage takes, summing to {num_layers} ({hint})"
         )
-
-
-# -- tied weights: a parameter several layers hold ------------------------------------------
-
-
-def shared_parameters(model: nn.Sequential) -> list[tuple[str, list[int]]]:
-    """Parameters held by more than one layer (tied weights). A cut may separate them: the
-    pipeline keeps the stages' copies in step (:mod:`pipemare.engine.ties`).
-
-    Returns:
-        For each one, its name in the first layer that holds it and the indices of the layers
-        that hold it, e.g. ``[("0.weight", [0, 2])]``.
-    """
-    holders: dict[int, tuple[str, list[int]]] = {}
-    for i, (name, layer) in enumerate(_layers(model)):
-        for pname, p in layer.named_parameters():
-            entry = holders.setdefault(id(p), (f"{name}.{pname}", []))
-            if i not in entry[1]:
-                entry[1].append(i)
-    return [entry for entry in holders.values() if len(entry[1]) > 1]
 
 
 def _check_stages(num_layers: int, stages: int) -> None:

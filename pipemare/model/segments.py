@@ -29,7 +29,6 @@ __all__ = [
     "export_module",
     "segment_module",
     "source_names",
-    "tied_parameters",
 ]
 
 
@@ -139,9 +138,9 @@ def _check_shapes(program: SegmentProgram, values: tuple, constraints: dict[Any,
 
 class SegmentedModule(nn.Sequential):
     """A module cut into segments; ``self(self.flatten_inputs(*args, **kwargs))`` equals
-    ``module(*args, **kwargs)``. Attributes: ``cuts`` (the cuts taken, in order), ``tied``
-    (see :func:`tied_parameters`), ``call_defaults`` (keyword arguments every call gets
-    unless it passes its own, e.g. ``{"use_cache": False}``: see :func:`cache_off`)."""
+    ``module(*args, **kwargs)``. Attributes: ``cuts`` (the cuts taken, in order),
+    ``call_defaults`` (keyword arguments every call gets unless it passes its own, e.g.
+    ``{"use_cache": False}``: see :func:`cache_off`)."""
 
     def __init__(
         self,
@@ -149,7 +148,6 @@ class SegmentedModule(nn.Sequential):
         cuts: list[Cut],
         in_spec: pytree.TreeSpec,
         constants: list[Any],
-        tied: list[tuple[str, list[int]]],
         signature: tuple[list[str], int],
         call_defaults: dict[str, Any] | None = None,
     ) -> None:
@@ -157,7 +155,6 @@ class SegmentedModule(nn.Sequential):
         self.call_defaults = dict(call_defaults or {})
         self._positional, self._num_args = signature  # parameter names; how many came by position
         self.cuts = cuts
-        self.tied = tied
         self._in_spec = in_spec
         self._constants = constants  # the non-tensor inputs the trace baked in (None: a tensor)
 
@@ -355,21 +352,6 @@ def _key(spec: Any) -> tuple[str, str] | None:
     return (kinds[spec.kind.name], spec.target) if spec.kind.name in kinds else None
 
 
-def tied_parameters(segments: nn.Sequential, module: nn.Module) -> list[tuple[str, list[int]]]:
-    """Parameters that several segments hold (tied weights such as GPT's token embedding and
-    output head), each once under its name in ``module`` (the first, as ``named_parameters``
-    gives it) with the indices of the segments that hold it, e.g.
-    ``[("transformer.wte.weight", [0, 5])]``."""
-    canonical = {id(p): name for name, p in module.named_parameters()}
-    holders: dict[int, list[int]] = {}
-    for i, segment in enumerate(segments):
-        for p in segment.parameters():
-            holders.setdefault(id(p), []).append(i)
-    return [
-        (canonical[pid], idx) for pid, idx in holders.items() if len(idx) > 1 and pid in canonical
-    ]
-
-
 def source_names(segments: nn.Sequential) -> dict[str, str]:
     """Each parameter's and persistent buffer's key in ``segments.state_dict()`` mapped to its
     key in the user module's own ``state_dict()`` (``"3.transformer.h.2.ln_1.weight"`` to
@@ -427,8 +409,8 @@ def segment_module(
         >>> seg = segment_module(net, (x,))
         >>> [("after " if cut.after else "before ") + cut.module for cut in seg.cuts]
         ['before blocks.0', 'before blocks.1', 'before blocks.2', 'after blocks.2']
-        >>> len(seg), seg.tied  # the last relu runs after blocks.2: a segment of its own
-        (4, [])
+        >>> len(seg)  # the last relu runs after blocks.2: a segment of its own
+        4
         >>> torch.equal(seg(seg.flatten_inputs(x)), net(x))
         True
     """
@@ -472,9 +454,7 @@ def segment_module(
     in_spec = eps[True].call_spec.in_spec
     leaves = pytree.tree_leaves((args, reorder_kwargs(kwargs, in_spec)))
     baked = [None if isinstance(x, torch.Tensor) else x for x in leaves]
-    seq = nn.Sequential(*segments)
-    ties = tied_parameters(seq, module)
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = inspect.signature(module.forward).parameters.values()
     signature = ([p.name for p in params if p.kind in kinds], len(args))
-    return SegmentedModule(segments, cuts, in_spec, baked, ties, signature, defaults)
+    return SegmentedModule(segments, cuts, in_spec, baked, signature, defaults)

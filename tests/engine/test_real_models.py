@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline
+from pipemare.engine.ties import tied_parameters
 from pipemare.model.segments import segment_module
 from support.real_models import GPT, GPTConfig, resnet18
 
@@ -106,7 +107,8 @@ def test_a_tie_across_stages_trains_as_on_one_device(stages, schedule):
     plain = copy.deepcopy(model)
     want = _plain_losses(plain, batch, _own_loss, 0.5, STEPS)
     segments = segment_module(model, batch[0])
-    assert segments.tied == [("transformer.wte.weight", [0, len(segments) - 1])]
+    ((param, where),) = tied_parameters(list(segments))
+    assert param is model.transformer.wte.weight and list(where) == [0, len(segments) - 1]
     opt = torch.optim.SGD(segments.parameters(), lr=0.5)
     pipe = Pipeline(segments, opt, _own_loss, stages=stages, microbatches=4, schedule=schedule)
     got = [float(pipe.step(batch)) for _ in range(STEPS)]
