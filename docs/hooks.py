@@ -149,8 +149,9 @@ def markdown_docstring(owner: griffe.Object, exists: Callable[[str], bool]) -> s
     A role's name is looked up much as Sphinx does: in the scopes around the docstring, then as
     a full path (:func:`_candidates`).
     """
-    assert owner.docstring is not None
-    text = owner.docstring.value
+    docstring = owner.docstring
+    assert docstring is not None
+    text = docstring.value
 
     def reference(match: re.Match[str]) -> str:
         name = (match["target"] or match["name"]).lstrip(".")
@@ -161,7 +162,7 @@ def markdown_docstring(owner: griffe.Object, exists: Callable[[str], bool]) -> s
         candidates = _candidates(owner, name, member=match["role"] in _MEMBER_ROLES)
         path = next((p for p in candidates if exists(p)), None)
         if path is None:
-            line = (owner.docstring.lineno or 0) + text.count("\n", 0, match.start())
+            line = (docstring.lineno or 0) + text.count("\n", 0, match.start())
             _log.warning("%s:%d: %s names no object", _source(owner), line, match[0])
             return f"[`{title}`][{name}]"
         return f'<autoref identifier="{path}" optional><code>{title}</code></autoref>'
@@ -194,7 +195,8 @@ def _candidates(owner: griffe.Object, name: str, member: bool) -> list[str]:
 
 def _imports(path: str) -> bool:
     """Whether Python imports ``path``: a module, or an attribute of one."""
-    module, rest = path, []
+    module = path
+    rest: list[str] = []  # the names after the longest importable module
     while module:
         try:
             obj = importlib.import_module(module)
