@@ -4,15 +4,18 @@ logging."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Protocol
 
 import pytorch_lightning as pl
 import torch.distributed as dist
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_warn
+from typing_extensions import override
 
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
+from pipemare.lightning.strategy import PipeMareStrategyMixin
+from pipemare.optim.config import PipeMareConfig
 
 PREFIX = "pipemare"
 
@@ -20,20 +23,55 @@ PREFIX = "pipemare"
 Watched = tuple[Pipeline, Probe] | None
 
 
-def pipemare_strategy(trainer: pl.Trainer, who: str) -> Any | None:
-    """The trainer's PipeMareStrategy, or None (with a warning) when another strategy runs."""
+class PipelinedStrategy(Protocol):
+    """What the monitors read of pipemare's strategy (either Lightning package's)."""
+
+    @property
+    def schedule(self) -> str: ...
+
+    @property
+    def distributed(self) -> bool: ...
+
+    @property
+    def microbatches(self) -> int | None: ...
+
+    @property
+    def asked_config(self) -> PipeMareConfig | None: ...
+
+    @property
+    def pipeline(self) -> Pipeline | None: ...
+
+    @property
+    def reported_step(self) -> int | None: ...
+
+    def request_probe(self, **settings: Any) -> None: ...
+
+    def delegate_divergence(self) -> None: ...
+
+    def set_run_length(self, total_steps: int) -> int | None: ...
+
+
+def strategy_of(trainer: pl.Trainer) -> PipelinedStrategy | None:
+    """The trainer's pipemare strategy; None under another strategy."""
     strategy = trainer.strategy
-    if hasattr(strategy, "request_probe") and hasattr(strategy, "pipeline"):
-        return strategy
-    rank_zero_warn(
-        f"{who} watches pipemare's pipeline; with strategy {type(strategy).__name__} it "
-        "logs nothing"
-    )
-    return None
+    return strategy if isinstance(strategy, PipeMareStrategyMixin) else None
+
+
+def pipemare_strategy(trainer: pl.Trainer, who: str) -> PipelinedStrategy | None:
+    """The trainer's pipemare strategy, or None (with a warning) when another strategy runs."""
+    strategy = strategy_of(trainer)
+    if strategy is None:
+        rank_zero_warn(
+            f"{who} watches pipemare's pipeline; with strategy {type(trainer.strategy).__name__}"
+            " it logs nothing"
+        )
+    return strategy
 
 
 def pipeline(trainer: pl.Trainer) -> Pipeline | None:
-    return getattr(trainer.strategy, "pipeline", None)
+    """The running pipeline; None before pipemare's strategy built it, or under another."""
+    strategy = strategy_of(trainer)
+    return None if strategy is None else strategy.pipeline
 
 
 def probed(trainer: pl.Trainer) -> Watched:
@@ -46,7 +84,8 @@ def probed(trainer: pl.Trainer) -> Watched:
 
 def gather(trainer: pl.Trainer, local: Any) -> list[Any]:
     """``local`` from every process, on every process (a collective when there are several)."""
-    if not (getattr(trainer.strategy, "distributed", False) and dist.is_initialized()):
+    strategy = strategy_of(trainer)
+    if not (strategy is not None and strategy.distributed and dist.is_initialized()):
         return [local]
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, local)
@@ -92,15 +131,19 @@ def interval(trainer: pl.Trainer, every: int | None) -> int:
 
 def pipeline_config(trainer: pl.Trainer) -> dict[str, Any]:
     """The pipeline's whole configuration, for loggers' hyperparameters (the W&B run config)."""
-    strategy: Any = trainer.strategy
-    pipe = pipeline(trainer)
+    strategy = strategy_of(trainer)
+    if strategy is None:
+        return {}
+    pipe = strategy.pipeline
+    asked = strategy.asked_config
     config: dict[str, Any] = {
         "schedule": strategy.schedule,
         "microbatches": strategy.microbatches,
         "mode": "distributed" if strategy.distributed else "simulated",
         "world_size": trainer.world_size,
         "num_nodes": trainer.num_nodes,
-        "techniques": dataclasses.asdict(strategy.config),  # asked for; resolved: "settings"
+        # as the user asked (None: the schedule's default); what runs and why: "settings"
+        "asked_config": None if asked is None else dataclasses.asdict(asked),
     }
     if pipe is not None:
         config.update(
@@ -133,22 +176,24 @@ class Monitor(Callback):
 
     def __init__(self, log_every_n_steps: int | None = None) -> None:
         self.log_every_n_steps = log_every_n_steps
-        self._strategy: Any = None
+        self._strategy: PipelinedStrategy | None = None
         #: the latest per-stage values this monitor logged: stage -> name -> value
         self.stage_stats: dict[int, dict[str, float]] = {}
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._strategy = pipemare_strategy(trainer, type(self).__name__)
         if self._strategy is not None:
             self._watch(trainer, self._strategy)
 
-    def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
+    def _watch(self, trainer: pl.Trainer, strategy: PipelinedStrategy) -> None:
         """Ask ``strategy`` for the telemetry this monitor reads (``request_probe``)."""
 
     def _due(self, trainer: pl.Trainer) -> bool:
         """Whether the step that just ran is one to log at."""
         return trainer.global_step % interval(trainer, self.log_every_n_steps) == 0
 
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,

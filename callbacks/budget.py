@@ -8,6 +8,7 @@ from typing import Any
 import pytorch_lightning as pl
 from pytorch_lightning.callbacks import Callback
 from pytorch_lightning.utilities import rank_zero_info
+from typing_extensions import override
 
 from pipemare.callbacks import _common as common
 from pipemare.callbacks.pipeline import PipelineMonitor
@@ -78,15 +79,18 @@ class PipelineTimeBudget(Callback):
             "pipemare.callbacks.PipelineMonitor() to the Trainer's callbacks"
         )
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.step_seconds is None:
             self._monitor(trainer)  # refuse a Trainer without the clock before training starts
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         allowed = self.allowed_steps
         if allowed is not None:
             self._cap_steps(trainer, allowed)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._sized = trainer.global_step > 0  # resumed: the checkpoint's horizon stands
 
@@ -121,7 +125,9 @@ class PipelineTimeBudget(Callback):
             return  # the budget does not end the run before max_steps does
         was = settings.horizon
         self.estimated_steps = estimate
-        horizon = trainer.strategy.set_run_length(estimate)  # type: ignore[attr-defined]
+        strategy = common.strategy_of(trainer)
+        assert strategy is not None  # there is a pipeline
+        horizon = strategy.set_run_length(estimate)
         if horizon is not None and horizon != was:
             rank_zero_info(
                 f"pipemare: T1's horizon {was} -> {horizon} steps: the pipeline-time budget of "
@@ -129,6 +135,7 @@ class PipelineTimeBudget(Callback):
                 "max_steps"
             )
 
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,

@@ -94,7 +94,7 @@ class ConvergenceMonitor(common.Monitor):
         # long the run
         self._grad: dict[int, tuple[float, int, float]] = {}
 
-    def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
+    def _watch(self, trainer: pl.Trainer, strategy: common.PipelinedStrategy) -> None:
         strategy.delegate_divergence()  # its diagnosis replaces the bare check
         strategy.request_probe(grad_norm_every=common.interval(trainer, self.log_every_n_steps))
 
@@ -157,7 +157,8 @@ class ConvergenceMonitor(common.Monitor):
             stage = pipe.num_stages - 1 if pipe is not None else 0
             reason += "; the loss is computed on the last stage"
         # the step whose minibatch gave the loss: a non-flushing pipeline reports it lagged
-        step = getattr(trainer.strategy, "reported_step", None) or trainer.global_step
+        strategy = common.strategy_of(trainer)
+        step = (strategy.reported_step if strategy is not None else None) or trainer.global_step
         self.divergence = Divergence(step, stage, loss, reason)
         rank_zero_warn(self.divergence.message())
         common.log(

@@ -11,6 +11,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import Callback
+from typing_extensions import override
 
 from pipemare.callbacks import _common as common
 
@@ -59,6 +60,7 @@ class MemoryMonitor(Callback):
     def __init__(self, log_every_n_steps: int | None = None) -> None:
         self.log_every_n_steps = log_every_n_steps
 
+    @override
     def on_train_batch_end(
         self,
         trainer: pl.Trainer,

@@ -69,7 +69,7 @@ class PipelineMonitor(common.Monitor):
         it is the last logged value)."""
         return self._pipeline_time + self._step_time * self._window_steps
 
-    def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
+    def _watch(self, trainer: pl.Trainer, strategy: common.PipelinedStrategy) -> None:
         strategy.request_probe(timeline=True)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -119,7 +119,7 @@ class PipelineMonitor(common.Monitor):
     def _log(self, trainer: pl.Trainer, num_stages: int) -> None:
         assert self._window_start is not None
         wall = time.perf_counter() - self._window_start
-        simulated = not self._strategy.distributed
+        simulated = self._strategy is None or not self._strategy.distributed
         if simulated:
             replayed, makespan = replay_timeline(self._spans, num_stages)
             stats = summarize_spans(replayed, makespan)
@@ -152,7 +152,7 @@ class PipelineMonitor(common.Monitor):
         wandb_extras.log_stage_table(trainer)
 
     def _write_trace(self, trainer: pl.Trainer, num_stages: int) -> None:
-        simulated = not self._strategy.distributed
+        simulated = self._strategy is None or not self._strategy.distributed
         if simulated:
             spans, _ = replay_timeline(self._trace, num_stages)
         else:

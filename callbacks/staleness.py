@@ -45,7 +45,7 @@ class StalenessMonitor(common.Monitor):
         self.discrepancy_every_n_steps = discrepancy_every_n_steps
         self._discrepancy: list[Any] = []
 
-    def _watch(self, trainer: pl.Trainer, strategy: Any) -> None:
+    def _watch(self, trainer: pl.Trainer, strategy: common.PipelinedStrategy) -> None:
         strategy.request_probe(delays=True, discrepancy_every=self.discrepancy_every_n_steps)
 
     def _after_batch(

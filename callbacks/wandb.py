@@ -13,8 +13,9 @@ from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_only
+from typing_extensions import override
 
-from pipemare.callbacks._common import stage_table
+from pipemare.callbacks._common import pipeline, stage_table
 
 __all__ = ["OfflineSafeWandbLogger", "define_metrics", "find", "log_stage_table", "wandb_logger"]
 
@@ -62,6 +63,7 @@ class OfflineSafeWandbLogger(pl.loggers.WandbLogger):
             self._wandb_init.pop("anonymous", None)
 
     @rank_zero_only
+    @override
     def finalize(self, status: str) -> None:
         """Lightning's finalisation, then one line saying where the run is (W&B's own banner is
         silenced by the project's commands)."""
@@ -106,7 +108,7 @@ def log_stage_table(trainer: pl.Trainer, key: str = "pipemare/stages") -> None:
     """Log the latest per-stage values of pipemare's monitors as one W&B table."""
     logger = find(trainer)
     stats = stage_table(trainer)
-    pipe = getattr(trainer.strategy, "pipeline", None)
+    pipe = pipeline(trainer)
     if logger is None or not stats or trainer.global_rank != 0:
         return
     names = sorted({n for values in stats.values() for n in values})

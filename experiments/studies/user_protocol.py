@@ -10,7 +10,7 @@ devices reaches that quality soonest. Per task:
    most); the rate with the best validation metric is the task's, a tie going to the lower rate.
    Every schedule runs at it.
 2. **The runs.** gpipe, and at each P the asynchronous schedules (``pipemare``, uncorrected
-   ``async``) at the default N (:func:`pipemare.optim.auto_microbatches`, ``N_auto``) and, with
+   ``async``) at the default N (:func:`pipemare.planner.decide.auto_microbatches`, ``N_auto``) and, with
    ``--all-n``, at N = 1 and N = P too; each with ``--seeds`` seeds.
 3. **The baseline.** 1F1B computes gpipe's loss curve per step; only its pipeline time differs.
    Its step time is measured at every N dividing the batch up to 4P (beyond, the per-microbatch
@@ -80,7 +80,7 @@ def _rates(task: Task) -> tuple[float, ...]:
 
 def auto_n(task: Task, stages: int) -> int:
     """The N the strategy picks by default for ``task``'s batch at P = ``stages``."""
-    from pipemare.optim import auto_microbatches
+    from pipemare.planner.decide import auto_microbatches
 
     return auto_microbatches("pipemare", stages, rows=task.batch)[0]
 

@@ -18,6 +18,7 @@ from pipemare.engine.transport import DistributedTransport, InProcessTransport, 
 from pipemare.model import partition
 from pipemare.model.cuts import BALANCES
 from pipemare.optim.optimizer import PipeMareOptimizer
+from pipemare.optim.settings import RunSettings
 from pipemare.schedule.actions import ScheduleSpec, spec
 
 __all__ = [
@@ -241,3 +242,16 @@ def replica_averager(
     return GradientAverager(
         group, transport.replicas, wait=lambda work, what: watchdog.wait(work, peer, what)
     )
+
+
+def check_settings(
+    settings: RunSettings, schedule: str, stages: int, microbatches: int, balance: Sequence[int]
+) -> None:
+    """Refuse settings decided for another layout than the pipeline's."""
+    built = (schedule, stages, microbatches, tuple(balance))
+    decided = (settings.schedule, settings.stages, settings.microbatches, settings.balance)
+    if decided != built:
+        raise ValueError(
+            f"the run's settings were decided for (schedule, P, N, cut) = {decided}, but the "
+            f"pipeline is built as {built}"
+        )

@@ -20,7 +20,7 @@ from pipemare.engine.transport import ACT, DistributedTransport, Transport
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.optimizer import PipeMareOptimizer
-from pipemare.optim.settings import Decision, RunSettings, resolve
+from pipemare.optim.settings import RunSettings, resolve
 from pipemare.schedule.actions import Action, stream
 from pipemare.schedule.delay import StageDelay, derive_delays
 
@@ -82,8 +82,9 @@ class Pipeline:
             dict of its options (``backend``, ``mode``, ``dynamic``, ``fullgraph``,
             ``options``). The backward still sees the weights the schedule gives it (the
             no-stash hooks hold under the compiled graph); the loss is not compiled.
-        layout_decisions: how the caller chose P and the cut on the user's behalf (the Lightning
-            strategy says so), recorded first in :attr:`settings`.
+        settings: the run's settings as a caller already decided them (the Lightning
+            strategy's :func:`~pipemare.planner.decide.decide`), for this schedule, P, N and
+            cut; None: resolved here from ``config``.
 
     Example:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -122,7 +123,7 @@ class Pipeline:
         check_finite: bool = True,
         recompute: bool = False,
         compile: bool | Mapping[str, Any] = False,
-        layout_decisions: Sequence[Decision] = (),
+        settings: RunSettings | None = None,
     ) -> None:
         partition.check_sequential(model)
         sp = build.check_arguments(
@@ -143,18 +144,20 @@ class Pipeline:
         self.schedule, self.microbatches = schedule, microbatches
         self.delays: tuple[StageDelay, ...] = derive_delays(schedule, self.num_stages, microbatches)
         replicas = transport.replicas if isinstance(transport, DistributedTransport) else 1
-        settings = resolve(
-            config,
-            optimizer,
-            schedule=schedule,
-            delays=self.delays,
-            microbatches=microbatches,
-            replicas=replicas,
-            balance=self.balance,
-            total_steps=total_steps,
-            steps_per_epoch=steps_per_epoch,
-            layout=layout_decisions,
-        )
+        if settings is None:
+            settings = resolve(
+                config,
+                optimizer,
+                schedule=schedule,
+                delays=self.delays,
+                microbatches=microbatches,
+                replicas=replicas,
+                balance=self.balance,
+                total_steps=total_steps,
+                steps_per_epoch=steps_per_epoch,
+            )
+        else:
+            build.check_settings(settings, schedule, self.num_stages, microbatches, self.balance)
         self.config = settings.config
         self.input_fn, self.target_fn, self.loss_fn = input_fn, target_fn, loss_fn
         self.microbatch_weights = microbatch_weights or row_shares

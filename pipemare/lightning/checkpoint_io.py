@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import importlib
+import importlib.util
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
+from typing_extensions import override
 
 __all__ = ["AtomicCheckpointIO", "LightningAtomicCheckpointIO", "atomic_save"]
 
@@ -116,33 +118,39 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     _fsync_dir(directory)
 
 
-def _checkpoint_io_class(base: type, name: str) -> type:
-    """A subclass of Lightning's ``TorchCheckpointIO`` that saves atomically; it lives in this
-    module under ``name``, so strategies holding one pickle (``start_method="spawn"``)."""
+if TYPE_CHECKING:  # the mixin is typed over the base it always comes with
+    _IOBase = TorchCheckpointIO
+else:
+    _IOBase = object
 
+
+class _AtomicWrites(_IOBase):
+    """Lightning's ``TorchCheckpointIO`` saving atomically to local paths (a mixin: each
+    Lightning package has its own base class)."""
+
+    @override
     def save_checkpoint(
-        self: Any, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
         if storage_options is not None or "://" in str(path):
-            return base.save_checkpoint(self, checkpoint, path, storage_options)  # type: ignore[attr-defined]
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
         atomic_save(checkpoint, path)
-        return None
-
-    namespace = {"save_checkpoint": save_checkpoint, "__module__": __name__, "__qualname__": name}
-    return type(name, (base,), {**namespace, "__doc__": __doc__.split("\n")[0]})
 
 
-def _lightning_base(fabric: str) -> type | None:
-    try:
-        return importlib.import_module(f"{fabric}.plugins.io.torch_io").TorchCheckpointIO
-    except ImportError:
-        return None
+class AtomicCheckpointIO(_AtomicWrites, TorchCheckpointIO):
+    """``TorchCheckpointIO`` (``lightning_fabric``, for ``pytorch_lightning``) that writes each
+    local checkpoint atomically (:func:`atomic_save`)."""
 
 
-#: for ``pytorch_lightning``
-AtomicCheckpointIO = _checkpoint_io_class(_lightning_base("lightning_fabric"), "AtomicCheckpointIO")  # type: ignore[arg-type]
-_base = _lightning_base("lightning.fabric")
-#: for ``lightning.pytorch``, when installed
-LightningAtomicCheckpointIO = (
-    None if _base is None else _checkpoint_io_class(_base, "LightningAtomicCheckpointIO")
-)
+#: the same over ``lightning.fabric``, for ``lightning.pytorch``; None where not installed
+LightningAtomicCheckpointIO: type | None = None
+
+if importlib.util.find_spec("lightning") is not None:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO as _LightningTorchIO
+
+    class _LightningAtomicCheckpointIO(_AtomicWrites, _LightningTorchIO):
+        """``TorchCheckpointIO`` (``lightning.fabric``, for ``lightning.pytorch``) that writes
+        each local checkpoint atomically (:func:`atomic_save`)."""
+
+    LightningAtomicCheckpointIO = _LightningAtomicCheckpointIO

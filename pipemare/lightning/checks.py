@@ -14,7 +14,8 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pipemare.engine.build import check_arguments
-from pipemare.lightning.launching import START_METHODS, LightningAPI
+from pipemare.lightning.launching import START_METHODS
+from pipemare.lightning.packages import LightningPackage
 from pipemare.model.segments import DYNAMIC_SHAPES
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import check_for_schedule, resolve
@@ -144,13 +145,14 @@ def check_layout(stages: int | None, devices: int, num_nodes: int) -> None:
         )
 
 
-def check_precision(api: LightningAPI, plugin: Any) -> None:
-    """Refuse a precision other than 32-bit, bf16-mixed or bf16-true."""
+def check_precision(package: LightningPackage, plugin: Any) -> None:
+    """Refuse a precision other than 32-bit, bf16-mixed or bf16-true (``plugin`` from the
+    strategy's Lightning ``package``)."""
     name = getattr(plugin, "precision", "32-true")
     ok = (
-        (type(plugin) is api.Precision)
-        or (isinstance(plugin, api.MixedPrecision) and name == "bf16-mixed")
-        or (isinstance(plugin, api.HalfPrecision) and name == "bf16-true")
+        (type(plugin) is package.precision)
+        or (isinstance(plugin, package.mixed_precision) and name == "bf16-mixed")
+        or (isinstance(plugin, package.half_precision) and name == "bf16-true")
     )
     if not ok:
         raise ValueError(

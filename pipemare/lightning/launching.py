@@ -1,72 +1,32 @@
-"""What the strategy's processes need from Lightning: its symbols in either package, a
-torchrun restart warning and a SIGTERM check that does not block the pipeline.
+"""What the strategy's processes need around Lightning's launch: the start methods, a torchrun
+restart warning and a SIGTERM check that does not block the pipeline.
 
-Lightning ships two packages (``pytorch_lightning`` and ``lightning.pytorch``) with the same
-classes under different names; :class:`LightningAPI` fetches the ones pipemare uses from
-either, so one implementation serves both. The launch itself (the launcher, the ranks, the
-process group) is the strategy's, as in Lightning's own strategies.
+The launch itself (the launcher, the ranks, the process group) is the strategy's, as in
+Lightning's own strategies.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib
 import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from pipemare.lightning.checkpoint_io import AtomicCheckpointIO, LightningAtomicCheckpointIO
+if TYPE_CHECKING:
+    import pytorch_lightning as pl
 
-__all__ = ["START_METHODS", "LightningAPI", "SigtermRelay", "restarts_share_the_store"]
+    from pipemare.engine.watchdog import Watchdog
+
+__all__ = ["START_METHODS", "SigtermRelay", "restarts_share_the_store"]
 
 START_METHODS = ("popen", "spawn", "fork", "forkserver")
 
 
-class LightningAPI:
-    """The Lightning symbols the strategy needs, from one of Lightning's two packages.
-
-    Pickled (a spawned process receives the strategy and its runner) as the package's name,
-    and looked up again where it is unpickled: modules themselves do not pickle."""
-
-    def __reduce__(self) -> tuple[type, tuple[str]]:
-        return LightningAPI, (self.package,)
-
-    def __init__(self, package: str) -> None:
-        fabric = "lightning_fabric" if package == "pytorch_lightning" else "lightning.fabric"
-        self.package = package
-        self.strategies = importlib.import_module(f"{package}.strategies")
-        #: the base of the strategy class for this package
-        self.ParallelStrategy = self.strategies.ParallelStrategy
-        launchers = importlib.import_module(f"{package}.strategies.launchers")
-        self.SubprocessScriptLauncher = importlib.import_module(
-            f"{package}.strategies.launchers.subprocess_script"
-        )._SubprocessScriptLauncher
-        self.MultiProcessingLauncher = launchers._MultiProcessingLauncher
-        precision = importlib.import_module(f"{package}.plugins.precision")
-        self.Precision, self.MixedPrecision = precision.Precision, precision.MixedPrecision
-        self.HalfPrecision = precision.HalfPrecision
-        rank_zero = importlib.import_module(f"{package}.utilities.rank_zero")
-        self.rank_zero_only = rank_zero.rank_zero_only
-        self.rank_zero_info = rank_zero.rank_zero_info
-        self.rank_zero_warn = rank_zero.rank_zero_warn
-        distributed = importlib.import_module(f"{fabric}.utilities.distributed")
-        self.init_dist_connection = distributed._init_dist_connection
-        self.sync_ddp_if_available = distributed._sync_ddp_if_available
-        self.backend_for_device = distributed._get_default_process_group_backend_for_device
-        self.reset_seed = importlib.import_module(f"{fabric}.utilities.seed").reset_seed
-        self.TrainerFn = importlib.import_module(f"{package}.trainer.states").TrainerFn
-        self.AtomicCheckpointIO = (
-            AtomicCheckpointIO if package == "pytorch_lightning" else LightningAtomicCheckpointIO
-        )
-        exceptions = importlib.import_module(f"{package}.utilities.exceptions")
-        self.SIGTERMException = exceptions.SIGTERMException
-
-
-def restarts_share_the_store(env: Any = None) -> bool:
+def restarts_share_the_store(env: Mapping[str, str] | None = None) -> bool:
     """Whether torchrun may restart this job with its workers on the agent's shared store."""
     env = os.environ if env is None else env
     restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0")
@@ -85,7 +45,7 @@ class SigtermRelay:
 
     Args:
         trainer: the Trainer whose training loop it serves.
-        api: Lightning's symbols, from the package the trainer belongs to.
+        sigterm: the exception the trainer's package stops its training loop on.
         stall_timeout: the strategy's deadline for another process, in seconds.
         watchdog: the pipeline's watchdog (:class:`~pipemare.engine.watchdog.Watchdog`) once
             there is one, else None: it names a process that never arrives.
@@ -93,17 +53,17 @@ class SigtermRelay:
 
     def __init__(
         self,
-        trainer: Any,
-        api: LightningAPI,
+        trainer: pl.Trainer,
+        sigterm: type[BaseException],
         stall_timeout: float | None = None,
-        watchdog: Callable[[], Any] = lambda: None,
+        watchdog: Callable[[], Watchdog | None] = lambda: None,
     ) -> None:
-        self.trainer, self.api, self._watchdog = trainer, api, watchdog
+        self.trainer, self._sigterm, self._watchdog = trainer, sigterm, watchdog
         # the async broadcast runs on the group's own thread: bound it by the stall deadline
         # (not the 30-minute default), or a stopped peer would hold this process at exit
         timeout = datetime.timedelta(seconds=stall_timeout) if stall_timeout else None
         self.group = dist.new_group(backend="gloo", timeout=timeout)
-        self._pending: tuple[Any, torch.Tensor] | None = None
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     def __call__(self) -> None:
         if self._pending is not None:
@@ -112,11 +72,11 @@ class SigtermRelay:
             if int(flag.item()) == 1:
                 with contextlib.suppress(Exception):
                     dist.barrier(group=self.group)  # leave together, as Lightning does
-                raise self.api.SIGTERMException()
+                raise self._sigterm()
         flag = torch.tensor([1 if getattr(self.trainer, "received_sigterm", False) else 0])
         self._pending = (dist.broadcast(flag, src=0, group=self.group, async_op=True), flag)
 
-    def _wait(self, work: Any) -> None:
+    def _wait(self, work: dist.Work) -> None:
         """Wait with the pipeline's stall deadline; a process that never arrives is named."""
         watchdog = self._watchdog()
         if watchdog is None:
@@ -140,5 +100,6 @@ class SigtermRelay:
             watchdog.reporter.waiting = None
 
     def install(self) -> None:
-        """Replace the training loop's own check for this trainer."""
-        self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self
+        """Replace the training loop's own check for this trainer (a private method of
+        Lightning's epoch loop, replaced on this one instance: Lightning offers no hook)."""
+        self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self  # type: ignore[method-assign]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._dynamo import OptimizedModule
+from typing_extensions import override
 
 __all__ = ["ModuleAdapter", "loss_of"]
 
@@ -55,6 +56,7 @@ class _StandIn(nn.Module):
 
 
 class _Capture(_StandIn):
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise _Captured(args, kwargs)
 
@@ -64,6 +66,7 @@ class _Inject(_StandIn):
         super().__init__(owner, path)
         self.output, self.calls = output, 0
 
+    @override
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls > 1:

@@ -3,37 +3,72 @@
 It owns the model adapter and the user's steps, the pipeline (built at the first batch: timing
 the layers needs one), the lagged reports and evaluation results, the telemetry the monitors
 asked for, and the checkpoints in flight with the state a loaded checkpoint still has to give
-the pipeline. It reads the strategy's public settings and Lightning's public state of it (the
-process layout, the optimisers, the precision plugin) and never writes to the strategy.
+the pipeline. It is given what it needs, and reads nothing back from the strategy: the
+strategy's arguments (:class:`PipelineOptions`, at construction), this process's place in the
+run (:class:`Placement`, at setup) and the user's optimisers once Lightning made them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipemare.engine.lagged import DistributedResults, LocalResults, Results
-from pipemare.engine.microbatch import batch_size, scatter, token_shares
+from pipemare.engine.lagged import DistributedResults, LocalResults, Results, result_lag
+from pipemare.engine.layout import RankLayout
+from pipemare.engine.microbatch import batch_size, scatter
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning import checkpoint, checks
 from pipemare.lightning.checkpoint import SaveQueue
-from pipemare.lightning.launching import LightningAPI
 from pipemare.lightning.manual import steps_per_batch
 from pipemare.lightning.module_adapter import ModuleAdapter
-from pipemare.lightning.steps import UserSteps, merge_published, short_batches
+from pipemare.lightning.packages import LightningPackage
+from pipemare.lightning.steps import UserSteps, merge_published, short_last_batches
 from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
 from pipemare.model import cuts, partition
 from pipemare.optim.chain import ChainedOptimizer, copies_of
-from pipemare.optim.settings import Decision, auto_microbatches
+from pipemare.planner.decide import (
+    ModelFacts,
+    PipelineOptions,
+    RunFacts,
+    RunPlan,
+    decide,
+    measurements_needed,
+)
+from pipemare.planner.measurements import ForwardContext
+from pipemare.schedule.delay import StageDelay, derive_delays
 
-__all__ = ["PipelineRunner", "stepped"]
+__all__ = ["PipelineOptions", "PipelineRunner", "Placement", "stepped"]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where this process sits in the run, as the strategy's setup decided it.
+
+    Attributes:
+        distributed: each stage runs in a process of its own (else all in this one).
+        stages: P where the processes fix it (one per process, or given); None in one
+            process until the model is cut.
+        layout: which ranks form each copy of the pipeline (None in one process).
+        global_rank: this process's rank.
+        device: this process's device.
+        broadcast: the strategy's broadcast of a picklable object from a rank to all.
+    """
+
+    distributed: bool
+    stages: int | None
+    layout: RankLayout | None
+    global_rank: int
+    device: torch.device
+    broadcast: Callable[[Any, int], Any]
 
 
 def stepped(optimizers: Sequence[Any]) -> Any:
@@ -45,8 +80,8 @@ class PipelineRunner:
     """Runs the strategy's pipeline and keeps its state between Lightning's hooks.
 
     Args:
-        strategy: the PipeMareStrategy it runs for; only its public attributes are read.
-        api: Lightning's symbols, from the strategy's package.
+        options: the strategy's arguments.
+        package: what comes from the strategy's Lightning package (its rank-zero logging).
         write: writes a complete checkpoint file (the Lightning base's ``save_checkpoint``).
         remove: removes a checkpoint file (the base's ``remove_checkpoint``).
         on_fatal: called when this process's heartbeat thread ends it.
@@ -54,13 +89,17 @@ class PipelineRunner:
 
     def __init__(
         self,
-        strategy: Any,
-        api: LightningAPI,
+        options: PipelineOptions,
+        package: LightningPackage,
         write: Callable[[dict[str, Any], str, Any], None],
         remove: Callable[[str], None],
         on_fatal: Callable[[], None],
     ) -> None:
-        self.strategy, self.api, self._on_fatal = strategy, api, on_fatal
+        self.options, self.package, self._on_fatal = options, package, on_fatal
+        self._module: Any = None
+        self._place: Placement | None = None
+        self._forward_context: ForwardContext | None = None
+        self._optimizers: list[torch.optim.Optimizer] = []
         self.pipeline: Pipeline | None = None
         #: the cut the first pipeline chose; later rebuilds (after fit, for test) cut alike
         self.cut: list[int] | None = None
@@ -73,26 +112,30 @@ class PipelineRunner:
         self.saves = SaveQueue(write, remove)
         self._pending_state: dict[str, Any] | None = None  # pipemare's part of a checkpoint
         self._trained: dict[str, Any] | None = None  # the loaded checkpoint's run
-        #: N once decided (asked, or ``"auto"`` chosen at the first batch), and the decision
+        #: N once known (given, or ``"auto"`` decided at the first batch)
         self.microbatches: int | None = None
-        self._n_decided: list[Decision] = []
-        self._call_decided: list[Decision] = []  # arguments set for the pipelined calls
-        self._short_decided: list[Decision] = []  # how a last batch smaller than N runs
+        #: the run's plan, decided at the first batch (later rebuilds keep its layout)
+        self.plan: RunPlan | None = None
 
     # -- what the runner reads of the run ---------------------------------------------------
 
     @property
     def module(self) -> Any:
-        module = self.strategy.lightning_module
-        assert module is not None, "the strategy has no LightningModule yet"
-        return module
+        """The LightningModule being run."""
+        assert self._module is not None, "the strategy has not been set up by a Trainer yet"
+        return self._module
+
+    @property
+    def place(self) -> Placement:
+        """Where this process sits in the run."""
+        assert self._place is not None, "the strategy has not been set up by a Trainer yet"
+        return self._place
 
     @property
     def fitting(self) -> bool:
         """Whether the Trainer runs ``fit`` (not validate, test or predict)."""
-        module = self.strategy.lightning_module
-        trainer = module.trainer if module is not None else None
-        return trainer is not None and trainer.state.fn == self.api.TrainerFn.FITTING
+        trainer = self._module.trainer if self._module is not None else None
+        return trainer is not None and trainer.state.fn == "fit"
 
     @property
     def steps(self) -> UserSteps:
@@ -101,47 +144,89 @@ class PipelineRunner:
         return self._steps
 
     @property
-    def known_stages(self) -> int | None:
+    def stages(self) -> int | None:
         """P, where known: given, one per process, or one per layer of the Sequential."""
-        if self.strategy.num_stages is not None:
-            return int(self.strategy.num_stages)
+        if self._place is not None and self._place.stages is not None:
+            return self._place.stages
+        if self.options.stages is not None:
+            return self.options.stages
         seq = self.adapter.sequential if self.adapter else None
         return len(seq) if seq is not None else None
 
+    @property
+    def delays(self) -> tuple[StageDelay, ...] | None:
+        """Every stage's delays, once P and N are known."""
+        if self.stages is None or self.microbatches is None:
+            return None
+        return derive_delays(self.options.schedule, self.stages, self.microbatches)
+
+    @property
+    def lag(self) -> int | None:
+        """Steps by which a step's reported results trail its minibatch, once P and N are
+        known."""
+        if self.stages is None or self.microbatches is None:
+            return None
+        return result_lag(self.options.schedule, self.stages, self.microbatches)
+
     # -- setup ------------------------------------------------------------------------------
 
-    def setup(self, module: Any) -> None:
-        """Find the module to pipeline and refuse, before anything runs, what cannot be cut."""
-        strategy = self.strategy
-        path, _ = cuts.find_pipelined(module, strategy.module_name)
+    def setup(self, module: Any, place: Placement, forward_context: ForwardContext) -> None:
+        """Find the module to pipeline and refuse, before anything runs, what cannot be cut.
+
+        Args:
+            module: the LightningModule.
+            place: where this process sits in the run.
+            forward_context: the precision plugin's context around each forward.
+        """
+        options = self.options
+        self._module, self._place, self._forward_context = module, place, forward_context
+        path, _ = cuts.find_pipelined(module, options.module)
         self.adapter = adapter = ModuleAdapter(
-            module, path, strategy.split_points, strategy.dynamic_shapes
+            module, path, options.split_points, options.dynamic_shapes
         )
-        checks.check_split_points(adapter, strategy.split_points)
+        checks.check_split_points(adapter, options.split_points)
         self._check_cut()  # a module cut into segments is checked at the first batch
         adapter.check_no_outside_parameters()
-        self._steps = UserSteps(module, adapter, strategy.precision_plugin.forward_context)
+        self._steps = UserSteps(module, adapter, forward_context)
+        if isinstance(options.microbatches, int):
+            self.microbatches = options.microbatches
         self.pipeline = None
+
+    def attach_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """The optimisers Lightning made from ``configure_optimizers`` (none outside fit)."""
+        self._optimizers = list(optimizers)
+
+    def check_optimizer(self) -> None:
+        """Refuse at setup an optimiser the pipeline cannot step, where P and N are already
+        known (given, or fixed by the processes); otherwise the pipeline's build refuses it at
+        the first batch, still before any update."""
+        stages = self._check_cut() if self.adapter and self.adapter.sequential else self.stages
+        if not self._optimizers or stages is None or self.microbatches is None:
+            return
+        options = self.options
+        checks.check_optimizer(
+            stepped(self._optimizers),
+            options.schedule,
+            stages,
+            self.microbatches,
+            options.config,
+        )
 
     def _check_cut(self) -> int | None:
         """P, after refusing a cut that cannot be made; None while the pipelined module waits
         to be cut into segments (at the first batch)."""
-        adapter, strategy = self.adapter, self.strategy
+        adapter, options, place = self.adapter, self.options, self.place
         assert adapter is not None
         if adapter.sequential is None:
             return None
         return cuts.check_cut(
             adapter.what,
             adapter.sequential,
-            strategy.balance,
-            strategy.stages,
-            strategy.num_stages,
-            strategy.distributed,
+            options.balance,
+            options.stages,
+            place.stages,
+            place.distributed,
         )
-
-    def stages_for_checks(self) -> int:
-        """P as far as setup knows it (the segments are cut at the first batch)."""
-        return self._check_cut() or self.strategy.num_stages or 2
 
     def request_probe(self, **settings: Any) -> None:
         """Merge a monitor's telemetry settings: switches are or-ed, intervals take the
@@ -170,20 +255,9 @@ class PipelineRunner:
         adapter = self.adapter
         assert adapter is not None
         if self.pipeline is None:
-            self._prepare_model(batch, step, args)
-            cut, decided = self._balance(batch, step, args)
-            compiled, compile_decided = self._compiled()
-            weights, weights_decided = self._weights()
-            decided = [
-                *self._call_decided,
-                *compile_decided,
-                *weights_decided,
-                *self._n_decided,
-                *self._short_decided,
-                *decided,
-            ]
-            self.pipeline = pipe = self._build(cut, decided, compiled, weights)
-            self.cut = list(pipe.balance)
+            self.plan = plan = decide(self.options, self._facts(batch, step, args))
+            self.microbatches, self.cut = plan.microbatches, list(plan.balance)
+            self.pipeline = pipe = self._build(plan)
             self._load_pending_state()
             self.announce()
             self.reports.start(self.results(pipe.minibatches_fed), adapter.path)
@@ -194,180 +268,144 @@ class PipelineRunner:
             adapter.sequential.train(adapter.pipelined.training)  # type: ignore[union-attr]
         return self.pipeline
 
-    def _prepare_model(self, batch: Any, step: str, args: tuple) -> None:
-        """Cut a pipelined module that is not a Sequential into segments, from what the step
-        passes it, and check the cut; decide N; refuse batches smaller than N."""
-        adapter = self.adapter
+    def _facts(self, batch: Any, step: str, args: tuple) -> RunFacts:
+        """What :func:`~pipemare.planner.decide.decide` needs: the module cut into segments
+        from what the step passes it (a module that is not a Sequential), and the layers
+        measured where the cut asks for it (on rank 0, so that every process cuts alike)."""
+        adapter, place = self.adapter, self.place
         assert adapter is not None
         if adapter.sequential is None:
             with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
                 adapter.prepare(step, batch, *args)
             self._check_cut()
-            self._call_decided = call_decisions(adapter)
-        self._decide_microbatches(batch)
-        if self.fitting:
-            assert self.microbatches is not None
-            self._short_decided = short_batches(self.module.trainer, batch, self.microbatches)
+        seq = adapter.sequential
+        assert seq is not None
+        previous = self.plan
+        facts = RunFacts(
+            model=self._model_facts(seq),
+            rows=batch_size(batch),
+            process_stages=place.stages if place.distributed else None,
+            replicas=place.layout.replicas if place.layout is not None else 1,
+            checkpointed=(self._pending_state or {}).get("layout"),
+            optimizer=self._user_optimizer(seq) if self._optimizers_given() else None,
+            short_last_batches=tuple(short_last_batches(self.module.trainer))
+            if self.fitting
+            else (),
+            fitting=self.fitting,
+            previous=None
+            if previous is None
+            else (previous.stages, previous.microbatches, previous.balance),
+            **self._run_length(),
+        )
+        wanted = measurements_needed(self.options, facts)
+        if wanted is None:
+            return facts
+        kind, sizes = wanted
+        measured = None
+        if place.global_rank == 0:
+            measured = self._measure(seq, kind, sizes, batch, step, args)
+        measured = place.broadcast(measured, 0)
+        if kind == "time":
+            return dataclasses.replace(facts, layer_times=measured)
+        return dataclasses.replace(facts, profile=measured)
 
-    def _decide_microbatches(self, batch: Any) -> None:
-        """N: as asked, or for ``"auto"`` chosen once P and the batches are known
-        (:func:`~pipemare.optim.settings.auto_microbatches`), kept for later rebuilds."""
-        strategy = self.strategy
-        if self.microbatches is not None:
-            return
-        if isinstance(strategy.asked_microbatches, int):
-            self.microbatches = strategy.asked_microbatches
-            return
-        rows = batch_size(batch)
-        stages = self.known_stages or 1
-        self.microbatches, decision = auto_microbatches(strategy.schedule, stages, rows)
-        self._n_decided = [decision]
+    def _model_facts(self, seq: nn.Sequential) -> ModelFacts:
+        """What the pipelined model is, for the decisions."""
+        adapter = self.adapter
+        assert adapter is not None
+        model = adapter.pipelined
+        config = getattr(model, "config", None)
+        can_generate = getattr(model, "can_generate", None)
+        label_shift = None
+        if config is not None and callable(can_generate):  # a Hugging Face model
+            causal = bool(can_generate()) and not getattr(config, "is_encoder_decoder", False)
+            label_shift = 1 if causal else 0  # a causal LM's loss shifts its labels by one
+        return ModelFacts(
+            what=adapter.what,
+            layers=len(seq),
+            traced_seconds=(adapter.cut_seconds or 0.0) if adapter.segmented else None,
+            cache_switched="use_cache" in getattr(seq, "call_defaults", {}),
+            config_use_cache=getattr(config, "use_cache", None),
+            label_shift=label_shift,
+            user_compiled=adapter.user_compiled,
+            layer_params=tuple(sum(p.numel() for p in layer.parameters()) for layer in seq),
+        )
 
-    def _balance(self, sample: Any, step: str, args: tuple) -> tuple[list[int], list[Decision]]:
-        """Layers per stage: as the run a resume continues cut them, given, or chosen now; and
-        how P and the cut were chosen where the user left them open."""
-        assert self.adapter is not None and self.adapter.sequential is not None
-        seq = self.adapter.sequential
-        strategy = self.strategy
-        stages = strategy.num_stages or len(seq)
-        decided = []
-        if strategy.stages is None:
-            per = "process" if strategy.distributed else "layer of the pipelined model"
-            decided.append(Decision("stages", f"P={stages}", f"one per {per}"))
-        balance = strategy.balance
-        saved = (self._pending_state or {}).get("layout")
-        if isinstance(balance, str) and saved and saved["stages"] == stages:
-            cut, why = list(saved["balance"]), "as the checkpointed run cut it"
-        elif not isinstance(balance, str):
-            return list(balance), decided
-        elif stages == len(seq):
-            cut, why = partition.even_balance(len(seq), stages), "one layer per stage"
-        elif balance == "even":
-            cut, why = partition.even_balance(len(seq), stages), "balance='even'"
-        elif balance == "params":
-            cut, why = partition.balance_by_params(seq, stages), "balance='params'"
-        else:
-            chosen = None
-            if strategy.global_rank == 0:  # measure on one process, so every process cuts alike
-                chosen = self._measured_balance(seq, stages, sample, step, args)
-            cut = list(strategy.broadcast(chosen, src=0))
-            why = (
-                "balance='auto': the planner's cut from a profile of the layers"
-                if balance == "auto"
-                else "balance='time': from each layer's time on the first microbatch, the most "
-                "even cut whose slowest stage is within 25% of the fastest cut's"
-            )
-        return cut, [*decided, Decision("layers per stage", str(cut), why)]
-
-    def _measured_balance(
-        self, seq: nn.Sequential, stages: int, sample: Any, step: str, args: tuple
-    ) -> list[int]:
-        """``"time"``: each layer's time on the first microbatch; ``"auto"``: the planner's
-        cut for this P and N (:mod:`pipemare.planner`), from a profile of the layers with the
+    def _measure(
+        self,
+        seq: nn.Sequential,
+        kind: str,
+        sizes: tuple[int, ...],
+        sample: Any,
+        step: str,
+        args: tuple,
+    ) -> Any:
+        """``"time"``: each layer's time on the first microbatch at each N of ``sizes``;
+        ``"auto"``: the planner's profile of the layers (:mod:`pipemare.planner`) with the
         run's optimiser and corrections."""
-        strategy = self.strategy
-        forward_context = strategy.precision_plugin.forward_context
-        assert self.adapter is not None
+        options, forward_context = self.options, self._forward_context
+        assert self.adapter is not None and forward_context is not None
+        out: dict[int, tuple[float, ...]] = {}
         with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
-            x = self.adapter.capture_input(step, scatter(sample, strategy.microbatches)[0], *args)
-            if strategy.balance != "auto":
-                with forward_context():  # time what will run
-                    return partition.balance_by_time(seq, x, stages)
-            from pipemare.planner import auto_balance
+            for n in sizes:
+                x = self.adapter.capture_input(step, scatter(sample, n)[0], *args)
+                if kind == "auto":
+                    from pipemare.planner import profile
 
-            return auto_balance(
-                seq,
-                x,
-                stages,
-                strategy.microbatches,
-                strategy.schedule,
-                optimizer=copies_of(self._user_optimizer(seq), seq.parameters()),
-                config=strategy.asked_config,
-                forward_context=forward_context,
-            )
+                    return profile(
+                        seq,
+                        x,
+                        optimizer=copies_of(self._user_optimizer(seq), seq.parameters()),
+                        schedule=options.schedule,
+                        config=options.config,
+                        forward_context=forward_context,
+                    )
+                with forward_context():  # time what will run
+                    out[batch_size(x)] = tuple(partition.layer_times(seq, x))
+        return out
+
+    def _optimizers_given(self) -> bool:
+        """Whether ``configure_optimizers`` returned optimisers of the model (Lightning's
+        stand-in when it returns None holds none of the model's parameters)."""
+        owned = {id(p) for p in self.module.parameters()}
+        return any(
+            id(p) in owned for o in self._optimizers for g in o.param_groups for p in g["params"]
+        )
 
     def _user_optimizer(self, seq: nn.Sequential) -> torch.optim.Optimizer:
         """The optimiser ``configure_optimizers`` returned (several, under manual optimisation:
         chained), or a stand-in that never steps."""
-        optimizers = self.strategy.optimizers
-        # Lightning's stand-in when configure_optimizers returns None is not the user's
-        if optimizers and type(optimizers[0]).__name__ != "_MockOptimizer":
-            return stepped(optimizers)
+        if self._optimizers_given():
+            return stepped(self._optimizers)
         return torch.optim.SGD(seq.parameters(), lr=0.0)  # never stepped with a real rate
 
-    def _build(
-        self,
-        balance: list[int],
-        decided: list[Decision],
-        compiled: dict[str, Any] | bool,
-        weights: Callable[[list[Any]], list[float]] | None,
-    ) -> Pipeline:
-        """The Pipeline over the Sequential, cut by ``balance``, compiled and its microbatches
-        weighted as decided, with the Trainer's clipping and run length."""
+    def _build(self, plan: RunPlan) -> Pipeline:
+        """The Pipeline over the Sequential as ``plan`` lays it out, with the Trainer's
+        clipping."""
         assert self.adapter is not None and self.adapter.sequential is not None
-        strategy, seq, steps = self.strategy, self.adapter.sequential, self.steps
-        steps.shares = weights  # the step's logs combine as the losses do
+        options, seq, steps = self.options, self.adapter.sequential, self.steps
+        steps.shares = plan.weights  # the step's logs combine as the losses do
         return Pipeline(
             seq,
             self._user_optimizer(seq),
             steps.loss,
-            stages=strategy.num_stages or len(seq),
-            microbatches=strategy.microbatches,
-            schedule=strategy.schedule,
-            balance=balance,
-            config=strategy.asked_config,
+            stages=plan.stages,
+            microbatches=plan.microbatches,
+            schedule=options.schedule,
+            balance=list(plan.balance),
             transport=self._transport(),
-            device=strategy.root_device,
+            device=self.place.device,
             input_fn=steps.input,
             target_fn=lambda mb: mb,
-            microbatch_weights=weights,
-            forward_context=strategy.precision_plugin.forward_context,
-            recompute=strategy.recompute,
-            compile=compiled,
-            layout_decisions=decided,
+            microbatch_weights=plan.weights,
+            forward_context=self._forward_context,
+            recompute=options.recompute,
+            compile=False if plan.compile is None else plan.compile,
+            settings=plan.settings,
+            total_steps=plan.settings.total_steps,
+            steps_per_epoch=plan.settings.steps_per_epoch,
             **self._clipping(),
-            **self._run_length(),
         )
-
-    def _weights(self) -> tuple[Callable[[list[Any]], list[float]] | None, list[Decision]]:
-        """How each microbatch's loss is weighted (None: by rows), and the decision to say."""
-        asked = self.strategy.microbatch_weights
-        tokens = "each microbatch's share of the batch's counted label tokens"
-        if callable(asked):
-            name = getattr(asked, "__name__", type(asked).__name__)
-            return asked, [Decision("microbatch weights", f"from {name}", "microbatch_weights")]
-        if asked == "rows":
-            return None, []
-        if asked == "tokens":
-            why = "microbatch_weights='tokens': a loss that averages over the labels not -100"
-            return token_shares(), [Decision("microbatch weights", tokens, why)]
-        auto = label_token_weights(self.adapter)
-        if auto is None:
-            return None, []
-        why = (
-            "a Hugging Face loss averages over the label tokens that are not -100 (padding), "
-            "so the minibatch's loss and gradient are one device's"
-        )
-        return auto, [Decision("microbatch weights", tokens, why)]
-
-    def _compiled(self) -> tuple[dict[str, Any] | bool, list[Decision]]:
-        """``torch.compile``'s options for each stage (False: none), and the decision to say."""
-        options, user = self.strategy.compile, self.adapter and self.adapter.user_compiled
-        if options is None and not user:
-            return False, []
-        shown = ", ".join(f"{k}={v!r}" for k, v in (options or {}).items()) or "its defaults"
-        choice = f"each stage's forward, torch.compile with {shown}"
-        if user:
-            what = self.adapter.what  # type: ignore[union-attr]
-            call = "torch.compile(...)" if user == "torch.compile" else f"{what}.compile()"
-            why = (
-                f"{what} was passed through {call}; a compiled whole cannot be cut, so each "
-                "stage is compiled instead"
-                + ("" if options else " (compile={...} on the strategy chooses the options)")
-            )
-        else:
-            why = "asked; the backward still sees the schedule's weights, with no weight copies"
-        return options or {}, [Decision("compile", choice, why)]
 
     def _run_length(self) -> dict[str, Any]:
         """The run's optimiser steps and steps per epoch, for T1's horizon, where known."""
@@ -396,15 +434,15 @@ class PipelineRunner:
         return {"clip_grad_norm" if algorithm == "norm" else "clip_grad_value": float(clip_val)}
 
     def _transport(self) -> Any:
-        strategy = self.strategy
-        if not strategy.distributed:
+        place = self.place
+        if not place.distributed:
             return "inprocess"
         transport = DistributedTransport(
-            strategy.num_stages,
-            strategy.root_device,
-            stall_timeout=strategy.stall_timeout,
-            layout=strategy.rank_layout,
-            heartbeat_timeout=strategy.heartbeat_timeout,
+            place.stages,
+            place.device,
+            stall_timeout=self.options.stall_timeout,
+            layout=place.layout,
+            heartbeat_timeout=self.options.heartbeat_timeout,
         )
         # a process ended by its heartbeat thread first ends those it launched, as on an error
         transport.watchdog.reporter.on_fatal(self._on_fatal)
@@ -415,11 +453,11 @@ class PipelineRunner:
         their settings, then each decision taken on the user's behalf with its reason
         (:class:`~pipemare.optim.settings.RunSettings`); outside fit, those of the run that
         trained the loaded checkpoint (evaluation applies none)."""
-        pipe, strategy = self.pipeline, self.strategy
+        pipe, place, info = self.pipeline, self.place, self.package.rank_zero_info
         assert pipe is not None
-        if strategy.distributed:
-            self.api.rank_zero_info(strategy.rank_layout.describe())
-        run = f"schedule {strategy.schedule!r}, N={strategy.microbatches}"
+        if place.layout is not None:
+            info(place.layout.describe())
+        run = f"schedule {self.options.schedule!r}, N={self.microbatches}"
         decisions: list[str] = []
         if self.fitting:
             run += f", corrections: {pipe.settings.describe() or 'none'}"
@@ -433,29 +471,29 @@ class PipelineRunner:
             decisions = list(trained.get("settings", {}).get("decisions", []))
         else:
             run += " (evaluation applies no corrections)"
-        self.api.rank_zero_info(
+        info(
             f"pipemare: {pipe.num_stages} stages "
-            f"({'one per process' if strategy.distributed else 'in one process'}), "
+            f"({'one per process' if place.distributed else 'in one process'}), "
             f"layers per stage {list(pipe.balance)}, {run}"
         )
         for line in decisions:
-            self.api.rank_zero_info(f"pipemare:   {line}")
+            info(f"pipemare:   {line}")
 
     def results(self, start: int) -> Results:
         """Where the last stage publishes results for every process
         (:mod:`pipemare.engine.lagged`)."""
-        strategy = self.strategy
-        if not strategy.distributed:
+        place = self.place
+        if place.layout is None:
             return LocalResults(start)
         assert self.pipeline is not None
         transport = self.pipeline.transport
         assert isinstance(transport, DistributedTransport)
         last = transport.rank_of(transport.num_stages - 1)
-        layout = strategy.rank_layout
+        layout = place.layout
         merge_group = None
         if layout.replicas > 1:  # the copies' last stages combine their results first
             group = dist.new_group(list(layout.stage_groups[-1]), backend="gloo")  # every rank
-            merge_group = group if strategy.global_rank == last else None
+            merge_group = group if place.global_rank == last else None
         return DistributedResults(
             last,
             start,
@@ -463,7 +501,7 @@ class PipelineRunner:
             ranks=layout.pipelines[transport.replica],
             merge_group=merge_group,
             merge=merge_published,
-            lag=strategy.lag,
+            lag=self.lag or 0,
         )
 
     # -- the steps ---------------------------------------------------------------------------
@@ -483,8 +521,8 @@ class PipelineRunner:
                 batch,
                 args,
                 trainer=self.module.trainer,
-                lag=self.strategy.lag,
-                device=self.strategy.root_device,
+                lag=self.lag or 0,
+                device=self.place.device,
                 monitored=monitored,
             )
         self.write_due()  # checkpoints whose step reached every stage by now
@@ -497,9 +535,9 @@ class PipelineRunner:
 
     def evaluate(self, step: str, batch: Any, batch_idx: int, args: tuple) -> Any:
         """Run a validation, test or predict batch; the latest step output reported."""
-        strategy = self.strategy
+        place = self.place
         pipe = self.pipeline_for(batch, step, (batch_idx, *args))
-        ahead = strategy.num_stages - 1 if strategy.distributed else 0
+        ahead = pipe.num_stages - 1 if place.distributed else 0
         return self._evaluation.step(
             pipe,
             self.steps,
@@ -508,10 +546,10 @@ class PipelineRunner:
             batch_idx,
             args,
             results=self.results,
-            microbatches=strategy.microbatches,
+            microbatches=pipe.microbatches,
             ahead=ahead,
             trainer=self.module.trainer,
-            device=strategy.root_device,
+            device=place.device,
         )
 
     def drain(self) -> None:
@@ -529,10 +567,8 @@ class PipelineRunner:
     def consolidate(self) -> None:
         """Give every process the whole model again (as DDP leaves it): each held one stage."""
         self.drain()
-        if self.strategy.distributed and self.pipeline is not None:
-            checkpoint.consolidate(
-                self.module, self.pipeline, self.state_names, self.strategy.root_device
-            )
+        if self.place.distributed and self.pipeline is not None:
+            checkpoint.consolidate(self.module, self.pipeline, self.state_names, self.place.device)
             self.pipeline = None  # its stages are no longer split; the next run rebuilds it
 
     # -- checkpoints (:mod:`~pipemare.lightning.checkpoint`) ---------------------------------
@@ -589,48 +625,5 @@ class PipelineRunner:
         assert self.pipeline is not None
         notes, run_notes = checkpoint.load_pipemare_state(self.pipeline, self._pending_state)
         self._pending_state = None
-        checkpoint.warn_layout_changes(notes, self.api.rank_zero_warn)
-        checkpoint.warn_run_changes(run_notes, self.api.rank_zero_warn)
-
-
-def call_decisions(adapter: ModuleAdapter) -> list[Decision]:
-    """How the module was cut, in how long, and what its calls get that the user's step does
-    not pass, with the reasons."""
-    seq = adapter.sequential
-    if not adapter.segmented or seq is None:
-        return []
-    out = [
-        Decision(
-            "segments",
-            f"{len(seq)}, traced and cut in {adapter.cut_seconds or 0.0:.1f} s",
-            f"{type(adapter.pipelined).__name__} is not an nn.Sequential: torch.export traced "
-            "its forward at the first batch",
-        )
-    ]
-    defaults = getattr(seq, "call_defaults", {})
-    if "use_cache" not in defaults:
-        return out
-    config = getattr(adapter.pipelined, "config", None)
-    kept = getattr(config, "use_cache", None)
-    return [
-        *out,
-        Decision(
-            "use_cache",
-            f"False in {adapter.what}'s calls",
-            "a key/value cache for generation cannot travel between stages and training does "
-            "not read it" + (f"; its config keeps use_cache={kept}" if kept is not None else ""),
-        ),
-    ]
-
-
-def label_token_weights(adapter: ModuleAdapter | None) -> Callable[[list[Any]], list[float]] | None:
-    """For a Hugging Face model (a ``config`` and ``can_generate``), microbatch weights by
-    counted label tokens (:func:`~pipemare.engine.microbatch.token_shares`; a causal LM's
-    labels shifted by one, as its loss shifts them); None: by rows."""
-    model = adapter.pipelined if adapter is not None else None
-    config = getattr(model, "config", None)
-    can_generate = getattr(model, "can_generate", None)
-    if config is None or not callable(can_generate):
-        return None
-    causal = bool(can_generate()) and not getattr(config, "is_encoder_decoder", False)
-    return token_shares(shift=1 if causal else 0)
+        checkpoint.warn_layout_changes(notes, self.package.rank_zero_warn)
+        checkpoint.warn_run_changes(run_notes, self.package.rank_zero_warn)

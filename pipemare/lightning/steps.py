@@ -20,18 +20,17 @@ import pytorch_lightning as pl
 import torch
 
 from pipemare.engine.lagged import Results
-from pipemare.engine.microbatch import batch_size, check_splits
+from pipemare.engine.microbatch import batch_size
 from pipemare.lightning.logreplay import LogRecorder, Record, merge_records
 from pipemare.lightning.manual import ManualOptimization, steps_per_batch
 from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
-from pipemare.optim.settings import Decision
 
 __all__ = [
     "UserSteps",
     "closes_epoch",
     "closes_loader",
     "merge_published",
-    "short_batches",
+    "short_last_batches",
 ]
 
 
@@ -161,7 +160,7 @@ def closes_loader(trainer: pl.Trainer, batch_idx: int, args: tuple) -> bool:
     return bool(getattr(progress, "is_last_batch", False)) or batch_idx + 1 >= count
 
 
-def _short_last_batches(trainer: pl.Trainer) -> list[tuple[int, int, int]]:
+def short_last_batches(trainer: pl.Trainer) -> list[tuple[int, int, int]]:
     """``(last, samples, batch_size)`` of each training DataLoader whose last batch is smaller
     than the others (a sized dataset, no ``drop_last``)."""
     from torch.utils.data import DataLoader
@@ -179,25 +178,3 @@ def _short_last_batches(trainer: pl.Trainer) -> list[tuple[int, int, int]]:
         if n % loader.batch_size:
             found.append((n % loader.batch_size, n, loader.batch_size))
     return found
-
-
-def short_batches(trainer: pl.Trainer, batch: Any, microbatches: int) -> list[Decision]:
-    """Refuse, at the first batch, training batches smaller than N; say how a smaller last
-    batch of an epoch runs.
-
-    A batch size below N is a setting to change (no batch could fill the pipeline); a last
-    batch below N runs a sample per microbatch, the slots left filled with copies of weight 0
-    (:func:`~pipemare.engine.microbatch.scatter_filled`): the gradient, loss and logs are the
-    batch's.
-    """
-    check_splits(batch_size(batch), microbatches)
-    decided = []
-    for last, n, size in _short_last_batches(trainer):
-        if last < microbatches:
-            why = (
-                f"{n} samples in batches of {size}: it runs a sample per microbatch, the "
-                f"{microbatches - last} left are copies of weight 0 (nothing of theirs reaches "
-                "the gradient or the logs); drop_last=True skips it"
-            )
-            decided.append(Decision("last batch", f"{last} sample(s) < N={microbatches}", why))
-    return decided

@@ -1,20 +1,27 @@
 """Lightning strategy: ``Trainer(strategy="pipemare")`` pipelines an unchanged LightningModule.
 
-One class, :class:`PipeMareStrategy`, its hooks in the order Lightning calls them, as in
-Lightning's own ``DDPStrategy``. It is glue between those hooks and
-:class:`~pipemare.engine.pipeline.Pipeline`, composed of helpers that own their state:
+:class:`PipeMareStrategyMixin` holds the behaviour, its hooks in the order Lightning calls them,
+as in Lightning's own ``DDPStrategy``: ``__init__`` stores the arguments, ``setup`` decides where
+this process sits, the hooks run. Lightning ships two packages with separate base classes and
+registries, so two short subclasses serve them by ordinary inheritance:
+:class:`PipeMareStrategy` over ``pytorch_lightning``'s ``ParallelStrategy`` and
+:class:`LightningPipeMareStrategy` over ``lightning.pytorch``'s, where that package is
+installed; ``import pipemare`` registers both (:func:`register`). What must come from the
+subclass's own package (launchers, precision plugins, the SIGTERM exception) is its
+:class:`~pipemare.lightning.packages.LightningPackage`.
+
+The strategy is glue between those hooks and the
+:class:`~pipemare.lightning.runner.PipelineRunner`, which builds the pipeline at the first batch
+and drives it and reads nothing back from the strategy:
 
 - the launch is the strategy's own (Lightning's launchers, torchrun or SLURM; gloo on CPU and
-  NCCL on CUDA), with Lightning's symbols from either package and a non-blocking SIGTERM check
-  from :mod:`~pipemare.lightning.launching`; argument and setup checks are
-  :mod:`~pipemare.lightning.checks`;
-- the :class:`~pipemare.lightning.runner.PipelineRunner` builds the pipeline at the first
-  batch and drives it: ``training_step`` feeds the batch to the pipeline, which runs this
-  process's share of the schedule, weight updates included, and returns without waiting for
-  the batch to reach the last stage; the loss and ``self.log`` values a step reports are those
-  of the minibatch ``L`` steps earlier, ``L`` the pipeline's depth in steps (shown as ``lag``
-  in the progress bar); the user's steps run per microbatch through the
-  :class:`~pipemare.lightning.module_adapter.ModuleAdapter`;
+  NCCL on CUDA), with a non-blocking SIGTERM check from :mod:`~pipemare.lightning.launching`;
+  argument and setup checks are :mod:`~pipemare.lightning.checks`;
+- ``training_step`` feeds the batch to the pipeline, which runs this process's share of the
+  schedule, weight updates included, and returns without waiting for the batch to reach the
+  last stage; the loss and ``self.log`` values a step reports are those of the minibatch
+  ``L`` steps earlier, ``L`` the pipeline's depth in steps (shown as ``lag`` in the progress
+  bar);
 - ``backward`` does nothing and ``optimizer_step`` only runs Lightning's closure: the engine
   already applied each stage's update (manual optimisation: :mod:`~pipemare.lightning.manual`);
 - validation and test run pipelined after draining the pipeline (their batches overlap);
@@ -22,10 +29,7 @@ Lightning's own ``DDPStrategy``. It is glue between those hooks and
   (:mod:`~pipemare.lightning.checkpoint`).
 
 Two modes: one stage per process (``devices=P``), or every stage in one process
-(``devices=1``, ``stages=P``). Lightning ships two packages with separate strategy classes and
-registries: :class:`PipeMareStrategy` is for ``pytorch_lightning``, and
-:class:`LightningPipeMareStrategy` the same strategy over ``lightning.pytorch``'s base, where
-that package is installed; ``import pipemare`` registers both (:func:`register`).
+(``devices=1``, ``stages=P``).
 """
 
 from __future__ import annotations
@@ -34,31 +38,46 @@ import datetime
 import importlib.util
 import signal
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
+from lightning_fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning_fabric.utilities.seed import reset_seed
 from pytorch_lightning.strategies import ParallelStrategy
+from typing_extensions import override
 
 from pipemare.engine.build import compile_options
 from pipemare.engine.heartbeat import Heartbeat, announce
-from pipemare.engine.lagged import result_lag
 from pipemare.engine.layout import RankLayout
 from pipemare.engine.pipeline import Pipeline
-from pipemare.engine.transport import destroy_at_exit
+from pipemare.engine.transport import DistributedTransport, destroy_at_exit
+from pipemare.engine.watchdog import Watchdog
 from pipemare.lightning import checks
-from pipemare.lightning.launching import LightningAPI, SigtermRelay, restarts_share_the_store
-from pipemare.lightning.runner import PipelineRunner, stepped
+from pipemare.lightning.launching import SigtermRelay, restarts_share_the_store
+from pipemare.lightning.packages import LIGHTNING, PYTORCH_LIGHTNING, LightningPackage
+from pipemare.lightning.runner import PipelineOptions, PipelineRunner, Placement
 from pipemare.optim.config import PipeMareConfig
-from pipemare.optim.settings import RunSettings, asked, auto_microbatches
+from pipemare.optim.settings import RunSettings
 from pipemare.schedule.actions import SCHEDULES
-from pipemare.schedule.delay import StageDelay, derive_delays
+from pipemare.schedule.delay import StageDelay
 
-__all__ = ["LightningPipeMareStrategy", "PipeMareStrategy", "register"]
+if TYPE_CHECKING:  # the mixin is typed over the base each subclass gives it
+    from pytorch_lightning.strategies.launchers.launcher import _Launcher
+
+    _StrategyBase = ParallelStrategy
+else:
+    _StrategyBase = object
+
+__all__ = ["LightningPipeMareStrategy", "PipeMareStrategy", "PipeMareStrategyMixin", "register"]
 
 
-class PipeMareStrategy(ParallelStrategy):
+class PipeMareStrategyMixin(_StrategyBase):
     """Asynchronous pipeline parallelism for an unchanged LightningModule.
 
     Args:
@@ -68,8 +87,9 @@ class PipeMareStrategy(ParallelStrategy):
         microbatches: N microbatches per batch; the batch size must be at least N.
             ``"auto"`` (default): N = P on a schedule that never flushes, so that no stage's
             weights are a whole update late on average, capped at the smallest batch's size;
-            1 on ``gpipe`` and ``1f1b`` (:func:`pipemare.optim.auto_microbatches`). The
-            choice and its reason are printed with the run's settings.
+            1 on ``gpipe`` and ``1f1b`` (:func:`pipemare.planner.decide.auto_microbatches`). The
+            choice and its reason are printed with the run's settings; :attr:`microbatches`
+            is None until the first batch decided it.
         schedule: ``pipemare`` (default), ``async``, ``pipedream``, ``1f1b`` or ``gpipe``.
         balance: layers per stage: ``"time"`` (measured forward+backward time of each layer on
             the first batch, default), ``"auto"`` (the planner's cut for this P and N from a
@@ -133,9 +153,8 @@ class PipeMareStrategy(ParallelStrategy):
     """
 
     strategy_name = "pipemare"
-    #: Lightning's symbols from the package this class serves; its ``ParallelStrategy`` is the
-    #: base every call to Lightning's own implementation goes to (see LightningPipeMareStrategy)
-    _lightning = LightningAPI("pytorch_lightning")
+    #: what this class takes from its Lightning package (set by each subclass)
+    _package: ClassVar[LightningPackage]
     #: pipemare's names in Lightning's registry: (name, arguments, description)
     _REGISTERED: tuple[tuple[str, dict[str, Any], str], ...] = (
         ("pipemare", {}, "PipeMare asynchronous pipeline: corrected, no flush, no weight stash"),
@@ -173,9 +192,8 @@ class PipeMareStrategy(ParallelStrategy):
         precision_plugin: Any = None,
     ) -> None:
         if checkpoint_io is None:  # atomic on any local filesystem (lightning.checkpoint_io)
-            checkpoint_io = self._lightning.AtomicCheckpointIO()  # type: ignore[misc]
-        self._lightning.ParallelStrategy.__init__(
-            self,
+            checkpoint_io = self._package.checkpoint_io()
+        super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -200,37 +218,55 @@ class PipeMareStrategy(ParallelStrategy):
             compile=compile,
             microbatch_weights=microbatch_weights,
         )
-        self.stages, self.schedule = stages, schedule
-        #: N as asked: a number, or ``"auto"`` (decided when the pipeline is built)
-        self.asked_microbatches = microbatches
-        self._balance = balance
-        #: the corrections asked for (None: the schedule's default), resolved for the run when
-        #: the pipeline is built (:attr:`settings`)
-        self.asked_config = config
-        #: the config this run starts from: the one given, or the schedule's default
-        self.config = asked(config, schedule)
-        self.sequential, self.recompute = sequential, recompute
-        self.module_name = module if module is not None else sequential
-        self.split_points = None if split_points is None else list(split_points)
-        self.dynamic_shapes = dynamic_shapes
-        #: ``torch.compile``'s options for each stage (None: not compiled unless the user's
-        #: module was)
-        self.compile = compile_options(compile)
-        #: how each microbatch's loss is weighted in its minibatch's (see the argument)
-        self.microbatch_weights = microbatch_weights
+        #: the arguments as given: what the runner builds from
+        self.options = PipelineOptions(
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            balance=balance if isinstance(balance, str) else list(balance),
+            config=config,
+            module=module if module is not None else sequential,
+            split_points=None if split_points is None else list(split_points),
+            dynamic_shapes=dynamic_shapes,
+            recompute=recompute,
+            compile=compile_options(compile),
+            microbatch_weights=microbatch_weights,
+            stall_timeout=float(stall_timeout),
+            heartbeat_timeout=None if heartbeat_timeout is None else float(heartbeat_timeout),
+        )
         self._start_method, self._timeout = start_method, timeout
-        self.stall_timeout = float(stall_timeout)
-        self.heartbeat_timeout = None if heartbeat_timeout is None else float(heartbeat_timeout)
         self._num_nodes = 1
         self._failed = False
         self._divergence_delegated = False
         self._runner = PipelineRunner(
-            self, self._lightning, self._write_file, self._remove_file, self._end_launched
+            self.options, self._package, self._write_file, self._remove_file, self._end_launched
         )
+
+    # -- the arguments, as given -----------------------------------------------------------------
+
+    @property
+    def stages(self) -> int | None:
+        """P as given (None: one per process, or in one process one per layer)."""
+        return self.options.stages
+
+    @property
+    def schedule(self) -> str:
+        return self.options.schedule
+
+    @property
+    def asked_config(self) -> PipeMareConfig | None:
+        """The corrections as given (None: the schedule's default), resolved for the run when
+        the pipeline is built (:attr:`settings`)."""
+        return self.options.config
+
+    @property
+    def recompute(self) -> bool:
+        return self.options.recompute
 
     # -- where this process sits: Lightning's properties ---------------------------------------
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
@@ -261,6 +297,7 @@ class PipeMareStrategy(ParallelStrategy):
         return self.distributed
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, int]:
         """How Lightning's sampler splits the data: by copy of the pipeline, not by process."""
         # every stage of a copy of the pipeline sees the same batches; the copies split them
@@ -269,15 +306,16 @@ class PipeMareStrategy(ParallelStrategy):
         layout = self.rank_layout
         return {"num_replicas": layout.replicas, "rank": layout.position(self.global_rank)[0]}
 
-    # -- the pipeline's shape ------------------------------------------------------------------
+    # -- the pipeline's shape: what was given or, once built, decided --------------------------
 
     @property
     def num_stages(self) -> int | None:
-        """P: given, or one per process; None in one process until the model is cut."""
-        world = self.num_processes * self.num_nodes
+        """P: given, or one per process; in one process without ``stages``, the Sequential's
+        layer count once the model is cut (None before)."""
         if self.distributed:
+            world = self.num_processes * self.num_nodes
             return self.stages if self.stages is not None else world
-        return self.stages
+        return self.stages if self.stages is not None else self._runner.stages
 
     @property
     def rank_layout(self) -> RankLayout:
@@ -293,34 +331,26 @@ class PipeMareStrategy(ParallelStrategy):
         return self.rank_layout.replicas if self.distributed else 1
 
     @property
-    def microbatches(self) -> int:
-        """N: as asked, or where ``"auto"`` the choice made when the pipeline was built (before
-        then, the choice for P as far as it is known)."""
-        if self._runner.microbatches is not None:
-            return self._runner.microbatches
-        if isinstance(self.asked_microbatches, int):
-            return self.asked_microbatches
-        return auto_microbatches(self.schedule, self._runner.known_stages or 1)[0]
+    def microbatches(self) -> int | None:
+        """N: as given, or for ``"auto"`` as decided at the first batch (None before)."""
+        return self._runner.microbatches
 
     @property
-    def delays(self) -> tuple[StageDelay, ...]:
-        """Every stage's delays, derived from the schedule (see :func:`pipemare.derive_delays`)."""
-        p = self._runner.known_stages
-        if p is None:
-            raise RuntimeError(
-                "the number of stages is known once the Trainer set the strategy up; pass stages=P"
-            )
-        return derive_delays(self.schedule, p, self.microbatches)
+    def delays(self) -> tuple[StageDelay, ...] | None:
+        """Every stage's delays, derived from the schedule (see :func:`pipemare.derive_delays`);
+        None until P and N are known."""
+        return self._runner.delays
 
     @property
-    def lag(self) -> int:
-        """Steps by which a training step's reported loss and logs trail its own minibatch."""
-        return result_lag(self.schedule, self._runner.known_stages or 1, self.microbatches)
+    def lag(self) -> int | None:
+        """Steps by which a training step's reported loss and logs trail its own minibatch;
+        None until P and N are known."""
+        return self._runner.lag
 
     @property
-    def balance(self) -> Sequence[int] | str:
-        """Layers per stage as asked; once the pipeline is built, the cut it chose (a list)."""
-        return self._runner.cut if self._runner.cut is not None else self._balance
+    def balance(self) -> list[int] | None:
+        """Layers per stage, as the pipeline was cut (None before the first batch cut it)."""
+        return self._runner.cut
 
     @property
     def pipeline(self) -> Pipeline | None:
@@ -351,6 +381,7 @@ class PipeMareStrategy(ParallelStrategy):
 
     # -- launch: one process per stage ---------------------------------------------------------
 
+    @override
     def _configure_launcher(self) -> None:
         """Lightning's launcher for one process per stage, or none when every stage runs here.
 
@@ -359,19 +390,22 @@ class PipeMareStrategy(ParallelStrategy):
         the other methods use :mod:`torch.multiprocessing`.
         """
         checks.check_layout(self.stages, self.num_processes, self.num_nodes)
-        checks.check_precision(self._lightning, self.precision_plugin)
-        api = self._lightning
+        checks.check_precision(self._package, self.precision_plugin)
+        package = self._package
         if not self.distributed:
             self._launcher = None
         elif self._start_method == "popen":
-            self._launcher = api.SubprocessScriptLauncher(
+            assert self.cluster_environment is not None
+            launcher = package.script_launcher(
                 self.cluster_environment, self.num_processes, self.num_nodes
             )
+            self._launcher = cast("_Launcher", launcher)  # the package's own launcher class
         else:
-            self._launcher = api.MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = package.spawn_launcher(self, start_method=self._start_method)
 
+    @override
     def setup_environment(self) -> None:
-        self._lightning.ParallelStrategy.setup_environment(self)
+        super().setup_environment()
         if self.distributed:
             self._connect()
 
@@ -382,47 +416,65 @@ class PipeMareStrategy(ParallelStrategy):
             env.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             env.set_world_size(self.num_nodes * self.num_processes)
         # loggers write from rank 0 only, whichever package's decorator guards them
-        self._lightning.rank_zero_only.rank = self.global_rank
-        pl.utilities.rank_zero.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        for package in (PYTORCH_LIGHTNING, LIGHTNING):
+            if package is not None:
+                package.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _connect(self) -> None:
         """Seed, set the ranks and join the default process group (gloo on CPU, NCCL on CUDA)."""
-        api = self._lightning
-        api.reset_seed()
+        reset_seed()
         self.set_world_ranks()
-        backend = api.backend_for_device(self.root_device)
-        api.init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        backend = _get_default_process_group_backend_for_device(self.root_device)
+        assert self.cluster_environment is not None, "Lightning gives a strategy its environment"
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         destroy_at_exit()
         if restarts_share_the_store():
-            api.rank_zero_warn(
+            self._package.rank_zero_warn(
                 "pipemare: torchrun may restart this job (--max-restarts), and its workers share "
                 "the agent's store, which keeps the first attempt's addresses: a restart's gloo "
                 "setup then often fails connecting to the dead processes (pytorch/pytorch#135712)."
                 " Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment."
             )
 
-    # -- setup (the pipeline itself is built at the first batch: timing the layers needs one) --
+    # -- setup: this process's place, decided; the pipeline is built at the first batch ---------
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._failed = False
-        checks.check_precision(self._lightning, self.precision_plugin)
+        checks.check_precision(self._package, self.precision_plugin)
         module = self.lightning_module
         assert module is not None, "the strategy has no LightningModule yet"
         checks.check_trainer(module, trainer)
-        self._runner.setup(module)
-        stages = self._runner.stages_for_checks()
+        self._runner.setup(module, self._placement(), self.precision_plugin.forward_context)
         with checks.one_optimizer():
-            self._lightning.ParallelStrategy.setup(self, trainer)
-        if self._runner.fitting and self.optimizers:
-            optimizer = stepped(self.optimizers)
-            checks.check_optimizer(
-                optimizer, self.schedule, stages, self.microbatches, self.asked_config
-            )
+            super().setup(trainer)
+        self._runner.attach_optimizers(self.optimizers)
+        if self._runner.fitting:
+            self._runner.check_optimizer()
         if self.distributed and dist.is_initialized():
-            watchdog = lambda: getattr(getattr(self.pipeline, "transport", None), "watchdog", None)  # noqa: E731
-            SigtermRelay(trainer, self._lightning, self.stall_timeout, watchdog).install()
+            relay = SigtermRelay(
+                trainer, self._package.sigterm, self.options.stall_timeout, self._watchdog
+            )
+            relay.install()
         checks.ignore_moot_warnings()
 
+    def _watchdog(self) -> Watchdog | None:
+        """The pipeline's watchdog over the other processes, once there is a pipeline."""
+        transport = self.pipeline.transport if self.pipeline is not None else None
+        return transport.watchdog if isinstance(transport, DistributedTransport) else None
+
+    def _placement(self) -> Placement:
+        """Where this process sits in the run, as the runner needs it."""
+        return Placement(
+            distributed=self.distributed,
+            stages=self.num_stages,
+            layout=self.rank_layout if self.distributed else None,
+            global_rank=self.global_rank,
+            device=self.root_device,
+            broadcast=self.broadcast,
+        )
+
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
@@ -439,17 +491,22 @@ class PipeMareStrategy(ParallelStrategy):
 
     # -- Lightning's step hooks -----------------------------------------------------------------
 
-    def training_step(self, batch: Any, batch_idx: int, *args: Any) -> torch.Tensor:
-        loss = self._runner.train(batch, (batch_idx, *args), monitored=self._divergence_delegated)
-        if self.lag:
-            self._runner.module.log("lag", float(self.lag), prog_bar=True, logger=False)
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        batch, batch_idx, *rest = args
+        loss = self._runner.train(batch, (batch_idx, *rest), monitored=self._divergence_delegated)
+        lag = self._runner.lag
+        if lag:
+            self._runner.module.log("lag", float(lag), prog_bar=True, logger=False)
         return torch.tensor(loss, device=self.root_device)
 
+    @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         return closure_loss  # the pipeline ran every backward pass inside training_step
 
+    @override
     def optimizer_step(
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
@@ -458,74 +515,98 @@ class PipeMareStrategy(ParallelStrategy):
         self._runner.restore_grads()
         return result
 
-    def validation_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._runner.evaluate("validation_step", batch, batch_idx, args)
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, batch_idx, *rest = args
+        return self._runner.evaluate("validation_step", batch, batch_idx, tuple(rest))
 
-    def test_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._runner.evaluate("test_step", batch, batch_idx, args)
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, batch_idx, *rest = args
+        return self._runner.evaluate("test_step", batch, batch_idx, tuple(rest))
 
-    def predict_step(self, batch: Any, batch_idx: int, *args: Any) -> Any:
-        return self._runner.evaluate("predict_step", batch, batch_idx, args)
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        batch, batch_idx, *rest = args
+        return self._runner.evaluate("predict_step", batch, batch_idx, tuple(rest))
 
     # -- starts and ends of loops: drain before evaluating, consolidate after a run -------------
 
+    @override
     def on_validation_start(self) -> None:
+        super().on_validation_start()
         self._runner.drain()
 
+    @override
     def on_test_start(self) -> None:
+        super().on_test_start()
         self._runner.drain()
 
+    @override
     def on_predict_start(self) -> None:
+        super().on_predict_start()
         self._runner.drain()
 
+    @override
     def on_train_end(self) -> None:
+        super().on_train_end()
         self._runner.finish_training()
         self._runner.consolidate()
 
+    @override
     def on_validation_end(self) -> None:
+        super().on_validation_end()
         if not self._runner.fitting:  # validation inside fit keeps the pipeline
             self._runner.consolidate()
 
+    @override
     def on_test_end(self) -> None:
+        super().on_test_end()
         self._runner.consolidate()
 
+    @override
     def on_predict_end(self) -> None:
+        super().on_predict_end()
         self._runner.consolidate()
 
     # -- checkpoints: the whole model, collected without draining ---------------------------------
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The whole model; during training the state each stage has once the step's
         minibatch has reached it, collected without draining
         (:mod:`~pipemare.lightning.checkpoint`)."""
         return self._runner.module_state()
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
         return self._runner.optimizer_state(optimizer)
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
     ) -> None:
         self._runner.save(checkpoint, filepath, storage_options)
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         self._runner.saves.remove(filepath)
 
     def _write_file(self, checkpoint: dict[str, Any], filepath: Any, options: Any) -> None:
-        self._lightning.ParallelStrategy.save_checkpoint(
-            self, checkpoint, filepath, storage_options=options
-        )
+        super().save_checkpoint(checkpoint, filepath, storage_options=options)
 
     def _remove_file(self, filepath: Any) -> None:
-        self._lightning.ParallelStrategy.remove_checkpoint(self, filepath)
+        super().remove_checkpoint(filepath)
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Lightning's, noting how the checkpoint's run was laid out and corrected, which
         validate, test and predict report (they restore no optimiser state)."""
         self._runner.note_trained(checkpoint)
-        self._lightning.ParallelStrategy.load_model_state_dict(self, checkpoint, strict=strict)
+        super().load_model_state_dict(checkpoint, strict=strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Restore the user's optimisers and pipemare's state (corrections, the run's settings,
         each stage's random stream) from a checkpoint; applied when the pipeline is built."""
@@ -533,10 +614,12 @@ class PipeMareStrategy(ParallelStrategy):
 
     # -- collectives (identity in one process) ----------------------------------------------------
 
+    @override
     def barrier(self, name: str | None = None) -> None:
         if self.distributed and dist.is_initialized():
             dist.barrier()
 
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         if not (self.distributed and dist.is_initialized()):
             return obj
@@ -544,19 +627,22 @@ class PipeMareStrategy(ParallelStrategy):
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    @override
     def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
         if isinstance(tensor, torch.Tensor) and self.distributed:
-            return self._lightning.sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # -- the end: an error, then teardown ---------------------------------------------------------
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
         self._failed = True
         # this process is failing: no report from its heartbeat now, and its silence tells the
         # others (no "finished" is posted)
         Heartbeat.finish_current(False, f"{type(exception).__name__}: {exception}")
-        self._runner.saves.abandon(warn=self._lightning.rank_zero_warn)
+        self._runner.saves.abandon(warn=self._package.rank_zero_warn)
         self._end_launched(exception)
 
     def _end_launched(self, error: BaseException | None = None) -> None:
@@ -568,11 +654,12 @@ class PipeMareStrategy(ParallelStrategy):
         ``error`` is printed first: Lightning's launcher ends this process within seconds of a
         child's failed exit, which can come before this process's traceback is printed."""
         launcher = getattr(self, "_launcher", None)
-        if isinstance(launcher, self._lightning.SubprocessScriptLauncher) and launcher.procs:
+        if isinstance(launcher, self._package.script_launcher) and launcher.procs:
             if error is not None:
                 announce(error)
             launcher.kill(signal.SIGKILL)
 
+    @override
     def teardown(self) -> None:
         self._runner.restore_grads()
         if not self._failed:  # a normal end: the other processes stop watching this one
@@ -590,9 +677,10 @@ class PipeMareStrategy(ParallelStrategy):
                 if part is not None:
                     part.teardown()
             return
-        self._lightning.ParallelStrategy.teardown(self)
+        super().teardown()
 
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register pipemare's names in Lightning's strategy registry (Lightning calls this
         for each strategy class); a name already there is kept."""
@@ -601,29 +689,30 @@ class PipeMareStrategy(ParallelStrategy):
                 strategy_registry.register(name, cls, description=description, **params)
 
 
+class PipeMareStrategy(PipeMareStrategyMixin, ParallelStrategy):
+    __doc__ = PipeMareStrategyMixin.__doc__
+    _package = PYTORCH_LIGHTNING
+
+
 #: :class:`PipeMareStrategy` for ``lightning.pytorch``; None where that package is absent.
-LightningPipeMareStrategy: Any = None
+LightningPipeMareStrategy: type[PipeMareStrategyMixin] | None = None
 
 if importlib.util.find_spec("lightning") is not None:
     from lightning.pytorch.strategies import ParallelStrategy as _LightningParallelStrategy
 
-    class LightningPipeMareStrategy(_LightningParallelStrategy):  # type: ignore[no-redef]
-        """:class:`PipeMareStrategy` for ``lightning.pytorch``: the same members over that
+    class _LightningPipeMareStrategy(PipeMareStrategyMixin, _LightningParallelStrategy):  # type: ignore[misc]
+        """:class:`PipeMareStrategy` for ``lightning.pytorch``: the same mixin over that
         package's ``ParallelStrategy`` (Lightning's two packages have separate base classes
-        and registries, and a class cannot derive from both)."""
+        and registries, and a class cannot derive from both). The ignore: mypy sees the
+        mixin typed over ``pytorch_lightning``'s base, whose signatures name that package's
+        Trainer and plugins; at run time the mixin's ``super()`` is this package's base."""
 
-        # PipeMareStrategy's members, as written there: they reach Lightning's own
-        # implementation through ``self._lightning.ParallelStrategy``, this package's
-        vars().update(
-            {
-                k: v
-                for k, v in vars(PipeMareStrategy).items()
-                if k not in ("__module__", "__qualname__", "__doc__", "__dict__", "__weakref__")
-                and not k.startswith("_abc")
-                and k != "__abstractmethods__"
-            }
-        )
-        _lightning = LightningAPI("lightning.pytorch")
+        _package = LIGHTNING  # type: ignore[assignment]
+
+    _LightningPipeMareStrategy.__name__ = _LightningPipeMareStrategy.__qualname__ = (
+        "LightningPipeMareStrategy"
+    )
+    LightningPipeMareStrategy = _LightningPipeMareStrategy
 
 
 def register() -> None:

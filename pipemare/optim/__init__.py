@@ -11,7 +11,7 @@ from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.muon import MuonAdamW, muon_param_groups
 from pipemare.optim.optimizer import PipeMareOptimizer
 from pipemare.optim.rotated import RotatedAdamW, rotated_param_groups
-from pipemare.optim.settings import RunSettings, auto_microbatches, resolve
+from pipemare.optim.settings import RunSettings, resolve
 
 __all__ = [
     "ChainedOptimizer",
@@ -20,7 +20,6 @@ __all__ = [
     "PipeMareOptimizer",
     "RotatedAdamW",
     "RunSettings",
-    "auto_microbatches",
     "muon_param_groups",
     "resolve",
     "rotated_param_groups",

@@ -18,14 +18,13 @@ The defaults and their measurements:
   :data:`FALLBACK_HORIZON` steps where the run's length is unknown;
 - delay-aware momentum up to :data:`AUTO_DELAY_MOMENTUM` (Ajanthan et al., ICML 2025), off for
   Muon (measured better off), without momentum and where summed and averaged momenta mix;
-- spike compensation where the optimiser is one it supports (:func:`spike.unsupported`);
+- spike compensation where the optimiser is one it supports (:func:`~pipemare.optim.corrections.spike.unsupported`);
 - weight prediction unless T2, local accumulation or a stashing schedule excludes it, or the
   optimiser is SGD without momentum (where it narrows the stable step range);
 - local accumulation (one update crossed) for SGD without momentum only.
 
-The layout's one default decided here, :func:`auto_microbatches` (``microbatches="auto"``, the
-strategy's default): N = P on a schedule that never flushes, so that no stage's weights are a
-whole update late on average, as few as the batch allows.
+The layout (P, N, the cut) is decided before, by :func:`pipemare.planner.decide.decide`, which
+calls this function for the corrections.
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ from pipemare.optim.corrections.base import (
     momentum_is_average,
 )
 from pipemare.optim.corrections.spike import unsupported
-from pipemare.optim.expectations import expectation
 from pipemare.schedule.actions import spec
 from pipemare.schedule.delay import StageDelay, derive_delays
 
@@ -69,7 +67,6 @@ __all__ = [
     "Decision",
     "RunSettings",
     "asked",
-    "auto_microbatches",
     "check_for_schedule",
     "resolve",
 ]
@@ -362,48 +359,6 @@ def check_for_schedule(config: PipeMareConfig, schedule: str) -> None:
         )
 
 
-def auto_microbatches(schedule: str, stages: int, rows: int | None = None) -> tuple[int, Decision]:
-    """``microbatches="auto"``: N for ``schedule`` at P = ``stages``, with the decision's reason.
-
-    On a schedule that never flushes, stage ``i`` runs a microbatch on weights
-    ``ceil((P - 1 - i - r)/N)`` updates old (:mod:`pipemare.schedule.delay`); N = P is the
-    smallest N that keeps every stage's mean delay, ``(P - 1 - i)/N``, under one update and none
-    above one. N = 1 is the worst measured default (issue 40: a GPT at P = 2 and N = 1 ends
-    +17% over one device, +2.8% at N = 2; docs/results.md). ``rows``, the samples of the run's first
-    batch, caps N: every microbatch keeps a sample (a smaller last batch does not: copies of
-    weight 0 fill its slots, :func:`~pipemare.engine.microbatch.scatter_filled`).
-    A flushing schedule has no delay to bound and keeps N = 1 (pass ``microbatches`` to shrink
-    its bubble, ``(P - 1)/(N + P - 1)``).
-
-    Example:
-        >>> auto_microbatches("pipemare", 4)[0], auto_microbatches("pipemare", 8, rows=6)[0]
-        (4, 6)
-        >>> auto_microbatches("1f1b", 4)[1].choice
-        'N=1'
-    """
-    if spec(schedule).flushes:
-        why = (
-            "a flushing schedule has no delay to bound; pass microbatches=N to shrink its "
-            "bubble (P-1)/(N+P-1)"
-        )
-        return 1, Decision("microbatches", "N=1", why)
-    if stages <= 1:
-        return 1, Decision("microbatches", "N=1", "one stage: no delay")
-    n = stages if rows is None else max(1, min(stages, rows))
-    late = (stages - 1) / n
-    why = (
-        f"N = P: the first stage's weights {late:.2g} update(s) late on average, none more than "
-        "one; N = 1 would make them P - 1 updates late"
-    )
-    if n < stages:
-        why = (
-            f"as many as the smallest batch's {rows} sample(s) allow (N = P = {stages} keeps "
-            f"every delay under one update): the first stage's weights {late:.2g} updates late "
-            "on average"
-        )
-    return n, Decision("microbatches", f"N={n}", why)
-
-
 class _Resolution:
     """The decisions of one :func:`resolve` call, gathered as they are taken."""
 
@@ -646,10 +601,6 @@ def resolve(
     _local_accumulation(r)
     if config.stability_guard:  # its before_step sets the strength the others read after it
         r.run("stability_guard", config.warmup_steps, threshold=config.guard_threshold)
-    if schedule == "pipemare" and microbatches == auto_microbatches(schedule, len(delays))[0]:
-        expected = expectation(optimizer, len(delays))  # measured at the default layout only
-        if expected is not None:
-            r.decide("what to expect", expected, "measured at this layout's default")
     return RunSettings(
         schedule=schedule,
         stages=len(delays),

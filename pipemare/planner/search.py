@@ -300,15 +300,56 @@ def auto_balance(
         rounds=rounds,
         forward_context=forward_context,
     )
-    layers, input_bytes = prof.at(prof.sizes[0])
+    return best_cut(
+        prof,
+        stages,
+        microbatches,
+        schedule,
+        memory_limit_bytes=memory_limit_bytes,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        tolerance=tolerance,
+    )
+
+
+def best_cut(
+    prof: Profile,
+    stages: int,
+    microbatches: int,
+    schedule: str = "pipemare",
+    microbatch_size: int | None = None,
+    *,
+    memory_limit_bytes: int | None = None,
+    bandwidth_bytes_per_s: float | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> list[int]:
+    """The planner's cut of profiled layers for a fixed P and N (no measuring: see
+    :func:`auto_balance`).
+
+    Args:
+        prof: the layers' profile (:func:`profile`).
+        stages: P.
+        microbatches: N.
+        schedule: the schedule that will run.
+        microbatch_size: rows of a microbatch (default: the profile's first size).
+        memory_limit_bytes: per device; None: no limit.
+        bandwidth_bytes_per_s: of the links between stages; None: free.
+        tolerance: cuts within this fraction of the fastest count as ties (see :func:`plan`).
+
+    Raises:
+        ValueError: no cut fits the memory limit.
+    """
+    if stages == 1:
+        return [prof.num_layers]
+    size = prof.sizes[0] if microbatch_size is None else microbatch_size
+    layers, input_bytes = prof.at(size)
     costs = _Costs(layers, input_bytes, prof, microbatches, 1, bandwidth_bytes_per_s)
-    best = _best_layout(costs, schedule, stages, memory_limit_bytes, tolerance, 1, prof.sizes[0])
+    best = _best_layout(costs, schedule, stages, memory_limit_bytes, tolerance, 1, size)
     if best is None:
         assert memory_limit_bytes is not None
         need, _ = _least_memory(costs, schedule, stages)
         raise ValueError(
-            f"no cut of {len(seq)} layers into {stages} stages fits {_size(memory_limit_bytes)} "
-            f"per device: the leanest needs {_size(need)} on its fullest stage; raise the "
-            "limit, use more stages or more, smaller microbatches"
+            f"no cut of {prof.num_layers} layers into {stages} stages fits "
+            f"{_size(memory_limit_bytes)} per device: the leanest needs {_size(need)} on its "
+            "fullest stage; raise the limit, use more stages or more, smaller microbatches"
         )
     return list(best.balance)

@@ -72,7 +72,7 @@ def test_a_config_field_can_be_overridden(tmp_path, monkeypatch):
         run=False,
     )
     assert cli.trainer.strategy.schedule == "pipedream"
-    assert cli.trainer.strategy.config.warmup_steps == 7
+    assert cli.trainer.strategy.asked_config.warmup_steps == 7
 
 
 def _stand_in_times(config):

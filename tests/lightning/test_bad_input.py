@@ -149,8 +149,10 @@ def test_bad_strategy_arguments_are_refused_when_it_is_built(kwargs, error, mess
 
 def test_good_strategy_arguments_pass():
     s = PipeMareStrategy(stages=2, balance=(3, 2), timeout=datetime.timedelta(seconds=5))
-    assert s.balance == (3, 2) and s.stall_timeout == 300.0 and s.heartbeat_timeout == 30.0
-    assert PipeMareStrategy(heartbeat_timeout=None).heartbeat_timeout is None
+    o = s.options  # the arguments as given; s.balance is the cut, once made
+    assert o.balance == [3, 2] and o.stall_timeout == 300.0 and o.heartbeat_timeout == 30.0
+    assert s.balance is None
+    assert PipeMareStrategy(heartbeat_timeout=None).options.heartbeat_timeout is None
 
 
 @pytest.mark.parametrize(

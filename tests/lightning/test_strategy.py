@@ -446,7 +446,9 @@ def test_default_microbatches_bound_the_delay_and_fit_the_last_batch(caplog):
     """With microbatches left out, a schedule that never flushes runs N = P, said with its
     reason; a batch size below P caps N, a last batch below P does not; gpipe keeps N = 1."""
     strategy = PipeMareStrategy(stages=4)
-    assert strategy.microbatches == 4  # before the pipeline is built: the choice for P
+    # before the first batch, "auto" is not yet a number: nothing exposed is a guess
+    assert strategy.microbatches is None and strategy.delays is None and strategy.lag is None
+    assert strategy.balance is None
     trainer(strategy, max_steps=3, enable_progress_bar=False).fit(Tiny(), tiny_data(n=96))
     assert strategy.microbatches == strategy.pipeline.microbatches == 4
     assert max(d.forward_max for d in strategy.delays) == 1

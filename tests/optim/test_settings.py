@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from pipemare import Pipeline, PipeMareConfig
-from pipemare.optim.settings import Decision, RunSettings, auto_microbatches, resolve
+from pipemare.optim.settings import Decision, RunSettings, resolve
+from pipemare.planner.decide import auto_microbatches
 from pipemare.schedule.delay import derive_delays
 
 

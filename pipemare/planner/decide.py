@@ -1,0 +1,460 @@
+"""The one decision point: what a pipelined run does and why, from plain facts.
+
+The strategy stores what the user asked (:class:`PipelineOptions`); at the first batch its
+runner measures and reads what the run is made of (:class:`RunFacts`: the layers' times at the
+microbatch sizes the candidate layouts would run, the planner's profile, the first batch's
+rows, the model's kind, the optimiser, the process layout, the run's length) and hands both
+to :func:`decide`, which needs no model, Trainer or process group. It returns one frozen
+:class:`RunPlan`: P, N, the cut, compilation, how microbatch losses are weighted and the run's
+settings (:class:`~pipemare.optim.settings.RunSettings`: the corrections, T1's horizon and every
+decision with its reason), printed at the run's start and stored in its checkpoints. The
+runner executes it and decides nothing.
+
+Every layout default lives here:
+
+- P: given, one per process, or in one process one per layer;
+- N (``microbatches="auto"``): :func:`auto_microbatches`;
+- the cut: as the checkpointed run cut it, given, even, by parameters, by measured time
+  (:data:`~pipemare.model.partition.TIME_TOLERANCE`) or the planner's
+  (:func:`~pipemare.planner.search.best_cut`);
+- the microbatches' weights: a Hugging Face model's label tokens, else rows;
+- the calls of a module cut into segments (the key/value cache switched off);
+- a last batch smaller than N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pipemare.engine.microbatch import check_splits, token_shares
+from pipemare.model import partition
+from pipemare.optim.config import PipeMareConfig
+from pipemare.optim.settings import Decision, RunSettings, resolve
+from pipemare.planner.measurements import Profile
+from pipemare.planner.search import best_cut
+from pipemare.schedule.actions import spec
+
+__all__ = [
+    "ModelFacts",
+    "PipelineOptions",
+    "RunFacts",
+    "RunPlan",
+    "auto_microbatches",
+    "decide",
+    "measurements_needed",
+    "microbatches_to_measure",
+]
+
+#: how each microbatch's loss is weighted: a function from the microbatches to their shares
+Weights = Callable[[list[Any]], list[float]]
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """The strategy's arguments as given (see :class:`~pipemare.PipeMareStrategy`):
+    ``"auto"`` and None still mean "decide at the first batch"."""
+
+    stages: int | None = None
+    microbatches: int | str = "auto"
+    schedule: str = "pipemare"
+    balance: list[int] | str = "time"
+    config: PipeMareConfig | None = None
+    module: str | None = None
+    split_points: list[str] | None = None
+    dynamic_shapes: str = "auto"
+    recompute: bool = False
+    #: ``torch.compile``'s options for each stage (None: not compiled unless the user's
+    #: module was)
+    compile: dict[str, Any] | None = None
+    microbatch_weights: str | Weights = "auto"
+    stall_timeout: float = 300.0
+    heartbeat_timeout: float | None = 30.0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the pipelined model is, as far as the decisions need it.
+
+    Attributes:
+        what: its name in messages (``"Net.layers"``, ``"GPT2LMHeadModel"``).
+        layers: layers of the Sequential the pipeline cuts (segments, for a traced module).
+        traced_seconds: for a module that is not a Sequential, how long tracing and cutting it
+            into segments took; None for a Sequential.
+        cache_switched: its segments' calls get ``use_cache=False``.
+        config_use_cache: its config's own ``use_cache``, kept as it is (None: no such field).
+        label_shift: for a Hugging Face model, how its loss shifts the labels (1: a causal LM,
+            0: other); None for other models.
+        user_compiled: how the user compiled it (``"torch.compile"``, ``"compile()"``), or None.
+        layer_params: parameters of each layer, for ``balance="params"``.
+    """
+
+    what: str
+    layers: int
+    traced_seconds: float | None = None
+    cache_switched: bool = False
+    config_use_cache: bool | None = None
+    label_shift: int | None = None
+    user_compiled: str | None = None
+    layer_params: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunFacts:
+    """What was measured or read before the pipeline is built: plain values only.
+
+    Attributes:
+        model: what the pipelined model is.
+        rows: samples in the first batch.
+        process_stages: P where the processes fix it (one stage per process, or ``stages``
+            given with several processes); None in one process.
+        replicas: D, data-parallel copies of the pipeline.
+        layer_times: seconds of each layer's forward and backward, keyed by the microbatch's
+            rows they were measured at (:func:`microbatches_to_measure`), for
+            ``balance="time"``.
+        profile: the planner's profile of the layers, for ``balance="auto"``.
+        checkpointed: the layout of the run a checkpoint continues (``stages``, ``balance``).
+        optimizer: the user's optimiser (its parameter groups decide the corrections' "auto"
+            settings); None where there is none (evaluation).
+        total_steps: the run's optimiser steps, where known.
+        steps_per_epoch: optimiser steps per epoch, where known.
+        short_last_batches: ``(last, samples, batch size)`` of each training loader whose last
+            batch is smaller than the others.
+        fitting: whether the run trains (evaluation applies no corrections).
+        previous: ``(stages, microbatches, balance)`` of this run's earlier pipeline (a rebuild
+            after fit, for test, runs the same layout); None at the first build.
+    """
+
+    model: ModelFacts
+    rows: int
+    process_stages: int | None = None
+    replicas: int = 1
+    layer_times: Mapping[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    profile: Profile | None = None
+    checkpointed: Mapping[str, Any] | None = None
+    optimizer: torch.optim.Optimizer | None = None
+    total_steps: int | None = None
+    steps_per_epoch: int | None = None
+    short_last_batches: tuple[tuple[int, int, int], ...] = ()
+    fitting: bool = True
+    previous: tuple[int, int, tuple[int, ...]] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What the run does, decided once by :func:`decide`.
+
+    Attributes:
+        stages: P.
+        microbatches: N.
+        balance: layers per stage.
+        compile: ``torch.compile``'s options for each stage, or None (not compiled).
+        weights: each microbatch's share of its batch's loss (None: by rows).
+        settings: the schedule, layout and corrections with every decision and its reason.
+    """
+
+    stages: int
+    microbatches: int
+    balance: tuple[int, ...]
+    compile: dict[str, Any] | None
+    weights: Weights | None
+    settings: RunSettings
+
+    @property
+    def decisions(self) -> tuple[Decision, ...]:
+        return self.settings.decisions
+
+
+def auto_microbatches(schedule: str, stages: int, rows: int | None = None) -> tuple[int, Decision]:
+    """``microbatches="auto"``: N for ``schedule`` at P = ``stages``, with the decision's reason.
+
+    On a schedule that never flushes, stage ``i`` runs a microbatch on weights
+    ``ceil((P - 1 - i - r)/N)`` updates old (:mod:`pipemare.schedule.delay`); N = P is the
+    smallest N that keeps every stage's mean delay, ``(P - 1 - i)/N``, under one update and none
+    above one. N = 1 is the worst measured default (issue 40: a GPT at P = 2 and N = 1 ends
+    +17% over one device, +2.8% at N = 2; docs/results.md). ``rows``, the samples of the run's
+    first batch, caps N: every microbatch keeps a sample (a smaller last batch does not: copies
+    of weight 0 fill its slots, :func:`~pipemare.engine.microbatch.scatter_filled`).
+    A flushing schedule has no delay to bound and keeps N = 1 (pass ``microbatches`` to shrink
+    its bubble, ``(P - 1)/(N + P - 1)``).
+
+    Example:
+        >>> auto_microbatches("pipemare", 4)[0], auto_microbatches("pipemare", 8, rows=6)[0]
+        (4, 6)
+        >>> auto_microbatches("1f1b", 4)[1].choice
+        'N=1'
+    """
+    if spec(schedule).flushes:
+        why = (
+            "a flushing schedule has no delay to bound; pass microbatches=N to shrink its "
+            "bubble (P-1)/(N+P-1)"
+        )
+        return 1, Decision("microbatches", "N=1", why)
+    if stages <= 1:
+        return 1, Decision("microbatches", "N=1", "one stage: no delay")
+    n = stages if rows is None else max(1, min(stages, rows))
+    late = (stages - 1) / n
+    why = (
+        f"N = P: the first stage's weights {late:.2g} update(s) late on average, none more than "
+        "one; N = 1 would make them P - 1 updates late"
+    )
+    if n < stages:
+        why = (
+            f"as many as the smallest batch's {rows} sample(s) allow (N = P = {stages} keeps "
+            f"every delay under one update): the first stage's weights {late:.2g} updates late "
+            "on average"
+        )
+    return n, Decision("microbatches", f"N={n}", why)
+
+
+def _stages(options: PipelineOptions, facts: RunFacts) -> tuple[int, list[Decision]]:
+    """P, and how it was chosen where the user left it open."""
+    if facts.process_stages is not None:
+        stages = facts.process_stages
+    elif options.stages is not None:
+        stages = options.stages
+    else:
+        stages = facts.model.layers
+    if options.stages is not None:
+        return stages, []
+    per = "process" if facts.process_stages is not None else "layer of the pipelined model"
+    return stages, [Decision("stages", f"P={stages}", f"one per {per}")]
+
+
+def _microbatches(
+    options: PipelineOptions, stages: int, rows: int, previous: tuple[int, int, Any] | None = None
+) -> tuple[int, list[Decision]]:
+    """N: as given, as this run's earlier pipeline ran it, or ``"auto"`` chosen for P and the
+    first batch."""
+    if previous is not None:
+        return previous[1], []
+    if isinstance(options.microbatches, int):
+        return options.microbatches, []
+    n, decision = auto_microbatches(options.schedule, stages, rows)
+    return n, [decision]
+
+
+def microbatches_to_measure(options: PipelineOptions, stages: int, rows: int) -> tuple[int, ...]:
+    """The N of each candidate layout, whose first microbatch the layers are timed on (the
+    runner measures there and passes the times as :attr:`RunFacts.layer_times`).
+
+    Example:
+        >>> microbatches_to_measure(PipelineOptions(), stages=4, rows=32)
+        (4,)
+    """
+    return (_microbatches(options, stages, rows)[0],)
+
+
+def measurements_needed(
+    options: PipelineOptions, facts: RunFacts
+) -> tuple[str, tuple[int, ...]] | None:
+    """What the runner must measure before :func:`decide` can cut the layers: ``("time",
+    Ns)`` the layers' times on the first microbatch at each N, ``("auto", Ns)`` the planner's
+    profile there; None where the cut needs no measurement (given, even, by parameters, one
+    layer per stage, or as an earlier pipeline or the checkpointed run cut it).
+
+    Example:
+        >>> facts = RunFacts(ModelFacts("Net.layers", layers=6), rows=32)
+        >>> measurements_needed(PipelineOptions(stages=2), facts)
+        ('time', (2,))
+        >>> measurements_needed(PipelineOptions(stages=2, balance="even"), facts) is None
+        True
+    """
+    stages, _ = _stages(options, facts)
+    balance, saved = options.balance, facts.checkpointed
+    if facts.previous is not None or not isinstance(balance, str):
+        return None
+    if (saved and saved["stages"] == stages) or stages == facts.model.layers:
+        return None
+    if balance not in ("time", "auto"):
+        return None
+    return balance, microbatches_to_measure(options, stages, facts.rows)
+
+
+def microbatch_rows(rows: int, microbatches: int) -> int:
+    """Rows of the first of ``microbatches`` microbatches of a batch of ``rows``."""
+    return -(-rows // microbatches)
+
+
+def _cut(
+    options: PipelineOptions, facts: RunFacts, stages: int, microbatches: int
+) -> tuple[list[int], list[Decision]]:
+    """Layers per stage: as an earlier pipeline of this run or the run a checkpoint continues
+    cut them, given, or chosen now, and why where the user left it open."""
+    balance, layers = options.balance, facts.model.layers
+    if facts.previous is not None:  # a rebuild (after fit, for test) cuts as the first build
+        return list(facts.previous[2]), []
+    saved = facts.checkpointed
+    if isinstance(balance, str) and saved and saved["stages"] == stages:
+        return list(saved["balance"]), [
+            _cut_said(saved["balance"], "as the checkpointed run cut it")
+        ]
+    if not isinstance(balance, str):
+        return list(balance), []
+    if stages == layers:
+        cut, why = partition.even_balance(layers, stages), "one layer per stage"
+    elif balance == "even":
+        cut, why = partition.even_balance(layers, stages), "balance='even'"
+    elif balance == "params":
+        cut = partition.balance_by_cost(facts.model.layer_params, stages)
+        why = "balance='params'"
+    elif balance == "auto":
+        if facts.profile is None:
+            raise ValueError("balance='auto' needs the planner's profile of the layers")
+        cut = best_cut(facts.profile, stages, microbatches, options.schedule)
+        why = "balance='auto': the planner's cut from a profile of the layers"
+    else:
+        rows = microbatch_rows(facts.rows, microbatches)
+        times = facts.layer_times.get(rows)
+        if times is None:
+            raise ValueError(
+                f"balance='time' needs the layers' times on a microbatch of {rows} rows; "
+                f"measured at {sorted(facts.layer_times)}"
+            )
+        cut = partition.balance_by_cost(times, stages, tolerance=partition.TIME_TOLERANCE)
+        why = (
+            "balance='time': from each layer's time on the first microbatch, the most even cut "
+            f"whose slowest stage is within {partition.TIME_TOLERANCE:.0%} of the fastest cut's"
+        )
+    return cut, [_cut_said(cut, why)]
+
+
+def _cut_said(cut: Sequence[int], why: str) -> Decision:
+    return Decision("layers per stage", str(list(cut)), why)
+
+
+def _segments(model: ModelFacts) -> list[Decision]:
+    """How a module that is not a Sequential was cut, and what its calls get that the user's
+    step does not pass."""
+    if model.traced_seconds is None:
+        return []
+    out = [
+        Decision(
+            "segments",
+            f"{model.layers}, traced and cut in {model.traced_seconds:.1f} s",
+            f"{model.what} is not an nn.Sequential: torch.export traced its forward at the "
+            "first batch",
+        )
+    ]
+    if not model.cache_switched:
+        return out
+    kept = model.config_use_cache
+    why = (
+        "a key/value cache for generation cannot travel between stages and training does not "
+        "read it" + (f"; its config keeps use_cache={kept}" if kept is not None else "")
+    )
+    return [*out, Decision("use_cache", f"False in {model.what}'s calls", why)]
+
+
+def _compiled(
+    options: PipelineOptions, model: ModelFacts
+) -> tuple[dict[str, Any] | None, list[Decision]]:
+    """``torch.compile``'s options for each stage (None: not compiled), and the decision."""
+    asked, user = options.compile, model.user_compiled
+    if asked is None and not user:
+        return None, []
+    shown = ", ".join(f"{k}={v!r}" for k, v in (asked or {}).items()) or "its defaults"
+    choice = f"each stage's forward, torch.compile with {shown}"
+    if user:
+        call = "torch.compile(...)" if user == "torch.compile" else f"{model.what}.compile()"
+        why = (
+            f"{model.what} was passed through {call}; a compiled whole cannot be cut, so each "
+            "stage is compiled instead"
+            + ("" if asked else " (compile={...} on the strategy chooses the options)")
+        )
+    else:
+        why = "asked; the backward still sees the schedule's weights, with no weight copies"
+    return asked or {}, [Decision("compile", choice, why)]
+
+
+def _weights(options: PipelineOptions, model: ModelFacts) -> tuple[Weights | None, list[Decision]]:
+    """How each microbatch's loss is weighted (None: by rows), and the decision."""
+    asked = options.microbatch_weights
+    tokens = "each microbatch's share of the batch's counted label tokens"
+    if callable(asked):
+        name = getattr(asked, "__name__", type(asked).__name__)
+        return asked, [Decision("microbatch weights", f"from {name}", "microbatch_weights")]
+    if asked == "rows":
+        return None, []
+    if asked == "tokens":
+        why = "microbatch_weights='tokens': a loss that averages over the labels not -100"
+        return token_shares(), [Decision("microbatch weights", tokens, why)]
+    if model.label_shift is None:
+        return None, []
+    why = (
+        "a Hugging Face loss averages over the label tokens that are not -100 (padding), "
+        "so the minibatch's loss and gradient are one device's"
+    )
+    return token_shares(shift=model.label_shift), [Decision("microbatch weights", tokens, why)]
+
+
+def _short_batches(facts: RunFacts, microbatches: int) -> list[Decision]:
+    """Refuse training batches smaller than N; say how a smaller last batch runs."""
+    check_splits(facts.rows, microbatches)
+    decided = []
+    for last, n, size in facts.short_last_batches:
+        if last < microbatches:
+            why = (
+                f"{n} samples in batches of {size}: it runs a sample per microbatch, the "
+                f"{microbatches - last} left are copies of weight 0 (nothing of theirs reaches "
+                "the gradient or the logs); drop_last=True skips it"
+            )
+            decided.append(Decision("last batch", f"{last} sample(s) < N={microbatches}", why))
+    return decided
+
+
+def _stand_in() -> torch.optim.Optimizer:
+    """An optimiser that never steps, for a run without one (evaluation)."""
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
+def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
+    """The whole run's plan from what was asked and what was measured (see the module).
+
+    Args:
+        options: the strategy's arguments.
+        facts: what the runner measured and read.
+
+    Raises:
+        ValueError: what was asked cannot run with these facts (a batch smaller than N, a
+            correction the optimiser cannot serve), with what to do.
+
+    Example:
+        >>> facts = RunFacts(ModelFacts("Net.layers", layers=4), rows=8,
+        ...                  layer_times={4: (1.0, 1.0, 1.0, 3.0)})
+        >>> plan = decide(PipelineOptions(stages=2), facts)
+        >>> plan.microbatches, plan.balance
+        (2, (3, 1))
+    """
+    stages, decided = _stages(options, facts)
+    microbatches, n_decided = _microbatches(options, stages, facts.rows, facts.previous)
+    cut, cut_decided = _cut(options, facts, stages, microbatches)
+    compiled, compile_decided = _compiled(options, facts.model)
+    weights, weights_decided = _weights(options, facts.model)
+    short = _short_batches(facts, microbatches) if facts.fitting else []
+    layout = [
+        *_segments(facts.model),
+        *compile_decided,
+        *weights_decided,
+        *n_decided,
+        *short,
+        *decided,
+        *cut_decided,
+    ]
+    optimizer = facts.optimizer if facts.optimizer is not None else _stand_in()
+    settings = resolve(
+        options.config,
+        optimizer,
+        schedule=options.schedule,
+        stages=stages,
+        microbatches=microbatches,
+        replicas=facts.replicas,
+        balance=cut,
+        total_steps=facts.total_steps,
+        steps_per_epoch=facts.steps_per_epoch,
+        layout=layout,
+    )
+    return RunPlan(stages, microbatches, tuple(cut), compiled, weights, settings)

@@ -1,0 +1,152 @@
+"""The one decision point, fed plain facts: no model, Trainer or process group."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from pipemare.optim.settings import RunSettings
+from pipemare.planner.decide import (
+    ModelFacts,
+    PipelineOptions,
+    RunFacts,
+    RunPlan,
+    decide,
+    measurements_needed,
+)
+
+SEQ = ModelFacts("Net.layers", layers=6, layer_params=(10, 10, 10, 10, 10, 50))
+HF = ModelFacts(
+    "GPT2LMHeadModel",
+    layers=4,
+    traced_seconds=1.25,
+    cache_switched=True,
+    config_use_cache=True,
+    label_shift=1,
+)
+
+
+def _adamw() -> torch.optim.Optimizer:
+    """The optimiser's groups are a fact: an AdamW over two groups of stand-in parameters."""
+    groups = [
+        {"params": [nn.Parameter(torch.zeros(2))]},
+        {"params": [nn.Parameter(torch.zeros(1))]},
+    ]
+    return torch.optim.AdamW(groups, lr=1e-3)
+
+
+def _said(plan: RunPlan) -> dict[str, str]:
+    return {d.subject: f"{d.choice} ({d.reason})" for d in plan.decisions}
+
+
+def test_plain_facts_give_the_whole_frozen_plan():
+    """Layer times at the microbatch size the default layout runs, the batch's rows, the
+    optimiser's groups, the process layout and the run's length: the whole plan comes back,
+    frozen, with a reason for each choice taken on the user's behalf."""
+    facts = RunFacts(
+        SEQ,
+        rows=32,
+        process_stages=2,
+        replicas=1,
+        layer_times={16: (6.0, 6.0, 1.0, 1.0, 1.0, 1.0)},
+        optimizer=_adamw(),
+        total_steps=1000,
+        steps_per_epoch=100,
+        short_last_batches=((1, 97, 32),),
+    )
+    plan = decide(PipelineOptions(), facts)
+    assert (plan.stages, plan.microbatches, plan.balance) == (2, 2, (2, 4))
+    assert plan.compile is None and plan.weights is None
+    assert isinstance(plan.settings, RunSettings)
+    s = plan.settings
+    assert (s.schedule, s.stages, s.microbatches, s.balance) == ("pipemare", 2, 2, (2, 4))
+    assert s.total_steps == 1000 and s.horizon is not None
+    said = _said(plan)
+    assert said["stages"] == "P=2 (one per process)"
+    assert said["microbatches"].startswith("N=2 (N = P:")
+    assert said["layers per stage"].startswith("[2, 4] (balance='time': from each layer's time")
+    assert said["last batch"].startswith("1 sample(s) < N=2 (97 samples in batches of 32")
+    assert said["weight_prediction"].startswith("on")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.microbatches = 3  # type: ignore[misc]
+    # the same facts, the same plan: nothing read from a clock or a process
+    again = decide(PipelineOptions(), facts)
+    assert again.balance == plan.balance and again.decisions == plan.decisions
+
+
+def test_layout_rows():
+    """Each way the layout is chosen, as a row: (options, facts) -> (P, N, cut, reason)."""
+    times = {8: (1.0, 1.0, 1.0, 1.0, 1.0, 4.0), 16: (1.0,) * 6, 32: (1.0,) * 6}
+    rows = [
+        # one process, P given, N auto: N = P, the cut from the times at 32 / 4 = 8 rows
+        (dict(stages=4), dict(rows=32), (4, 4, (1, 2, 2, 1)), "balance='time'"),
+        # one process, nothing given: one stage per layer
+        ({}, dict(rows=32), (6, 6, (1,) * 6), "one layer per stage"),
+        # a flushing schedule keeps N = 1 (times measured on the whole batch)
+        (dict(stages=2, schedule="1f1b"), dict(rows=32), (2, 1, (3, 3)), "balance='time'"),
+        # N capped by a batch smaller than P
+        (dict(stages=4, balance="even"), dict(rows=3), (4, 3, (2, 2, 1, 1)), "balance='even'"),
+        (dict(stages=2, balance="params"), dict(rows=8), (2, 2, (5, 1)), "balance='params'"),
+        (dict(stages=2, balance=[1, 5], microbatches=8), dict(rows=8), (2, 8, (1, 5)), None),
+        # a checkpointed run's cut is kept for the same P
+        (
+            dict(stages=2),
+            dict(rows=8, checkpointed={"stages": 2, "balance": [2, 4]}),
+            (2, 2, (2, 4)),
+            "as the checkpointed run cut it",
+        ),
+        # a rebuild (after fit, for test) keeps the first build's N and cut
+        (dict(stages=2), dict(rows=5, previous=(2, 4, (1, 5))), (2, 4, (1, 5)), None),
+    ]
+    for options, fact, expected, why in rows:
+        facts = RunFacts(SEQ, layer_times=times, **fact)
+        plan = decide(PipelineOptions(**options), facts)
+        assert (plan.stages, plan.microbatches, plan.balance) == expected, options
+        cut_said = _said(plan).get("layers per stage")
+        assert (why is None and cut_said is None) or (why in (cut_said or "")), (options, cut_said)
+
+
+def test_what_must_be_measured_is_said_before_measuring():
+    facts = RunFacts(SEQ, rows=32)
+    assert measurements_needed(PipelineOptions(stages=3), facts) == ("time", (3,))
+    assert measurements_needed(PipelineOptions(stages=3, balance="auto"), facts) == ("auto", (3,))
+    assert measurements_needed(PipelineOptions(stages=3, schedule="gpipe"), facts) == ("time", (1,))
+    for needless in (dict(stages=6), dict(stages=3, balance="params"), dict(balance=[3, 3])):
+        assert measurements_needed(PipelineOptions(**needless), facts) is None
+    kept = dataclasses.replace(facts, checkpointed={"stages": 3, "balance": [2, 2, 2]})
+    assert measurements_needed(PipelineOptions(stages=3), kept) is None
+    # the times must be those of the size the layout runs, not another
+    with pytest.raises(ValueError, match=r"times on a microbatch of 11 rows; measured at \[8\]"):
+        decide(PipelineOptions(stages=3), dataclasses.replace(facts, layer_times={8: (1.0,) * 6}))
+
+
+def test_a_hugging_face_model_is_said_how_it_was_cut_called_and_weighted():
+    facts = RunFacts(HF, rows=8, process_stages=2, optimizer=_adamw())
+    plan = decide(PipelineOptions(balance="even"), facts)
+    said = _said(plan)
+    assert said["segments"] == (
+        "4, traced and cut in 1.2 s (GPT2LMHeadModel is not an nn.Sequential: torch.export "
+        "traced its forward at the first batch)"
+    )
+    assert said["use_cache"].startswith("False in GPT2LMHeadModel's calls")
+    assert said["use_cache"].endswith("its config keeps use_cache=True)")
+    assert said["microbatch weights"].startswith("each microbatch's share of the batch's counted")
+    # a causal LM's labels shift by one: microbatch 0 counts 2 of 3 tokens, microbatch 1 all 3
+    labels = torch.tensor([[1, 2, 3, -100]]), torch.tensor([[1, 2, 3, 4]])
+    assert plan.weights is not None
+    assert plan.weights([{"labels": labels[0]}, {"labels": labels[1]}]) == pytest.approx([0.4, 0.6])
+    assert decide(PipelineOptions(balance="even", microbatch_weights="rows"), facts).weights is None
+    compiled = dataclasses.replace(HF, user_compiled="torch.compile")
+    plan = decide(PipelineOptions(balance="even"), dataclasses.replace(facts, model=compiled))
+    assert plan.compile == {} and "was passed through torch.compile(...)" in _said(plan)["compile"]
+
+
+def test_refusals_come_from_the_facts():
+    with pytest.raises(ValueError, match="cannot be split into 4 microbatches"):
+        decide(PipelineOptions(stages=4, microbatches=4, balance="even"), RunFacts(SEQ, rows=3))
+    # evaluation: no optimiser, no last-batch check, the same layout
+    plan = decide(PipelineOptions(stages=2, balance="even"), RunFacts(SEQ, rows=8, fitting=False))
+    assert (plan.stages, plan.microbatches, plan.balance) == (2, 2, (3, 3))
