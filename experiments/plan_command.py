@@ -167,7 +167,7 @@ def _from_config(path: str) -> dict[str, Any]:
     segments, as the strategy cuts it), its input for one training batch, loss, optimiser,
     strategy."""
     from pipemare.cli.lightning_cli import PipeMareCLI
-    from pipemare.lightning.module_adapter import ModuleAdapter, loss_of
+    from pipemare.lightning.steps import ModuleAdapter, loss_of
     from pipemare.model.cuts import find_pipelined
 
     argv, sys.argv = sys.argv, sys.argv[:1]  # LightningCLI warns when both are given

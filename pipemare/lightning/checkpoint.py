@@ -44,6 +44,7 @@ from pipemare.engine.transport import DistributedTransport
 from pipemare.optim.chain import ChainedOptimizer
 
 __all__ = [
+    "Checkpoints",
     "Deferred",
     "SaveQueue",
     "StateNames",
@@ -465,3 +466,68 @@ class SaveQueue:
                 "before are intact"
             )
         return lost
+
+
+class Checkpoints:
+    """A run's checkpoints: those in flight (:class:`SaveQueue`), the state a loaded one still
+    has to give the pipeline, and how a loaded checkpoint's run was laid out.
+
+    Args:
+        write: writes a complete checkpoint file (the Lightning base's ``save_checkpoint``).
+        remove: removes a checkpoint file (the base's ``remove_checkpoint``).
+        warn: warns on rank 0 (a resume that changes the layout or the run says how).
+    """
+
+    def __init__(
+        self,
+        write: Callable[[dict[str, Any], str, Any], None],
+        remove: Callable[[str], None],
+        warn: Callable[[str], Any],
+    ) -> None:
+        self.saves = SaveQueue(write, remove)
+        self._warn = warn
+        self._pending: dict[str, Any] | None = None  # pipemare's part of a loaded checkpoint
+        #: how a loaded checkpoint's run was laid out and corrected (validate, test and
+        #: predict report it: they restore no optimiser state)
+        self.trained: dict[str, Any] | None = None
+
+    @property
+    def pending_layout(self) -> Mapping[str, Any] | None:
+        """The layout of the run a loaded checkpoint continues, until the pipeline takes it."""
+        return None if self._pending is None else self._pending.get("layout")
+
+    def module_state(
+        self, module: nn.Module, pipe: Pipeline | None, names: StateNames
+    ) -> dict[str, Any]:
+        """The whole model; during training the state each stage has once the step's
+        minibatch reached it, collected without draining."""
+        if pipe is None:
+            return module.state_dict()
+        return self.saves.module_state(module, pipe, names)
+
+    def optimizer_state(self, optimizer: Any, pipe: Pipeline | None) -> dict[str, Any]:
+        """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
+        if pipe is None:
+            return optimizer.state_dict()
+        return self.saves.optimizer_state(optimizer, pipe)
+
+    def note_trained(self, loaded: Mapping[str, Any]) -> None:
+        """Keep how a loaded checkpoint's run was laid out and corrected."""
+        self.trained = trained_layout(loaded)
+
+    def load_optimizer_states(self, optimizers: Sequence[Any], states: Sequence[Any]) -> None:
+        """Load the user's optimiser states now; keep pipemare's part for the pipeline."""
+        pending = load_optimizer_states(optimizers, states)
+        if pending is not None:
+            self._pending = pending
+
+    def load_pending(self, pipe: Pipeline) -> bool:
+        """Load pipemare's part of a loaded checkpoint into ``pipe``, once both exist, and say
+        what the resume changed; whether there was one."""
+        if self._pending is None:
+            return False
+        notes, run_notes = load_pipemare_state(pipe, self._pending)
+        self._pending = None
+        warn_layout_changes(notes, self._warn)
+        warn_run_changes(run_notes, self._warn)
+        return True

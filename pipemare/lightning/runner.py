@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from pipemare.engine.errors import NonFiniteGradientError, NonFiniteLossError
 from pipemare.engine.lagged import DistributedResults, LocalResults, Results, result_lag
 from pipemare.engine.layout import RankLayout
 from pipemare.engine.microbatch import batch_size, scatter
@@ -27,16 +28,20 @@ from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning import checkpoint, checks
-from pipemare.lightning.checkpoint import SaveQueue
-from pipemare.lightning.manual import steps_per_batch
-from pipemare.lightning.module_adapter import ModuleAdapter
+from pipemare.lightning.checkpoint import Checkpoints
+from pipemare.lightning.evaluation import Evaluation
 from pipemare.lightning.packages import LightningPackage
-from pipemare.lightning.steps import UserSteps, merge_published, short_last_batches
-from pipemare.lightning.training import Evaluation, GradStash, TrainingReports
+from pipemare.lightning.steps import (
+    ModuleAdapter,
+    UserSteps,
+    closes_epoch,
+    merge_published,
+    run_length,
+    short_last_batches,
+)
 from pipemare.model import cuts, partition
 from pipemare.optim.chain import ChainedOptimizer, copies_of
 from pipemare.planner.decide import (
-    ModelFacts,
     PipelineOptions,
     RunFacts,
     RunPlan,
@@ -76,6 +81,120 @@ def stepped(optimizers: Sequence[Any]) -> Any:
     return optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)
 
 
+def where(pipe: Pipeline, stage: int) -> str:
+    """The text ", rank r" for ``stage`` (-1: the last) with a process per stage, else ""."""
+    if not isinstance(pipe.transport, DistributedTransport):
+        return ""
+    return f", rank {pipe.transport.rank_of(stage % pipe.num_stages)}"
+
+
+class TrainingReports:
+    """The training steps' lagged reports: the loss each step returns and the non-finite
+    losses and gradients met on the way, raised on the step that reports them."""
+
+    def __init__(self) -> None:
+        #: where the last stage publishes each minibatch's loss and logs
+        self.results: Results | None = None
+        self.path = ""  # the Sequential's attribute path, naming parameters in errors
+        self.last_loss = math.nan  # the latest minibatch loss reported
+        self.returned = 0  # the step whose loss the latest training step returned
+        # minibatch -> (stage, parameter names): updates skipped for non-finite gradients
+        self.bad_grads: dict[int, tuple[int, list[str]]] = {}
+        self.diverged = False  # a monitored run met a non-finite loss
+
+    def start(self, results: Results, path: str) -> None:
+        """A new pipeline publishes into ``results``."""
+        self.results, self.path = results, path
+
+    def step(
+        self,
+        pipe: Pipeline,
+        steps: UserSteps,
+        batch: Any,
+        args: tuple,
+        *,
+        trainer: Any,
+        lag: int,
+        device: torch.device,
+        monitored: bool,
+    ) -> float:
+        """Feed ``batch`` to the pipeline and return the latest loss reported (see the module).
+
+        Args:
+            monitored: a ConvergenceMonitor diagnoses a non-finite loss instead of the strategy.
+        """
+        steps.begin("training_step", batch, args)
+        assert self.results is not None
+        steps.results = self.results
+        k = pipe.minibatches_fed
+        pipe.step(batch)
+        # Report what every process already has: minibatch k - L. Wait for more only at a
+        # run's first step (Lightning needs a loss from every rank) and at an epoch's last
+        # (so epoch aggregates cover exactly this epoch's minibatches).
+        first = self.results.next == self.results.start
+        upto = k if first or closes_epoch(trainer) else k - lag
+        losses = steps.replay_through(upto, device)
+        if losses:
+            # the latest loss, or the first non-finite one caught up with (monitors see it)
+            j = next((j for j, v in enumerate(losses) if not math.isfinite(v)), len(losses) - 1)
+            self.last_loss = losses[j]
+            self.returned = self.results.next - len(losses) + j + 1
+            self._check_finite(pipe, losses, monitored)
+        return self.last_loss
+
+    def _check_finite(self, pipe: Pipeline, losses: list[float], monitored: bool) -> None:
+        """Stop at a non-finite loss, on every process at the same step (the losses are the
+        same everywhere); a ConvergenceMonitor, when attached, diagnoses it instead. Stop at
+        non-finite gradients where the loss was finite, on the process that met them."""
+        assert self.results is not None
+        first = self.results.next - len(losses)  # the minibatch of losses[0]
+        for k, loss in enumerate(losses, start=first):
+            if not math.isfinite(loss):
+                if not monitored:
+                    raise NonFiniteLossError(k + 1, pipe.num_stages - 1, loss, where(pipe, -1))
+                self.bad_grads.clear()  # the run diverged: the monitor decides from here on
+                self.diverged = True
+            bad = self.bad_grads.pop(k, None)
+            if bad is not None and math.isfinite(loss):
+                raise NonFiniteGradientError(k + 1, bad[0], bad[1], where(pipe, bad[0]))
+
+    def record_nonfinite(self, stage: int, minibatch: int, names: list[str]) -> None:
+        """The executor's ``on_nonfinite``: ``stage`` skipped ``minibatch``'s update."""
+        # Raise when the minibatch's results arrive: a non-finite loss then stops every
+        # process alike; a finite one means the backward itself overflowed.
+        if self.diverged:
+            return
+        names = [f"{self.path}.{n}" for n in names]
+        self.bad_grads.setdefault(minibatch, (stage, names))
+
+    def check_unreported(self, pipe: Pipeline | None) -> None:
+        """At the end of training: skipped updates of minibatches whose results never came."""
+        if self.bad_grads:
+            assert pipe is not None
+            k, (stage, names) = min(self.bad_grads.items())
+            raise NonFiniteGradientError(k + 1, stage, names, where(pipe, stage))
+
+
+class GradStash:
+    """Gradients kept aside while Lightning zeroes them after ``training_step``: a
+    non-flushing pipeline carries partial gradients of in-flight minibatches across steps."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+
+    def stash(self, pipe: Pipeline) -> None:
+        self._kept = []
+        for i in pipe.local_stages:
+            for p in pipe.optimizer.stage_parameters(i):
+                self._kept.append((p, p.grad))
+                p.grad = None
+
+    def restore(self) -> None:
+        for p, g in self._kept:
+            p.grad = g
+        self._kept = []
+
+
 class PipelineRunner:
     """Runs the strategy's pipeline and keeps its state between Lightning's hooks.
 
@@ -109,9 +228,8 @@ class PipelineRunner:
         self._evaluation = Evaluation()
         self._grads = GradStash()
         self._probes: dict[str, Any] = {}  # the telemetry settings the monitors asked for
-        self.saves = SaveQueue(write, remove)
-        self._pending_state: dict[str, Any] | None = None  # pipemare's part of a checkpoint
-        self._trained: dict[str, Any] | None = None  # the loaded checkpoint's run
+        #: checkpoints in flight, and what a loaded one still has to give the pipeline
+        self.checkpoints = Checkpoints(write, remove, package.rank_zero_warn)
         #: N once known (given, or ``"auto"`` decided at the first batch)
         self.microbatches: int | None = None
         #: the run's plan, decided at the first batch (later rebuilds keep its layout)
@@ -258,7 +376,7 @@ class PipelineRunner:
             self.plan = plan = decide(self.options, self._facts(batch, step, args))
             self.microbatches, self.cut = plan.microbatches, list(plan.balance)
             self.pipeline = pipe = self._build(plan)
-            self._load_pending_state()
+            self.checkpoints.load_pending(pipe)
             self.announce()
             self.reports.start(self.results(pipe.minibatches_fed), adapter.path)
             pipe.executor.on_minibatch = lambda k, loss: self.steps.publish(k, float(loss))
@@ -281,21 +399,23 @@ class PipelineRunner:
         seq = adapter.sequential
         assert seq is not None
         previous = self.plan
+        total, per_epoch = run_length(self.module.trainer) if self.fitting else (None, None)
         facts = RunFacts(
-            model=self._model_facts(seq),
+            model=adapter.model_facts(),
             rows=batch_size(batch),
             process_stages=place.stages if place.distributed else None,
             replicas=place.layout.replicas if place.layout is not None else 1,
-            checkpointed=(self._pending_state or {}).get("layout"),
+            checkpointed=self.checkpoints.pending_layout,
             optimizer=self._user_optimizer(seq) if self._optimizers_given() else None,
             short_last_batches=tuple(short_last_batches(self.module.trainer))
             if self.fitting
             else (),
             fitting=self.fitting,
+            total_steps=total,
+            steps_per_epoch=per_epoch,
             previous=None
             if previous is None
             else (previous.stages, previous.microbatches, previous.balance),
-            **self._run_length(),
         )
         wanted = measurements_needed(self.options, facts)
         if wanted is None:
@@ -308,28 +428,6 @@ class PipelineRunner:
         if kind == "time":
             return dataclasses.replace(facts, layer_times=measured)
         return dataclasses.replace(facts, profile=measured)
-
-    def _model_facts(self, seq: nn.Sequential) -> ModelFacts:
-        """What the pipelined model is, for the decisions."""
-        adapter = self.adapter
-        assert adapter is not None
-        model = adapter.pipelined
-        config = getattr(model, "config", None)
-        can_generate = getattr(model, "can_generate", None)
-        label_shift = None
-        if config is not None and callable(can_generate):  # a Hugging Face model
-            causal = bool(can_generate()) and not getattr(config, "is_encoder_decoder", False)
-            label_shift = 1 if causal else 0  # a causal LM's loss shifts its labels by one
-        return ModelFacts(
-            what=adapter.what,
-            layers=len(seq),
-            traced_seconds=(adapter.cut_seconds or 0.0) if adapter.segmented else None,
-            cache_switched="use_cache" in getattr(seq, "call_defaults", {}),
-            config_use_cache=getattr(config, "use_cache", None),
-            label_shift=label_shift,
-            user_compiled=adapter.user_compiled,
-            layer_params=tuple(sum(p.numel() for p in layer.parameters()) for layer in seq),
-        )
 
     def _measure(
         self,
@@ -407,23 +505,6 @@ class PipelineRunner:
             **self._clipping(),
         )
 
-    def _run_length(self) -> dict[str, Any]:
-        """The run's optimiser steps and steps per epoch, for T1's horizon, where known."""
-        if not self.fitting:
-            return {}
-        trainer = self.module.trainer
-        out = {}
-        total = trainer.estimated_stepping_batches
-        per_batch = steps_per_batch(trainer)  # several optimisers: max_steps counts each one
-        if per_batch > 1 and trainer.max_steps != -1:
-            total = min(total, math.ceil(trainer.max_steps / per_batch))
-        if isinstance(total, (int, float)) and math.isfinite(total):
-            out["total_steps"] = int(total)
-        per_epoch = trainer.num_training_batches
-        if isinstance(per_epoch, (int, float)) and math.isfinite(per_epoch):
-            out["steps_per_epoch"] = int(per_epoch)
-        return out
-
     def _clipping(self) -> dict[str, Any]:
         """The Trainer's gradient clipping as the pipeline's keyword (none outside fit)."""
         trainer = self.module.trainer
@@ -462,8 +543,8 @@ class PipelineRunner:
         if self.fitting:
             run += f", corrections: {pipe.settings.describe() or 'none'}"
             decisions = [str(d) for d in pipe.settings.decisions]
-        elif self._trained is not None:
-            trained = self._trained
+        elif self.checkpoints.trained is not None:
+            trained = self.checkpoints.trained
             run = (
                 f"evaluating a checkpoint trained with schedule {trained['schedule']!r}, "
                 f"N={trained['microbatches']}, corrections: {trained['described'] or 'none'}"
@@ -571,7 +652,7 @@ class PipelineRunner:
             checkpoint.consolidate(self.module, self.pipeline, self.state_names, self.place.device)
             self.pipeline = None  # its stages are no longer split; the next run rebuilds it
 
-    # -- checkpoints (:mod:`~pipemare.lightning.checkpoint`) ---------------------------------
+    # -- checkpoints: :class:`~pipemare.lightning.checkpoint.Checkpoints`, given this run --
 
     @property
     def state_names(self) -> checkpoint.StateNames:
@@ -580,50 +661,23 @@ class PipelineRunner:
         return self.adapter.state_key
 
     def module_state(self) -> dict[str, Any]:
-        """The whole model; during training the state each stage has once the step's
-        minibatch reached it, collected without draining."""
-        if self.pipeline is None:
-            return self.module.state_dict()
-        return self.saves.module_state(self.module, self.pipeline, self.state_names)
-
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
-        if self.pipeline is None:
-            return optimizer.state_dict()
-        return self.saves.optimizer_state(optimizer, self.pipeline)
+        """The whole model's state (see :meth:`Checkpoints.module_state`)."""
+        return self.checkpoints.module_state(self.module, self.pipeline, self.state_names)
 
     def save(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any) -> None:
         """Queue a checkpoint; it is written once its step reached every stage."""
-        self.saves.save(checkpoint, filepath, storage_options, self.pipeline)
+        self.checkpoints.saves.save(checkpoint, filepath, storage_options, self.pipeline)
         self.write_due()
 
     def write_due(self) -> None:
         """Write the queued checkpoints whose step reached every stage by now."""
         if self.adapter is not None:
-            self.saves.poll(self.module, self.pipeline, self.state_names)
-
-    def note_trained(self, loaded: Mapping[str, Any]) -> None:
-        """Keep how a loaded checkpoint's run was laid out and corrected, which validate, test
-        and predict report (they restore no optimiser state)."""
-        self._trained = checkpoint.trained_layout(loaded)
+            self.checkpoints.saves.poll(self.module, self.pipeline, self.state_names)
 
     def load_optimizer_states(self, optimizers: Sequence[Any], states: Sequence[Any]) -> None:
         """Load the user's optimiser states now, and pipemare's part once the pipeline exists."""
-        pending = checkpoint.load_optimizer_states(optimizers, states)
-        if pending is not None:
-            self._pending_state = pending
-        if self.pipeline is not None and self._pending_state is not None:
-            self._load_pending_state()
+        self.checkpoints.load_optimizer_states(optimizers, states)
+        if self.pipeline is not None and self.checkpoints.load_pending(self.pipeline):
             results = self.reports.results
             if results is not None:  # the next minibatch to report moved with it
                 results.start = results.next = self.pipeline.minibatches_fed
-
-    def _load_pending_state(self) -> None:
-        """Load pipemare's part of a checkpoint into the pipeline, once both exist."""
-        if self._pending_state is None:
-            return
-        assert self.pipeline is not None
-        notes, run_notes = checkpoint.load_pipemare_state(self.pipeline, self._pending_state)
-        self._pending_state = None
-        checkpoint.warn_layout_changes(notes, self.package.rank_zero_warn)
-        checkpoint.warn_run_changes(run_notes, self.package.rank_zero_warn)

@@ -581,7 +581,7 @@ class PipeMareStrategyMixin(_StrategyBase):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         """The user's optimiser state for the whole model, plus pipemare's own under "pipemare"."""
-        return self._runner.optimizer_state(optimizer)
+        return self._runner.checkpoints.optimizer_state(optimizer, self._runner.pipeline)
 
     @override
     def save_checkpoint(
@@ -591,7 +591,7 @@ class PipeMareStrategyMixin(_StrategyBase):
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
-        self._runner.saves.remove(filepath)
+        self._runner.checkpoints.saves.remove(filepath)
 
     def _write_file(self, checkpoint: dict[str, Any], filepath: Any, options: Any) -> None:
         super().save_checkpoint(checkpoint, filepath, storage_options=options)
@@ -603,7 +603,7 @@ class PipeMareStrategyMixin(_StrategyBase):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Lightning's, noting how the checkpoint's run was laid out and corrected, which
         validate, test and predict report (they restore no optimiser state)."""
-        self._runner.note_trained(checkpoint)
+        self._runner.checkpoints.note_trained(checkpoint)
         super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
@@ -642,7 +642,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         # this process is failing: no report from its heartbeat now, and its silence tells the
         # others (no "finished" is posted)
         Heartbeat.finish_current(False, f"{type(exception).__name__}: {exception}")
-        self._runner.saves.abandon(warn=self._package.rank_zero_warn)
+        self._runner.checkpoints.saves.abandon(warn=self._package.rank_zero_warn)
         self._end_launched(exception)
 
     def _end_launched(self, error: BaseException | None = None) -> None:

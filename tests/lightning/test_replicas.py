@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from pipemare.engine.replicas import _buckets
-from pipemare.lightning.logreplay import Record
-from pipemare.lightning.steps import merge_published
+from pipemare.lightning.steps import Record, merge_published
 from support.launch import environment, free_port, reports, run_all
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
