@@ -10,8 +10,8 @@ devices reaches that quality soonest. Per task:
    most); the rate with the best validation metric is the task's, a tie going to the lower rate.
    Every schedule runs at it.
 2. **The runs.** gpipe, and at each P the asynchronous schedules (``pipemare``, uncorrected
-   ``async``) at the default N (:func:`pipemare.planner.decide.auto_microbatches`, ``N_auto``) and, with
-   ``--all-n``, at N = 1 and N = P too; each with ``--seeds`` seeds.
+   ``async``) at the default N (:func:`pipemare.planner.decide.auto_microbatches`,
+   ``N_auto``) and, with ``--all-n``, at N = 1 and N = P too; each with ``--seeds`` seeds.
 3. **The baseline.** 1F1B computes gpipe's loss curve per step; only its pipeline time differs.
    Its step time is measured at every N dividing the batch up to 4P (beyond, the per-microbatch
    cost only grows on these small models) and the fastest, N*, is 1F1B's.

@@ -18,7 +18,8 @@ The defaults and their measurements:
   :data:`FALLBACK_HORIZON` steps where the run's length is unknown;
 - delay-aware momentum up to :data:`AUTO_DELAY_MOMENTUM` (Ajanthan et al., ICML 2025), off for
   Muon (measured better off), without momentum and where summed and averaged momenta mix;
-- spike compensation where the optimiser is one it supports (:func:`~pipemare.optim.corrections.spike.unsupported`);
+- spike compensation where the optimiser is one it supports
+  (:func:`~pipemare.optim.corrections.spike.unsupported`);
 - weight prediction unless T2, local accumulation or a stashing schedule excludes it, or the
   optimiser is SGD without momentum (where it narrows the stable step range);
 - local accumulation (one update crossed) for SGD without momentum only.
