@@ -25,10 +25,9 @@ from pipemare.callbacks import (
     monitors,
     wandb_logger,
 )
-from pipemare.experiments.tasks.classifiers import DigitsCNN
-from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.data import DigitsDataModule
 from support.faults import Exploding
-from support.models import quiet_trainer
+from support.models import DigitsCNN, quiet_trainer
 
 
 def fit(strategy, callbacks, logger, epochs=2, **kwargs):

@@ -1,6 +1,6 @@
 """Fine-grained asynchrony on a network without skip connections: one layer per stage, N = 1.
 
-A plain 10-layer ReLU network on the digits (pipemare.experiments.tasks.models.plain_mlp), ten
+A plain 10-layer ReLU network on the digits (tests/support/models.py's plain_mlp), ten
 stages, one minibatch in flight per stage: the longest delays the engine makes (9 updates at the
 first stage) on the architecture that tolerates them worst. For each optimiser family, at a rate
 where uncorrected ``async`` trains, the default corrections train too and end at least as well.
@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from pipemare import NonFiniteGradientError, NonFiniteLossError, Pipeline
-from pipemare.experiments.tasks.data import digits
-from pipemare.experiments.tasks.models import plain_mlp
 from pipemare.optim import MuonAdamW, muon_param_groups
+from support.data import digits
+from support.models import plain_mlp
 
 STEPS = 600
 

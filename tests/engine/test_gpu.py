@@ -35,8 +35,8 @@ def test_strategy_trains_on_one_gpu_with_simulated_stages():
     import pytorch_lightning as pl
 
     from pipemare import PipeMareStrategy
-    from pipemare.experiments.tasks.classifiers import DigitsCNN
-    from pipemare.experiments.tasks.datamodules import DigitsDataModule
+    from support.data import DigitsDataModule
+    from support.models import DigitsCNN
 
     pl.seed_everything(0)
     trainer = pl.Trainer(

@@ -293,7 +293,7 @@ def test_an_unread_probe_holds_nothing_per_step_and_still_names_the_first_nonfin
     where the first non-finite output was."""
     from pipemare.engine.errors import NonFiniteGradientError
     from pipemare.engine.telemetry import Probe
-    from pipemare.experiments.bench.memory import live_tensors
+    from support.memory import live_tensors
 
     torch.manual_seed(0)
     net = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])

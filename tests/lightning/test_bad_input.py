@@ -515,24 +515,13 @@ def test_an_unknown_key_in_a_config_file_is_refused_by_name(tmp_path, monkeypatc
     assert "Option 'microbatch' is not accepted" in err and "--help" in err
 
 
-def test_the_command_line_suggests_a_command_and_checks_the_demo_options(capsys):
+def test_the_command_line_suggests_a_command(capsys):
     from pipemare.__main__ import main
-    from pipemare.experiments import demo
 
     with pytest.raises(SystemExit) as exit_:
         main(["fitt"])
     assert exit_.value.code == 2
     assert "unknown command 'fitt'; did you mean 'fit'?" in capsys.readouterr().err
-    for argv, message in [
-        (["--stages", "0"], "argument --stages: must be a whole number >= 1, got '0'"),
-        (["--stages", "99"], "--stages 99: the demo's model has 9 layers"),
-        (["--schedules", "gpip"], "invalid choice: 'gpip'"),
-        (["--microbatches", "64"], "--microbatches 64 exceeds --batch-size 32"),
-    ]:
-        with pytest.raises(SystemExit) as exit_:
-            demo.main(argv)
-        assert exit_.value.code == 2
-        assert message in capsys.readouterr().err
 
 
 def test_an_engine_optimiser_over_other_parameters_is_refused():

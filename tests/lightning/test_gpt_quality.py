@@ -1,7 +1,7 @@
 """A user's GPT through ``Trainer(strategy="pipemare", devices=2)`` with nothing else set,
 against the same GPT on one device (issue 40).
 
-The GPT (experiments/tasks/gpt.py: four blocks in a ModuleList, the head tied to the token
+The GPT (tests/support/gpt.py: four blocks in a ModuleList, the head tied to the token
 embedding) learns Python's standard-library source byte by byte with AdamW at the rate tuned on
 one device for this run: the 384-step one-device sweep gave 2.575 (1e-3), 2.535 (3e-3), 2.449
 (1e-2) and 2.817 (3e-2), so 1e-2. The default layout at P = 2 is N = 2 microbatches (every

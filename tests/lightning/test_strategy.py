@@ -12,9 +12,8 @@ from torch.nn import functional as F
 
 import pipemare
 from pipemare import PipeMareConfig, PipeMareStrategy
-from pipemare.experiments.tasks.classifiers import DigitsCNN
-from pipemare.experiments.tasks.datamodules import DigitsDataModule
-from support.models import QUIET_CPU_TRAINER, three_class_points
+from support.data import DigitsDataModule
+from support.models import QUIET_CPU_TRAINER, DigitsCNN, three_class_points
 from support.models import quiet_trainer as trainer
 
 

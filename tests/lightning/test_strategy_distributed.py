@@ -13,10 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipemare.experiments.tasks.classifiers import DigitsCNN
-from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.data import DigitsDataModule
 from support.launch import environment, free_port, reports, run_all
-from support.models import quiet_trainer
+from support.models import DigitsCNN, quiet_trainer
 
 pytestmark = pytest.mark.distributed
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts

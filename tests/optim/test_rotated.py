@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
-from pipemare.experiments.bench.memory import optimizer_bytes
 from pipemare.optim import RotatedAdamW, rotated_param_groups
 from pipemare.optim.rotated import extra_state_bytes
 from pipemare.optim.stability import (
@@ -55,7 +54,7 @@ def test_embeddings_and_a_tied_head_are_left_to_adamw():
     """:func:`rotated_param_groups` on the GPT (blocks in a ModuleList, head tied to the token
     embedding): both embeddings, and so the head, are AdamW's; every block matrix is rotated;
     ``exclude`` adds by name. Stepped, the AdamW group keeps no basis."""
-    from pipemare.experiments.tasks.gpt import GPT
+    from support.gpt import GPT
 
     torch.manual_seed(0)
     gpt = GPT(32, 8, 2, 2, 4)
@@ -217,8 +216,8 @@ def test_on_a_misaligned_delayed_quadratic_delay_costs_the_rotated_basis_far_les
 
 def test_its_basis_factors_are_counted_with_the_optimisers_state():
     """Per ``m × n`` matrix: AdamW's two moments and ``L, R, Q_L, Q_R`` (``2(m² + n²)``
-    numbers); a side above ``max_dim`` keeps none; vectors keep AdamW's. The benchmark's memory
-    counter (:func:`optimizer_bytes`) and the planner read the optimiser's state, so they count
+    numbers); a side above ``max_dim`` keeps none; vectors keep AdamW's. They are the
+    optimiser's state, so whatever counts that state (the planner, the run summary) counts
     them."""
     model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 40))
     opt = RotatedAdamW(model.parameters(), max_dim=32)
@@ -227,35 +226,10 @@ def test_its_basis_factors_are_counted_with_the_optimisers_state():
     first, second = model[0].weight, model[1].weight
     assert extra_state_bytes(opt) == 4 * (2 * (5 * 5 + 6 * 6) + 2 * (5 * 5))  # 40 > 32: no L
     adam_state = 4 * 2 * sum(p.numel() for p in model.parameters()) + 4 * 4  # + the step counts
-    assert optimizer_bytes(opt, list(model.parameters())) == adam_state + extra_state_bytes(opt)
+    state = [t for st in opt.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+    held = sum(t.numel() * t.element_size() for t in state)
+    assert held == adam_state + extra_state_bytes(opt)
     assert opt.state[second]["left"].numel() == 0 and opt.state[first]["q_right"].shape == (6, 6)
-
-
-def test_the_memory_report_shows_the_basis_per_stage():
-    """The run summary's memory report (:func:`memory_report`) gives each stage's optimiser
-    state with the rotated basis inside it: ``2(m² + n²)`` float32 numbers per matrix."""
-    from types import SimpleNamespace
-
-    from pipemare import Pipeline
-    from pipemare.experiments.studies.summary import memory_report
-
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-    opt = RotatedAdamW(model.parameters(), lr=1e-3)
-    pipe = Pipeline(model, opt, nn.functional.cross_entropy, stages=2, microbatches=1)
-    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
-    for _ in range(3):
-        pipe.step((x, y))
-    pipe.drain()
-    report = memory_report(SimpleNamespace(strategy=SimpleNamespace(pipeline=pipe)))["stages"]
-    mb = 4 / 2**20
-    sizes = [(16, 8), (4, 16)]
-    for stage, (m, n) in zip(report, sizes, strict=True):
-        assert stage["rotated_basis_mb"] == pytest.approx(2 * (m * m + n * n) * mb)
-        adam = 2 * (m * n + m) * mb
-        assert stage["optimizer_state_mb"] == pytest.approx(
-            adam + stage["rotated_basis_mb"] + 2 * mb
-        )
 
 
 def test_it_runs_under_the_corrections_and_resumes_from_its_state():

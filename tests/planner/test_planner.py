@@ -1,15 +1,12 @@
-"""The planner: partition by dynamic programming, the cost model, memory, profiling, the CLI."""
+"""The planner: partition by dynamic programming, the cost model, memory, profiling. (The
+``pipemare plan`` command is the experiments', tested in tests/experiments/test_commands.py.)"""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
 import math
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +14,10 @@ from torch import nn
 
 from pipemare import Pipeline, planner
 from pipemare.engine.telemetry import replay_timeline
-from pipemare.experiments import plan_command
 from pipemare.planner import LayerProfile, Overhead, Profile
 from pipemare.planner.cost import _replay
 from pipemare.planner.streams import _streams
 
-ROOT = Path(__file__).resolve().parents[2]
 FREE = Overhead(0.0, 0.0, 0.0)
 
 
@@ -315,54 +310,3 @@ def test_auto_balance_profiles_a_model_with_a_reused_layer_and_its_cut_runs():
     opt = torch.optim.SGD(seq.parameters(), lr=0.1)
     pipe = Pipeline(seq, opt, nn.functional.mse_loss, stages=2, balance=balance, schedule="gpipe")
     assert torch.isfinite(pipe.step((x, y)))
-
-
-# -- pipemare plan -------------------------------------------------------------------------
-
-
-def test_the_cli_plans_a_gpt_that_is_no_sequential():
-    """configs/char_gpt.yaml: blocks in a ModuleList and a tied head, cut into segments as the
-    strategy cuts it, then planned like any Sequential."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "pipemare", "plan", "--config", "configs/char_gpt.yaml",
-            "--devices", "4", "--microbatches", "4", "--repeats", "1",
-        ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "profiled 8 layers" in result.stdout  # 6 blocks, the embeddings and the head
-    assert "choice: P=" in result.stdout
-
-
-def test_the_cli_plans_the_mnist_config():
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "pipemare", "plan", "--config", "configs/mnist.yaml",
-            "--devices", "2", "--microbatches", "1,2", "--repeats", "2", "--memory-limit", "1GiB",
-        ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "choice: P=" in result.stdout and "modelled step time" in result.stdout
-    assert "runner-ups" in result.stdout
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--config", "configs/mnist.yaml", "--memory-limit", "8XB"], "cannot read '8XB'"),
-        (["--config", "configs/mnist.yaml", "--devices", "0"], "positive number"),
-        (["--config", "no/such.yaml"], "no config file"),
-        (["--config", "configs/mnist.yaml", "--schedule", "gpip"], "did you mean 'gpipe'"),
-        ([], "--config"),
-    ],
-)
-def test_the_cli_refuses_bad_arguments(args, message, capsys, monkeypatch):
-    monkeypatch.chdir(ROOT)
-    with pytest.raises(SystemExit) as exit_:
-        plan_command.main(args)
-    assert exit_.value.code == 2
-    assert message in capsys.readouterr().err

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pipemare.experiments.tasks.classifiers import DigitsCNN
+from support.models import DigitsCNN
 
 
 class Explode(nn.Module):

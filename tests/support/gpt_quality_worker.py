@@ -1,5 +1,5 @@
 """A user's GPT run, launched by the tests in a subprocess: the byte-level GPT written as people
-write one (experiments/tasks/gpt.py: blocks in a ModuleList, the head tied to the token
+write one (tests/support/gpt.py: blocks in a ModuleList, the head tied to the token
 embedding) on Python's standard-library source, AdamW at the rate tuned on one device, on one
 device (Lightning's own strategy) or through ``Trainer(strategy="pipemare", devices=2)`` with
 nothing else set. Rank 0 writes the final validation loss and the layout the strategy chose."""
@@ -14,8 +14,9 @@ from pathlib import Path
 import pytorch_lightning as pl
 import torch
 
-from pipemare.experiments.tasks.datamodules import CharCorpusDataModule
-from pipemare.experiments.tasks.gpt import CharGPT
+import pipemare  # noqa: F401  (importing it registers strategy="pipemare" with Lightning)
+from support.data import CharCorpusDataModule
+from support.gpt import CharGPT
 
 #: the rate tuned on one device for this GPT and run length (tests/lightning/
 #: test_gpt_quality.py's docstring has the sweep)

@@ -14,9 +14,8 @@ from pytorch_lightning.callbacks import EarlyStopping, LearningRateMonitor, Mode
 from pytorch_lightning.loggers import CSVLogger
 
 import pipemare
-from pipemare.experiments.tasks.classifiers import DigitsCNN
-from pipemare.experiments.tasks.datamodules import DigitsDataModule
-from support.models import quiet_trainer
+from support.data import DigitsDataModule
+from support.models import DigitsCNN, quiet_trainer
 
 
 class ScheduledCNN(DigitsCNN):

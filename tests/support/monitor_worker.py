@@ -17,7 +17,7 @@ from pipemare.callbacks import (
     PipelineMonitor,
     StalenessMonitor,
 )
-from pipemare.experiments.tasks.datamodules import DigitsDataModule
+from support.data import DigitsDataModule
 from support.faults import Exploding
 
 

@@ -19,9 +19,8 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import pipemare
-from pipemare.experiments.tasks.classifiers import DigitsCNN
-from pipemare.experiments.tasks.datamodules import DigitsDataModule
-from support.models import quiet_trainer
+from support.data import DigitsDataModule
+from support.models import DigitsCNN, quiet_trainer
 
 
 class DigitsMLP(pl.LightningModule):

@@ -24,9 +24,9 @@ from pytorch_lightning.loggers import CSVLogger
 import pipemare
 from pipemare.callbacks import ConvergenceMonitor, PipelineMonitor, StalenessMonitor
 from pipemare.callbacks.memory import resident_mb
-from pipemare.experiments import CharGPT
-from pipemare.experiments.bench.memory import live_tensors
-from pipemare.experiments.tasks.datamodules import CharCorpusDataModule
+from support.data import CharCorpusDataModule
+from support.gpt import CharGPT
+from support.memory import live_tensors
 from support.models import quiet_trainer
 
 
