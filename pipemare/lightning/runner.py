@@ -382,8 +382,8 @@ class PipelineRunner:
             pipe.executor.on_minibatch = lambda k, loss: self.steps.publish(k, float(loss))
             pipe.executor.on_nonfinite = self.reports.record_nonfinite
             self._attach_probe(pipe)
-        if adapter.segmented:  # segments run the graph traced in the module's mode
-            adapter.sequential.train(adapter.pipelined.training)  # type: ignore[union-attr]
+        if adapter.segmented and adapter.sequential is not None:
+            adapter.sequential.train(adapter.pipelined.training)  # the graph traced in its mode
         return self.pipeline
 
     def _facts(self, batch: Any, step: str, args: tuple) -> RunFacts:

@@ -418,6 +418,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         # loggers write from rank 0 only, whichever package's decorator guards them
         for package in (PYTORCH_LIGHTNING, LIGHTNING):
             if package is not None:
+                # the decorator carries its rank as an attribute that its type does not declare
                 package.rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     def _connect(self) -> None:

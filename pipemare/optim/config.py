@@ -46,9 +46,9 @@ class PipeMareConfig:
     family (Adam, AdamW, NAdam, RotatedAdamW: measured better on the language models there),
     0.13 otherwise (AsyncPP's 12-14%; SGD, Muon, Muon + AdamW, and N > 1, where the delays
     are short and the longer horizon measured worse:
-    :data:`~pipemare.optim.settings.AUTO_FRACTIONS`). Without the run's length (the engine not
-    told ``total_steps``; Lightning always tells it) the horizon is
-    :data:`~pipemare.optim.settings.FALLBACK_HORIZON` steps."""
+    :data:`~pipemare.optim.corrections.lr_reschedule.AUTO_FRACTIONS`). Without the run's
+    length (the engine not told ``total_steps``; Lightning always tells it) the horizon is
+    :data:`~pipemare.optim.corrections.lr_reschedule.FALLBACK_HORIZON` steps."""
 
     discrepancy_correction: bool = False
     """T2: run each backward pass with ``w - Δ δ``, an estimate of the forward-time weights."""

@@ -49,13 +49,14 @@ from pipemare.optim.corrections import (
     StabilityGuard,
     WeightPrediction,
 )
+from pipemare.optim.corrections import lr_reschedule as t1
 from pipemare.optim.corrections.base import (
     group_momentum,
-    is_adam_family,
     is_muon,
     is_plain_sgd,
     momentum_is_average,
 )
+from pipemare.optim.corrections.lr_reschedule import AUTO_FRACTIONS, FALLBACK_HORIZON
 from pipemare.optim.corrections.spike import unsupported
 from pipemare.schedule.actions import spec
 from pipemare.schedule.delay import StageDelay, derive_delays
@@ -72,16 +73,8 @@ __all__ = [
     "resolve",
 ]
 
-#: T1's horizon in steps when neither it nor the run's length is known.
-FALLBACK_HORIZON = 500
-
 #: ``delay_momentum="auto"``'s momentum at the most delayed stage (Ajanthan et al., ICML 2025).
 AUTO_DELAY_MOMENTUM = 0.99
-
-#: ``reschedule_fraction="auto"``'s horizon, as a fraction of the run: at N = 1 for an
-#: optimiser whose every group is of the Adam family, and otherwise (SGD, Muon, Muon + AdamW,
-#: no optimiser to read, or N > 1). docs/results.md has the measurements behind both.
-AUTO_FRACTIONS = {"adam": 0.5, "other": 0.13}
 
 #: The config's fields T1's horizon depends on, besides the run's length (a resume keeps the
 #: checkpointed horizon while these are unchanged).
@@ -264,7 +257,7 @@ class RunSettings:
         """
         if self.horizon is None or not self._horizon_follows_length():
             return self
-        horizon = _fraction_horizon(self.fraction, total_steps, self.config.warmup_steps)
+        horizon = t1.fraction_horizon(self.fraction, total_steps, self.config.warmup_steps)
         why = f"{self.fraction:g} of the {total_steps} steps the run is now expected to last"
         return self._with_horizon(
             horizon,
@@ -297,13 +290,16 @@ class RunSettings:
                 return self, []
             what = ", ".join(f"{k} from {was.get(k)!r} to {now[k]!r}" for k in changed)
             return self, [
-                f"T1's horizon changes from {old} steps ({_basis(saved)}) to {self.horizon} "
-                f"steps ({_basis(self.run_state())}): the config changed {what}"
+                f"T1's horizon changes from {old} steps ({t1.horizon_basis(saved)}) to "
+                f"{self.horizon} steps ({t1.horizon_basis(self.run_state())}): the config "
+                f"changed {what}"
             ]
         kept = self._with_horizon(
             old,
             Decision(
-                "lr_reschedule horizon", f"{old} steps", f"the checkpointed run's ({_basis(saved)})"
+                "lr_reschedule horizon",
+                f"{old} steps",
+                f"the checkpointed run's ({t1.horizon_basis(saved)})",
             ),
             total_steps=saved["total_steps"],
             steps_per_epoch=saved["steps_per_epoch"],
@@ -312,28 +308,10 @@ class RunSettings:
             return kept, []
         return kept, [
             f"T1's horizon stays {old} steps, as the checkpointed run derived it "
-            f"({_basis(saved)}); this run's length ({_basis(self.run_state())}) would give "
-            f"{self.horizon}; to change it set PipeMareConfig(reschedule_steps={self.horizon})"
+            f"({t1.horizon_basis(saved)}); this run's length "
+            f"({t1.horizon_basis(self.run_state())}) would give {self.horizon}; to change it "
+            f"set PipeMareConfig(reschedule_steps={self.horizon})"
         ]
-
-
-def _basis(state: Mapping[str, Any]) -> str:
-    """In words, what the horizon of a :meth:`RunSettings.run_state` was derived from."""
-    settings = state["settings"]
-    if settings["reschedule_steps"] is not None:
-        return f"reschedule_steps={settings['reschedule_steps']}"
-    if settings["reschedule_epochs"] is not None:
-        return f"{settings['reschedule_epochs']:g} epochs of {state['steps_per_epoch']} steps"
-    if state["total_steps"] is None:
-        return "no known run length"
-    warmup = settings["warmup_steps"]
-    after = f" after {warmup} warm-up steps" if warmup else ""
-    return f"{settings['reschedule_fraction']:g} of the run's {state['total_steps']} steps{after}"
-
-
-def _fraction_horizon(fraction: float, total_steps: int, warmup: int) -> int:
-    """T1's horizon as ``fraction`` of the run's steps after the warm-up."""
-    return round(fraction * max(total_steps - warmup, 0))
 
 
 def asked(config: PipeMareConfig | None, schedule: str) -> PipeMareConfig:
@@ -384,53 +362,20 @@ class _Resolution:
         return self.accumulates
 
 
-def _fraction(
-    config: PipeMareConfig, optimizer: torch.optim.Optimizer, n: int
-) -> tuple[float, str]:
-    """T1's fraction of the run, ``"auto"`` resolved for the optimiser and N, and why."""
-    if config.reschedule_fraction != "auto":
-        return float(config.reschedule_fraction), "reschedule_fraction"
-    groups = optimizer.param_groups
-    adam = bool(groups) and all(is_adam_family(optimizer, g) for g in groups)
-    if adam and n == 1:
-        return AUTO_FRACTIONS[
-            "adam"
-        ], "the Adam family at N = 1, measured better on language models"
-    what = "N > 1 keeps the delays short" if adam else "the optimiser is not of the Adam family"
-    return AUTO_FRACTIONS["other"], f"AsyncPP's 12-14% of the run, as {what}"
-
-
 def _lr_reschedule(
     r: _Resolution,
     fraction: tuple[float, str],
     total_steps: int | None,
     steps_per_epoch: int | None,
 ) -> int | None:
-    config = r.config
-    if not config.lr_reschedule:
+    """T1 runs with its horizon (:func:`~pipemare.optim.corrections.lr_reschedule.horizon`)."""
+    if not r.config.lr_reschedule:
         return None
-    if config.reschedule_steps is not None:
-        horizon = config.reschedule_steps
-    elif config.reschedule_epochs is not None:
-        if steps_per_epoch is None:
-            raise ValueError(
-                "reschedule_epochs needs the steps per epoch: pass steps_per_epoch to the "
-                "Pipeline (the Lightning strategy does), or set reschedule_steps"
-            )
-        horizon = round(config.reschedule_epochs * steps_per_epoch)
-    elif total_steps is None:
-        horizon = FALLBACK_HORIZON
-        r.decide("lr_reschedule horizon", f"{horizon} steps", "the run's length is not known")
-    else:
-        horizon = _fraction_horizon(fraction[0], total_steps, config.warmup_steps)
-        why = f"{fraction[0]:g} of the run's {total_steps} steps"
-        if config.warmup_steps:
-            why += f" after {config.warmup_steps} warm-up steps"
-        if config.reschedule_fraction == "auto":
-            why += f": {fraction[1]}"
-        r.decide("lr_reschedule horizon", f"{horizon} steps", why)
-    r.run("lr_reschedule", config.warmup_steps, horizon=horizon)
-    return horizon
+    k, why = t1.horizon(r.config, fraction, total_steps, steps_per_epoch)
+    if why is not None:
+        r.decide("lr_reschedule horizon", f"{k} steps", why)
+    r.run("lr_reschedule", r.config.warmup_steps, horizon=k)
+    return k
 
 
 def _delay_momentum(r: _Resolution) -> None:
@@ -588,7 +533,7 @@ def resolve(
         config = dataclasses.replace(config)  # the user's may change later; these may not
     r = _Resolution(config, optimizer)
     r.decisions += r_decisions
-    fraction = _fraction(config, optimizer, microbatches)
+    fraction = t1.horizon_fraction(config, optimizer, microbatches)
     horizon = _lr_reschedule(r, fraction, total_steps, steps_per_epoch)
     _delay_momentum(r)
     _spike_compensation(r)
