@@ -2,34 +2,17 @@
 
 :class:`PipeMareStrategyMixin` holds the behaviour, its hooks in the order Lightning calls them,
 as in Lightning's own ``DDPStrategy``: ``__init__`` stores the arguments, ``setup`` decides where
-this process sits, the hooks run. Lightning ships two packages with separate base classes and
-registries, so two short subclasses serve them by ordinary inheritance:
-:class:`PipeMareStrategy` over ``pytorch_lightning``'s ``ParallelStrategy`` and
-:class:`LightningPipeMareStrategy` over ``lightning.pytorch``'s, where that package is
-installed; ``import pipemare`` registers both (:func:`register`). What must come from the
-subclass's own package (launchers, precision plugins, the SIGTERM exception) is its
-:class:`~pipemare.lightning.packages.LightningPackage`.
+this process sits, the hooks run. Two short subclasses serve Lightning's two packages by
+ordinary inheritance: :class:`PipeMareStrategy` (``pytorch_lightning``) and
+:class:`LightningPipeMareStrategy` (``lightning.pytorch``, where installed); each names its
+:class:`~pipemare.lightning.packages.LightningPackage`. ``import pipemare`` registers both.
 
-The strategy is glue between those hooks and the
-:class:`~pipemare.lightning.runner.PipelineRunner`, which builds the pipeline at the first batch
-and drives it and reads nothing back from the strategy:
-
-- the launch is the strategy's own (Lightning's launchers, torchrun or SLURM; gloo on CPU and
-  NCCL on CUDA), with a non-blocking SIGTERM check from :mod:`~pipemare.lightning.launching`;
-  argument and setup checks are :mod:`~pipemare.lightning.checks`;
-- ``training_step`` feeds the batch to the pipeline, which runs this process's share of the
-  schedule, weight updates included, and returns without waiting for the batch to reach the
-  last stage; the loss and ``self.log`` values a step reports are those of the minibatch
-  ``L`` steps earlier, ``L`` the pipeline's depth in steps (shown as ``lag`` in the progress
-  bar);
-- ``backward`` does nothing and ``optimizer_step`` only runs Lightning's closure: the engine
-  already applied each stage's update (manual optimisation: :mod:`~pipemare.lightning.manual`);
-- validation and test run pipelined after draining the pipeline (their batches overlap);
-- checkpoints hold the whole model and optimiser state, written without draining
-  (:mod:`~pipemare.lightning.checkpoint`).
-
-Two modes: one stage per process (``devices=P``), or every stage in one process
-(``devices=1``, ``stages=P``).
+The hooks hand work to the :class:`~pipemare.lightning.runner.PipelineRunner`, which builds the
+pipeline at the first batch from the run's plan and drives it: ``training_step`` feeds the
+batch and returns the loss of the minibatch ``L`` steps earlier (``lag`` in the progress bar);
+``backward`` does nothing and ``optimizer_step`` only runs Lightning's closure (the stages
+applied their updates); validation and test run pipelined after a drain; checkpoints hold the
+whole model, written without draining (:mod:`~pipemare.lightning.checkpoint`).
 """
 
 from __future__ import annotations

@@ -37,7 +37,8 @@ class PipeMareOptimizer:
         stage_params: for every stage this process runs, its parameters.
         delays: every stage's :class:`~pipemare.schedule.delay.StageDelay`, indexed by stage.
         config: which corrections to run, resolved for this optimiser, N and run length by
-            :func:`~pipemare.optim.settings.resolve` (ignored where ``settings`` is given).
+            :func:`~pipemare.optim.settings.resolve`; None, as there: the ``pipemare``
+            schedule's default, said as a decision (ignored where ``settings`` is given).
         microbatches: N.
         total_steps: the run's optimiser steps (for T1's horizon as a fraction of the run).
         steps_per_epoch: optimiser steps per epoch (for T1's horizon in epochs).
@@ -76,7 +77,7 @@ class PipeMareOptimizer:
         self.optimizer = optimizer
         if settings is None:
             settings = resolve(
-                config if config is not None else PipeMareConfig(),
+                config,
                 optimizer,
                 delays=delays,
                 microbatches=microbatches,
