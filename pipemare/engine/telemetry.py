@@ -53,7 +53,7 @@ class Probe:
             minibatch (0: never).
         discrepancy_every: every n-th minibatch, copy each stage's weights at the forward of
             its first microbatch and compare them at its backward (0: never).
-        max_spans: keep at most this many spans (the oldest are dropped).
+        max_spans: record at most this many spans (later ones are not recorded).
     """
 
     def __init__(

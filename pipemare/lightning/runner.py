@@ -47,6 +47,7 @@ from pipemare.planner.decide import (
     RunPlan,
     decide,
     measurements_needed,
+    microbatch_candidates,
 )
 from pipemare.planner.measurements import ForwardContext
 from pipemare.schedule.delay import StageDelay, derive_delays
@@ -315,20 +316,24 @@ class PipelineRunner:
         self._optimizers = list(optimizers)
 
     def check_optimizer(self) -> None:
-        """Refuse at setup an optimiser the pipeline cannot step, where P and N are already
-        known (given, or fixed by the processes); otherwise the pipeline's build refuses it at
-        the first batch, still before any update."""
+        """Refuse at setup an optimiser the pipeline cannot step at any N the run may take
+        (given, or each ``"auto"`` may choose:
+        :func:`~pipemare.planner.decide.microbatch_candidates`), where P is known; otherwise
+        the pipeline's build refuses it at the first batch, still before any update."""
         stages = self._check_cut() if self.adapter and self.adapter.sequential else self.stages
-        if not self._optimizers or stages is None or self.microbatches is None:
+        if not self._optimizers or stages is None:
             return
-        options = self.options
-        checks.check_optimizer(
-            stepped(self._optimizers),
-            options.schedule,
-            stages,
-            self.microbatches,
-            options.config,
-        )
+        options, refusals = self.options, []
+        for n in microbatch_candidates(options, stages):
+            try:
+                checks.check_optimizer(
+                    stepped(self._optimizers), options.schedule, stages, n, options.config
+                )
+            except (ValueError, TypeError) as refused:
+                refusals.append(refused)
+            else:
+                return  # some N the run may take is served: its first batch decides
+        raise refusals[0]
 
     def _check_cut(self) -> int | None:
         """P, after refusing a cut that cannot be made; None while the pipelined module waits
@@ -500,8 +505,6 @@ class PipelineRunner:
             recompute=options.recompute,
             compile=False if plan.compile is None else plan.compile,
             settings=plan.settings,
-            total_steps=plan.settings.total_steps,
-            steps_per_epoch=plan.settings.steps_per_epoch,
             **self._clipping(),
         )
 

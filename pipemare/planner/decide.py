@@ -46,6 +46,7 @@ __all__ = [
     "auto_microbatches",
     "decide",
     "measurements_needed",
+    "microbatch_candidates",
     "microbatches_to_measure",
 ]
 
@@ -246,6 +247,23 @@ def microbatches_to_measure(options: PipelineOptions, stages: int, rows: int) ->
         (4,)
     """
     return (_microbatches(options, stages, rows)[0],)
+
+
+def microbatch_candidates(options: PipelineOptions, stages: int) -> tuple[int, ...]:
+    """Every N the run may take at P = ``stages`` before its first batch is seen: the given
+    one, or each ``"auto"`` may choose (the first batch's rows can cap it anywhere below P),
+    the uncapped choice first.
+
+    Example:
+        >>> microbatch_candidates(PipelineOptions(), 3)
+        (3, 1, 2)
+        >>> microbatch_candidates(PipelineOptions(schedule="gpipe"), 3)
+        (1,)
+    """
+    if isinstance(options.microbatches, int):
+        return (options.microbatches,)
+    uncapped = auto_microbatches(options.schedule, stages)[0]
+    return (uncapped, *(n for n in range(1, uncapped) if n != uncapped))
 
 
 def measurements_needed(
