@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from pipemare.engine.errors import NonFiniteGradientError, NonFiniteLossError
 from pipemare.engine.lagged import DistributedResults, LocalResults, Results, result_lag
@@ -455,14 +456,17 @@ class PipelineRunner:
                 if kind == "auto":
                     from pipemare.planner import profile
 
-                    return profile(
-                        seq,
-                        x,
-                        optimizer=copies_of(self._user_optimizer(seq), seq.parameters()),
-                        schedule=options.schedule,
-                        config=options.config,
-                        forward_context=forward_context,
-                    )
+                    # a first build under validate runs in inference mode: profile with autograd
+                    with torch.inference_mode(False), torch.enable_grad():
+                        x = tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, x)
+                        return profile(
+                            seq,
+                            x,
+                            optimizer=copies_of(self._user_optimizer(seq), seq.parameters()),
+                            schedule=options.schedule,
+                            config=options.config,
+                            forward_context=forward_context,
+                        )
                 with forward_context():  # time what will run
                     out[batch_size(x)] = tuple(partition.layer_times(seq, x))
         return out

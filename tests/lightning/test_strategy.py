@@ -534,13 +534,16 @@ def test_balance_auto_takes_the_planners_cut():
     assert min(cut) >= 1
     strategy._runner.pipeline = None  # as after a consolidation: the next run rebuilds it
     calls = []
-    real = planner.auto_balance
-    planner.auto_balance = lambda *a, **k: calls.append(a) or real(*a, **k)
+    real = planner.profile  # the measurement the planner's cut is decided from
+    planner.profile = lambda *a, **k: calls.append(a) or real(*a, **k)
     try:
         t.validate(model, tiny_data())
+        assert strategy.balance == cut and calls == []  # rebuilt with the same cut, not re-planned
+        strategy._runner.pipeline = strategy._runner.plan = None  # a first build measures
+        t.validate(model, tiny_data())
+        assert len(calls) == 1
     finally:
-        planner.auto_balance = real
-    assert strategy.balance == cut and calls == []  # rebuilt with the same cut, not re-planned
+        planner.profile = real
     assert strategy.pipeline is not None and list(strategy.pipeline.balance) == cut
 
 
