@@ -30,6 +30,10 @@ __all__ = ["ACT", "GRAD", "DistributedTransport", "InProcessTransport", "Transpo
 
 ACT, GRAD = "act", "grad"
 
+#: receives posted ahead per neighbour and channel: a message can be on the wire while the
+#: previous one is still being computed on
+DEPTH = 2
+
 
 class Transport(abc.ABC):
     """Moves payloads (a tensor, or a tuple of tensors whose entries may be None) between stages."""
@@ -160,12 +164,10 @@ class DistributedTransport(Transport):
         stages: number of stages; must equal the world size (the default) unless ``layout``
             runs several copies of the pipeline.
         device: this process's device; CUDA selects NCCL.
-        stage_of_rank: which stage each rank runs (default: rank ``r`` runs stage ``r``).
         layout: ``D`` data-parallel copies of the pipeline
             (:class:`~pipemare.engine.layout.RankLayout`): this process talks to the ranks of
             its own copy, and :attr:`replica_group` joins the ranks that hold its stage in
             every copy.
-        depth: messages posted ahead per neighbour and channel.
         stall_timeout: seconds any wait for another stage may take before this process
             fails, naming that stage (see :mod:`pipemare.engine.watchdog`).
         heartbeat_timeout: seconds without a heartbeat after which another process is named
@@ -177,8 +179,6 @@ class DistributedTransport(Transport):
         self,
         stages: int | None = None,
         device: torch.device | str = "cpu",
-        stage_of_rank: Sequence[int] | None = None,
-        depth: int = 2,
         stall_timeout: float = 300.0,
         layout: RankLayout | None = None,
         heartbeat_timeout: float | None = 30.0,
@@ -194,8 +194,6 @@ class DistributedTransport(Transport):
                     f"the layout is for {layout.world_size} processes and {layout.stages} stages, "
                     f"but the world size is {world} and the pipeline has {stages} stages"
                 )
-            if stage_of_rank is not None:
-                raise ValueError("give either stage_of_rank or layout, not both")
         elif world != stages:
             raise ValueError(
                 f"the world size is {world} but the pipeline has {stages} stages; run one "
@@ -207,12 +205,8 @@ class DistributedTransport(Transport):
             order = list(range(stages))  # ranks of this copy, in stage order, below
         else:
             self.replica = 0
-            order = list(stage_of_rank) if stage_of_rank is not None else list(range(world))
-            if sorted(order) != list(range(stages)):
-                raise ValueError(f"stage_of_rank {order} must be a permutation of 0..{stages - 1}")
-            me = order[rank]
-        if depth < 1:
-            raise ValueError(f"depth must be at least 1, got {depth}")
+            order = list(range(world))  # rank r runs stage r
+            me = rank
         if stall_timeout <= 0:
             raise ValueError(
                 f"stall_timeout must be a positive number of seconds, got {stall_timeout}"
@@ -256,19 +250,19 @@ class DistributedTransport(Transport):
         self.replica_ranks = layout.stage_groups[me] if layout is not None else (self._rank_of[me],)
         self._inbox: dict[tuple[int, str], Inbox] = {}
         self._outbox: dict[tuple[int, str], Outbox] = {}
-        self._backend, self._depth = backend, depth
+        self._backend, self._depth = backend, DEPTH
         #: per local stage, the steps it has completed (updates applied), sent with each
         #: message so that a peer's error can say how far a failed stage got
         self.completed: dict[int, int] = {}
         for ch, src, dst in ((ACT, me - 1, me + 1), (GRAD, me + 1, me - 1)):
             if 0 <= src < stages:
                 inbox = Inbox(self._rank_of[src], groups[ch], self.device, self.watchdog)
-                for _ in range(depth):
+                for _ in range(DEPTH):
                     inbox.post(None)
                 self._inbox[src, ch] = inbox
             if 0 <= dst < stages:
                 self._outbox[dst, ch] = Outbox(
-                    self._rank_of[dst], groups[ch], depth, self.watchdog, ch
+                    self._rank_of[dst], groups[ch], DEPTH, self.watchdog, ch
                 )
 
     def rank_of(self, stage: int) -> int:
