@@ -201,8 +201,7 @@ class PipeMareStrategyMixin(_StrategyBase):
             compile=compile,
             microbatch_weights=microbatch_weights,
         )
-        #: the arguments as given: what the runner builds from
-        self.options = PipelineOptions(
+        self._options = PipelineOptions(
             stages=stages,
             microbatches=microbatches,
             schedule=schedule,
@@ -222,10 +221,16 @@ class PipeMareStrategyMixin(_StrategyBase):
         self._failed = False
         self._divergence_delegated = False
         self._runner = PipelineRunner(
-            self.options, self._package, self._write_file, self._remove_file, self._end_launched
+            self._options, self._package, self._write_file, self._remove_file, self._end_launched
         )
 
     # -- the arguments, as given -----------------------------------------------------------------
+
+    @property
+    def options(self) -> PipelineOptions:
+        """The arguments as given (``"auto"`` and None not yet decided): what the runner
+        builds from."""
+        return self._options
 
     @property
     def stages(self) -> int | None:

@@ -166,6 +166,7 @@ class RunPlan:
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
+        """Every choice taken on the user's behalf, with its reason, in the order printed."""
         return self.settings.decisions
 
 
