@@ -432,7 +432,7 @@ class PipelineRunner:
             measured = self._measure(seq, kind, sizes, batch, step, args)
         measured = place.broadcast(measured, 0)
         if kind == "time":
-            return dataclasses.replace(facts, layer_times=measured)
+            return dataclasses.replace(facts, layer_passes=measured)
         return dataclasses.replace(facts, profile=measured)
 
     def _measure(
@@ -444,12 +444,13 @@ class PipelineRunner:
         step: str,
         args: tuple,
     ) -> Any:
-        """``"time"``: each layer's time on the first microbatch at each N of ``sizes``;
+        """``"time"``: each layer's forward and backward on the first microbatch at each N of
+        ``sizes``;
         ``"auto"``: the planner's profile of the layers (:mod:`pipemare.planner`) with the
         run's optimiser and corrections."""
         options, forward_context = self.options, self._forward_context
         assert self.adapter is not None and forward_context is not None
-        out: dict[int, tuple[float, ...]] = {}
+        out: dict[int, tuple[tuple[float, float], ...]] = {}
         with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
             for n in sizes:
                 x = self.adapter.capture_input(step, scatter(sample, n)[0], *args)
@@ -468,7 +469,7 @@ class PipelineRunner:
                             forward_context=forward_context,
                         )
                 with forward_context():  # time what will run
-                    out[batch_size(x)] = tuple(partition.layer_times(seq, x))
+                    out[batch_size(x)] = tuple(partition.layer_passes(seq, x))
         return out
 
     def _optimizers_given(self) -> bool:

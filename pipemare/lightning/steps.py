@@ -269,6 +269,9 @@ class ModuleAdapter:
             label_shift=label_shift,
             user_compiled=self.user_compiled,
             layer_params=tuple(sum(p.numel() for p in layer.parameters()) for layer in seq),
+            batch_statistics=any(
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in seq.modules()
+            ),
         )
 
     def state_key(self, stage_key: str) -> str:

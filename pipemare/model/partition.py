@@ -20,6 +20,7 @@ __all__ = [
     "check_balance",
     "check_sequential",
     "even_balance",
+    "layer_passes",
     "layer_times",
     "split",
 ]
@@ -181,39 +182,49 @@ def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[flo
     a detached copy of the layer's input and are thrown away (parameters keep theirs), and the
     buffers (BatchNorm's running statistics) are put back as they were.
     """
+    return [forward + backward for forward, backward in layer_passes(model, sample, repeats)]
+
+
+def layer_passes(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[tuple[float, float]]:
+    """Median seconds of each layer's forward pass and of its backward pass on ``sample``
+    (measured as :func:`layer_times` measures their sum)."""
     check_sequential(model)
     # Timing runs the layers in their mode: a BatchNorm's running statistics would move.
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     # Lightning may call this from validation, under inference mode: time with autograd on.
     try:
         with torch.inference_mode(False), torch.enable_grad():
-            return _layer_times(model, _clone(sample), repeats)
+            return _layer_passes(model, _clone(sample), repeats)
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
 
 
-def _layer_times(model: nn.Sequential, sample: Any, repeats: int) -> list[float]:
+def _layer_passes(model: nn.Sequential, sample: Any, repeats: int) -> list[tuple[float, float]]:
     sync = torch.cuda.synchronize if _on_cuda(sample) else (lambda: None)
-    times, x = [], sample
+    passes, x = [], sample
     for _, layer in _layers(model):
-        samples = []
+        forwards, backwards = [], []
         for _ in range(repeats + 1):
             leaf = _leaf(x)
             start = time.perf_counter()
             out = layer(leaf)
+            sync()
+            middle = time.perf_counter()
             outs = [t for t in _flat(out) if t.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             sync()
-            samples.append(time.perf_counter() - start)
+            forwards.append(middle - start)
+            backwards.append(time.perf_counter() - middle)
         for p in layer.parameters():
             p.grad = None
-        times.append(statistics.median(samples[1:]))  # the first run warms caches up
+        # the first run warms caches up
+        passes.append((statistics.median(forwards[1:]), statistics.median(backwards[1:])))
         with torch.no_grad():
             x = layer(_leaf(x))
-    return times
+    return passes
 
 
 #: ``balance="time"`` takes the most even cut whose slowest stage is within this share of the

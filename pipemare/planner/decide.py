@@ -13,7 +13,10 @@ runner executes it and decides nothing.
 Every layout default lives here:
 
 - P: given, one per process, or in one process one per layer;
-- N (``microbatches="auto"``): :func:`auto_microbatches`;
+- N (``microbatches="auto"``): on a schedule that never flushes :func:`auto_microbatches`
+  (N = P); on ``gpipe`` and ``1f1b`` the divisor of the batch whose step, replayed from each
+  layer's measured forward and backward at that N, is the fastest (N = 1 for a model with
+  BatchNorm, whose statistics microbatches would change);
 - the cut: as the checkpointed run cut it, given, even, by parameters, by measured time
   (:data:`~pipemare.model.partition.TIME_TOLERANCE`) or the planner's
   (:func:`~pipemare.planner.search.best_cut`);
@@ -25,6 +28,7 @@ Every layout default lives here:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -34,6 +38,7 @@ from pipemare.engine.microbatch import check_splits, token_shares
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import Decision, RunSettings, resolve
+from pipemare.planner.cost import replayed_step_time
 from pipemare.planner.measurements import Profile
 from pipemare.planner.search import best_cut
 from pipemare.schedule.actions import spec
@@ -45,6 +50,7 @@ __all__ = [
     "RunPlan",
     "auto_microbatches",
     "decide",
+    "divisors",
     "measurements_needed",
     "microbatch_candidates",
     "microbatches_to_measure",
@@ -91,6 +97,8 @@ class ModelFacts:
             0: other); None for other models.
         user_compiled: how the user compiled it (``"torch.compile"``, ``"compile()"``), or None.
         layer_params: parameters of each layer, for ``balance="params"``.
+        batch_statistics: it normalises over its batch (BatchNorm), so microbatches change
+            what it computes.
     """
 
     what: str
@@ -101,6 +109,7 @@ class ModelFacts:
     label_shift: int | None = None
     user_compiled: str | None = None
     layer_params: tuple[int, ...] = ()
+    batch_statistics: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +122,9 @@ class RunFacts:
         process_stages: P where the processes fix it (one stage per process, or ``stages``
             given with several processes); None in one process.
         replicas: D, data-parallel copies of the pipeline.
-        layer_times: seconds of each layer's forward and backward, keyed by the microbatch's
-            rows they were measured at (:func:`microbatches_to_measure`), for
-            ``balance="time"``.
+        layer_passes: seconds of each layer's forward and of its backward pass, keyed by the
+            rows of the microbatch they were measured on (:func:`microbatches_to_measure`), for
+            ``balance="time"`` and a flushing schedule's ``"auto"`` N.
         profile: the planner's profile of the layers, for ``balance="auto"``.
         checkpointed: the layout of the run a checkpoint continues (``stages``, ``balance``).
         optimizer: the user's optimiser (its parameter groups decide the corrections' "auto"
@@ -133,7 +142,9 @@ class RunFacts:
     rows: int
     process_stages: int | None = None
     replicas: int = 1
-    layer_times: Mapping[int, tuple[float, ...]] = dataclasses.field(default_factory=dict)
+    layer_passes: Mapping[int, tuple[tuple[float, float], ...]] = dataclasses.field(
+        default_factory=dict
+    )
     profile: Profile | None = None
     checkpointed: Mapping[str, Any] | None = None
     optimizer: torch.optim.Optimizer | None = None
@@ -227,27 +238,102 @@ def _stages(options: PipelineOptions, facts: RunFacts) -> tuple[int, list[Decisi
 
 
 def _microbatches(
-    options: PipelineOptions, stages: int, rows: int, previous: tuple[int, int, Any] | None = None
+    options: PipelineOptions, facts: RunFacts, stages: int
 ) -> tuple[int, list[Decision]]:
     """N: as given, as this run's earlier pipeline ran it, or ``"auto"`` chosen for P and the
-    first batch."""
-    if previous is not None:
-        return previous[1], []
+    first batch: for a flushing schedule, by replaying the measured passes at each N."""
+    if facts.previous is not None:
+        return facts.previous[1], []
     if isinstance(options.microbatches, int):
         return options.microbatches, []
-    n, decision = auto_microbatches(options.schedule, stages, rows)
+    if _replays(options, facts, stages):
+        return _fastest_microbatches(options, facts, stages)
+    n, decision = auto_microbatches(options.schedule, stages, facts.rows)
+    if spec(options.schedule).flushes and stages > 1 and facts.model.batch_statistics:
+        why = (
+            f"{facts.model.what} has BatchNorm, which normalises over what it is given: N = 1 "
+            "keeps one device's batch statistics (pass microbatches=N to shrink the bubble)"
+        )
+        decision = Decision("microbatches", "N=1", why)
     return n, [decision]
 
 
-def microbatches_to_measure(options: PipelineOptions, stages: int, rows: int) -> tuple[int, ...]:
-    """The N of each candidate layout, whose first microbatch the layers are timed on (the
-    runner measures there and passes the times as :attr:`RunFacts.layer_times`).
+def _replays(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
+    """Whether ``"auto"`` N is the fastest replayed one: a flushing schedule (its bubble
+    shrinks with N, its actions multiply) over several stages, whose model keeps no batch
+    statistics, cut other than by the planner (which models its own N)."""
+    return (
+        isinstance(options.microbatches, str)
+        and spec(options.schedule).flushes
+        and stages > 1
+        and not facts.model.batch_statistics
+        and options.balance != "auto"
+        and facts.previous is None
+    )
+
+
+def divisors(rows: int) -> tuple[int, ...]:
+    """Every N that splits a batch of ``rows`` into equal microbatches.
 
     Example:
-        >>> microbatches_to_measure(PipelineOptions(), stages=4, rows=32)
-        (4,)
+        >>> divisors(12)
+        (1, 2, 3, 4, 6, 12)
     """
-    return (_microbatches(options, stages, rows)[0],)
+    return tuple(n for n in range(1, rows + 1) if rows % n == 0)
+
+
+def _fastest_microbatches(
+    options: PipelineOptions, facts: RunFacts, stages: int
+) -> tuple[int, list[Decision]]:
+    """The N, among the divisors of the first batch, whose replayed step is the fastest: each
+    N's cut from its own microbatch's passes, each stage's forward and backward the sums of its
+    layers', replayed through the schedule (:func:`~pipemare.planner.cost.replayed_step_time`;
+    the update, once per step whatever N, and the links left out). Ties go to the smaller N."""
+    replayed = {}
+    for n in divisors(facts.rows):
+        cut, _ = _cut(options, facts, stages, n)
+        passes = _passes_at(facts, microbatch_rows(facts.rows, n))
+        bounds = [0, *itertools.accumulate(cut)]
+        durations = [
+            (sum(f for f, _ in passes[a:b]), sum(b_ for _, b_ in passes[a:b]), 0.0)
+            for a, b in itertools.pairwise(bounds)
+        ]
+        replayed[n] = replayed_step_time(options.schedule, durations, n)
+    best = min(replayed, key=lambda n: (replayed[n], n))
+    shown = ", ".join(f"N={n}: {t * 1e3:.3g} ms" for n, t in sorted(replayed.items()))
+    why = (
+        f"the fastest step of {options.schedule!r} for a batch of {facts.rows}, replayed from each "
+        f"layer's measured forward and backward at each N ({shown})"
+    )
+    return best, [Decision("microbatches", f"N={best}", why)]
+
+
+def _passes_at(facts: RunFacts, rows: int) -> tuple[tuple[float, float], ...]:
+    """The layers' measured (forward, backward) seconds on a microbatch of ``rows``."""
+    passes = facts.layer_passes.get(rows)
+    if passes is None:
+        raise ValueError(
+            f"the decisions need the layers' times on a microbatch of {rows} rows; measured at "
+            f"{sorted(facts.layer_passes)}"
+        )
+    return passes
+
+
+def microbatches_to_measure(options: PipelineOptions, facts: RunFacts) -> tuple[int, ...]:
+    """The N of each candidate layout, whose first microbatch the layers are timed on (the
+    runner measures there and passes the times as :attr:`RunFacts.layer_passes`).
+
+    Example:
+        >>> facts = RunFacts(ModelFacts("Net.layers", layers=6), rows=8)
+        >>> microbatches_to_measure(PipelineOptions(stages=4), facts)
+        (4,)
+        >>> microbatches_to_measure(PipelineOptions(stages=4, schedule="1f1b"), facts)
+        (1, 2, 4, 8)
+    """
+    stages, _ = _stages(options, facts)
+    if _replays(options, facts, stages):
+        return divisors(facts.rows)
+    return (_microbatches(options, facts, stages)[0],)
 
 
 def microbatch_candidates(options: PipelineOptions, stages: int) -> tuple[int, ...]:
@@ -270,10 +356,11 @@ def microbatch_candidates(options: PipelineOptions, stages: int) -> tuple[int, .
 def measurements_needed(
     options: PipelineOptions, facts: RunFacts
 ) -> tuple[str, tuple[int, ...]] | None:
-    """What the runner must measure before :func:`decide` can cut the layers: ``("time",
-    Ns)`` the layers' times on the first microbatch at each N, ``("auto", Ns)`` the planner's
-    profile there; None where the cut needs no measurement (given, even, by parameters, one
-    layer per stage, or as an earlier pipeline or the checkpointed run cut it).
+    """What the runner must measure before :func:`decide` can choose N and cut the layers:
+    ``("time", Ns)`` each layer's forward and backward on the first microbatch at each N,
+    ``("auto", Ns)`` the planner's profile there; None where neither needs a measurement
+    (N given or fixed, and the cut given, even, by parameters, one layer per stage, or as an
+    earlier pipeline or the checkpointed run cut it).
 
     Example:
         >>> facts = RunFacts(ModelFacts("Net.layers", layers=6), rows=32)
@@ -283,6 +370,8 @@ def measurements_needed(
         True
     """
     stages, _ = _stages(options, facts)
+    if _replays(options, facts, stages):  # N is chosen from the passes, whatever the cut
+        return "time", microbatches_to_measure(options, facts)
     balance, saved = options.balance, facts.checkpointed
     if facts.previous is not None or not isinstance(balance, str):
         return None
@@ -290,7 +379,7 @@ def measurements_needed(
         return None
     if balance not in ("time", "auto"):
         return None
-    return balance, microbatches_to_measure(options, stages, facts.rows)
+    return balance, microbatches_to_measure(options, facts)
 
 
 def microbatch_rows(rows: int, microbatches: int) -> int:
@@ -326,13 +415,8 @@ def _cut(
         cut = best_cut(facts.profile, stages, microbatches, options.schedule)
         why = "balance='auto': the planner's cut from a profile of the layers"
     else:
-        rows = microbatch_rows(facts.rows, microbatches)
-        times = facts.layer_times.get(rows)
-        if times is None:
-            raise ValueError(
-                f"balance='time' needs the layers' times on a microbatch of {rows} rows; "
-                f"measured at {sorted(facts.layer_times)}"
-            )
+        passes = _passes_at(facts, microbatch_rows(facts.rows, microbatches))
+        times = [forward + backward for forward, backward in passes]
         cut = partition.balance_by_cost(times, stages, tolerance=partition.TIME_TOLERANCE)
         why = (
             "balance='time': from each layer's time on the first microbatch, the most even cut "
@@ -443,13 +527,13 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
 
     Example:
         >>> facts = RunFacts(ModelFacts("Net.layers", layers=4), rows=8,
-        ...                  layer_times={4: (1.0, 1.0, 1.0, 3.0)})
+        ...                  layer_passes={4: ((0.3, 0.7),) * 3 + ((1.0, 2.0),)})
         >>> plan = decide(PipelineOptions(stages=2), facts)
         >>> plan.microbatches, plan.balance
         (2, (3, 1))
     """
     stages, decided = _stages(options, facts)
-    microbatches, n_decided = _microbatches(options, stages, facts.rows, facts.previous)
+    microbatches, n_decided = _microbatches(options, facts, stages)
     cut, cut_decided = _cut(options, facts, stages, microbatches)
     compiled, compile_decided = _compiled(options, facts.model)
     weights, weights_decided = _weights(options, facts.model)

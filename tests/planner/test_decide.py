@@ -38,6 +38,11 @@ def _adamw() -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=1e-3)
 
 
+def _passes(*times: float) -> tuple[tuple[float, float], ...]:
+    """Each layer's (forward, backward) seconds: a third and two thirds of ``times``."""
+    return tuple((t / 3, 2 * t / 3) for t in times)
+
+
 def _said(plan: RunPlan) -> dict[str, str]:
     return {d.subject: f"{d.choice} ({d.reason})" for d in plan.decisions}
 
@@ -51,7 +56,7 @@ def test_plain_facts_give_the_whole_frozen_plan():
         rows=32,
         process_stages=2,
         replicas=1,
-        layer_times={16: (6.0, 6.0, 1.0, 1.0, 1.0, 1.0)},
+        layer_passes={16: _passes(6.0, 6.0, 1.0, 1.0, 1.0, 1.0)},
         optimizer=_adamw(),
         total_steps=1000,
         steps_per_epoch=100,
@@ -79,14 +84,14 @@ def test_plain_facts_give_the_whole_frozen_plan():
 
 def test_layout_rows():
     """Each way the layout is chosen, as a row: (options, facts) -> (P, N, cut, reason)."""
-    times = {8: (1.0, 1.0, 1.0, 1.0, 1.0, 4.0), 16: (1.0,) * 6, 32: (1.0,) * 6}
+    times = {8: _passes(1.0, 1.0, 1.0, 1.0, 1.0, 4.0), 16: _passes(*(1.0,) * 6)}
     rows = [
         # one process, P given, N auto: N = P, the cut from the times at 32 / 4 = 8 rows
         (dict(stages=4), dict(rows=32), (4, 4, (1, 2, 2, 1)), "balance='time'"),
         # one process, nothing given: one stage per layer
         ({}, dict(rows=32), (6, 6, (1,) * 6), "one layer per stage"),
-        # a flushing schedule keeps N = 1 (times measured on the whole batch)
-        (dict(stages=2, schedule="1f1b"), dict(rows=32), (2, 1, (3, 3)), "balance='time'"),
+        # a flushing schedule, N given: the cut from the passes at its microbatch size
+        (dict(stages=2, schedule="1f1b", microbatches=2), dict(rows=32), (2, 2, (3, 3)), "'time'"),
         # N capped by a batch smaller than P
         (dict(stages=4, balance="even"), dict(rows=3), (4, 3, (2, 2, 1, 1)), "balance='even'"),
         (dict(stages=2, balance="params"), dict(rows=8), (2, 2, (5, 1)), "balance='params'"),
@@ -102,7 +107,7 @@ def test_layout_rows():
         (dict(stages=2), dict(rows=5, previous=(2, 4, (1, 5))), (2, 4, (1, 5)), None),
     ]
     for options, fact, expected, why in rows:
-        facts = RunFacts(SEQ, layer_times=times, **fact)
+        facts = RunFacts(SEQ, layer_passes=times, **fact)
         plan = decide(PipelineOptions(**options), facts)
         assert (plan.stages, plan.microbatches, plan.balance) == expected, options
         cut_said = _said(plan).get("layers per stage")
@@ -113,14 +118,18 @@ def test_what_must_be_measured_is_said_before_measuring():
     facts = RunFacts(SEQ, rows=32)
     assert measurements_needed(PipelineOptions(stages=3), facts) == ("time", (3,))
     assert measurements_needed(PipelineOptions(stages=3, balance="auto"), facts) == ("auto", (3,))
-    assert measurements_needed(PipelineOptions(stages=3, schedule="gpipe"), facts) == ("time", (1,))
+    every_n = ("time", (1, 2, 4, 8, 16, 32))  # a flushing schedule's N: each divisor of 32
+    assert measurements_needed(PipelineOptions(stages=3, schedule="gpipe"), facts) == every_n
+    even = PipelineOptions(stages=3, schedule="1f1b", balance="even")
+    assert measurements_needed(even, facts) == every_n  # N is chosen from them, not the cut
     for needless in (dict(stages=6), dict(stages=3, balance="params"), dict(balance=[3, 3])):
         assert measurements_needed(PipelineOptions(**needless), facts) is None
     kept = dataclasses.replace(facts, checkpointed={"stages": 3, "balance": [2, 2, 2]})
     assert measurements_needed(PipelineOptions(stages=3), kept) is None
     # the times must be those of the size the layout runs, not another
     with pytest.raises(ValueError, match=r"times on a microbatch of 11 rows; measured at \[8\]"):
-        decide(PipelineOptions(stages=3), dataclasses.replace(facts, layer_times={8: (1.0,) * 6}))
+        measured = dataclasses.replace(facts, layer_passes={8: _passes(*(1.0,) * 6)})
+        decide(PipelineOptions(stages=3), measured)
 
 
 def test_a_hugging_face_model_is_said_how_it_was_cut_called_and_weighted():
@@ -150,3 +159,35 @@ def test_refusals_come_from_the_facts():
     # evaluation: no optimiser, no last-batch check, the same layout
     plan = decide(PipelineOptions(stages=2, balance="even"), RunFacts(SEQ, rows=8, fitting=False))
     assert (plan.stages, plan.microbatches, plan.balance) == (2, 2, (3, 3))
+
+
+def _flushing(times_at, rows=8, **options):
+    """``1f1b`` with N left to it, the layers' passes at each N given by ``times_at(rows)``."""
+    passes = {rows // n: times_at(rows // n) for n in (1, 2, 4, 8) if rows % n == 0}
+    facts = RunFacts(SEQ, rows=rows, layer_passes=passes)
+    return decide(PipelineOptions(stages=2, schedule="1f1b", **options), facts)
+
+
+def test_1f1b_takes_more_microbatches_where_they_shrink_its_step():
+    """Layers that cost their rows (compute-bound): every N costs the same work, and the
+    bubble (P - 1)/(N + P - 1) shrinks as N grows, so the replay picks the finest split."""
+    plan = _flushing(lambda rows: _passes(*[0.001 * rows] * 6))
+    assert plan.microbatches == 8 and plan.balance == (3, 3)
+    why = _said(plan)["microbatches"]
+    assert why.startswith("N=8 (the fastest step of '1f1b' for a batch of 8, replayed from each")
+    # 24 ms of work per stage, times (N + P - 1)/N: the bubble the replay derives
+    assert "(N=1: 48 ms, N=2: 36 ms, N=4: 30 ms, N=8: 27 ms)" in why
+
+
+def test_1f1b_keeps_one_microbatch_where_each_costs_the_same_whatever_its_rows():
+    """Layers that cost a fixed time per call whatever the rows (dispatch-bound): each extra
+    microbatch costs a whole pass, so N = 1 is the fastest."""
+    plan = _flushing(lambda rows: _passes(*[0.001] * 6))
+    assert plan.microbatches == 1
+    assert _said(plan)["microbatches"].startswith("N=1 (the fastest step of '1f1b'")
+    # given, N is the user's; with BatchNorm, one device's statistics keep N = 1
+    assert _flushing(lambda rows: _passes(*[0.001 * rows] * 6), microbatches=2).microbatches == 2
+    norm = dataclasses.replace(SEQ, batch_statistics=True)
+    facts = RunFacts(norm, rows=8, layer_passes={8: _passes(*[1.0] * 6)})
+    plan = decide(PipelineOptions(stages=2, schedule="gpipe"), facts)
+    assert plan.microbatches == 1 and "has BatchNorm" in _said(plan)["microbatches"]
