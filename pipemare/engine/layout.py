@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-__all__ = ["RankLayout"]
+__all__ = ["RankLayout", "divisors"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,7 @@ class RankLayout:
             raise ValueError(
                 f"{self.world_size} processes cannot run whole copies of a {self.stages}-stage "
                 f"pipeline; use a stage count that divides it (e.g. "
-                f"{', '.join(str(d) for d in _divisors(self.world_size))}) or change devices"
+                f"{', '.join(str(d) for d in divisors(self.world_size))}) or change devices"
             )
 
     @property
@@ -103,5 +103,12 @@ class RankLayout:
         return "\n".join(lines)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> tuple[int, ...]:
+    """Every whole number that divides ``n``: the copies a world of ``n`` processes can run,
+    or the N that split a batch of ``n`` rows into equal microbatches.
+
+    Example:
+        >>> divisors(12)
+        (1, 2, 3, 4, 6, 12)
+    """
+    return tuple(d for d in range(1, n + 1) if n % d == 0)

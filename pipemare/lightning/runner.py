@@ -83,7 +83,7 @@ def stepped(optimizers: Sequence[Any]) -> Any:
     return optimizers[0] if len(optimizers) == 1 else ChainedOptimizer(optimizers)
 
 
-def where(pipe: Pipeline, stage: int) -> str:
+def _on_rank(pipe: Pipeline, stage: int) -> str:
     """The text ", rank r" for ``stage`` (-1: the last) with a process per stage, else ""."""
     if not isinstance(pipe.transport, DistributedTransport):
         return ""
@@ -153,12 +153,12 @@ class TrainingReports:
         for k, loss in enumerate(losses, start=first):
             if not math.isfinite(loss):
                 if not monitored:
-                    raise NonFiniteLossError(k + 1, pipe.num_stages - 1, loss, where(pipe, -1))
+                    raise NonFiniteLossError(k + 1, pipe.num_stages - 1, loss, _on_rank(pipe, -1))
                 self.bad_grads.clear()  # the run diverged: the monitor decides from here on
                 self.diverged = True
             bad = self.bad_grads.pop(k, None)
             if bad is not None and math.isfinite(loss):
-                raise NonFiniteGradientError(k + 1, bad[0], bad[1], where(pipe, bad[0]))
+                raise NonFiniteGradientError(k + 1, bad[0], bad[1], _on_rank(pipe, bad[0]))
 
     def record_nonfinite(self, stage: int, minibatch: int, names: list[str]) -> None:
         """The executor's ``on_nonfinite``: ``stage`` skipped ``minibatch``'s update."""
@@ -174,7 +174,7 @@ class TrainingReports:
         if self.bad_grads:
             assert pipe is not None
             k, (stage, names) = min(self.bad_grads.items())
-            raise NonFiniteGradientError(k + 1, stage, names, where(pipe, stage))
+            raise NonFiniteGradientError(k + 1, stage, names, _on_rank(pipe, stage))
 
 
 class GradStash:

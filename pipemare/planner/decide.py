@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from pipemare.engine.layout import divisors
 from pipemare.engine.microbatch import check_splits, token_shares
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
@@ -50,7 +51,6 @@ __all__ = [
     "RunPlan",
     "auto_microbatches",
     "decide",
-    "divisors",
     "measurements_needed",
     "microbatch_candidates",
     "microbatches_to_measure",
@@ -272,16 +272,6 @@ def _replays(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
     )
 
 
-def divisors(rows: int) -> tuple[int, ...]:
-    """Every N that splits a batch of ``rows`` into equal microbatches.
-
-    Example:
-        >>> divisors(12)
-        (1, 2, 3, 4, 6, 12)
-    """
-    return tuple(n for n in range(1, rows + 1) if rows % n == 0)
-
-
 def _fastest_microbatches(
     options: PipelineOptions, facts: RunFacts, stages: int
 ) -> tuple[int, list[Decision]]:
@@ -291,7 +281,7 @@ def _fastest_microbatches(
     the update, once per step whatever N, and the links left out). Ties go to the smaller N."""
     replayed = {}
     for n in divisors(facts.rows):
-        cut, _ = _cut(options, facts, stages, n)
+        cut, _ = _layers_per_stage(options, facts, stages, n)
         passes = _passes_at(facts, microbatch_rows(facts.rows, n))
         bounds = [0, *itertools.accumulate(cut)]
         durations = [
@@ -387,7 +377,7 @@ def microbatch_rows(rows: int, microbatches: int) -> int:
     return -(-rows // microbatches)
 
 
-def _cut(
+def _layers_per_stage(
     options: PipelineOptions, facts: RunFacts, stages: int, microbatches: int
 ) -> tuple[list[int], list[Decision]]:
     """Layers per stage: as an earlier pipeline of this run or the run a checkpoint continues
@@ -534,7 +524,7 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
     """
     stages, decided = _stages(options, facts)
     microbatches, n_decided = _microbatches(options, facts, stages)
-    cut, cut_decided = _cut(options, facts, stages, microbatches)
+    cut, cut_decided = _layers_per_stage(options, facts, stages, microbatches)
     compiled, compile_decided = _compiled(options, facts.model)
     weights, weights_decided = _weights(options, facts.model)
     short = _short_batches(facts, microbatches) if facts.fitting else []
