@@ -191,8 +191,9 @@ def auto_microbatches(schedule: str, stages: int, rows: int | None = None) -> tu
     +17% over one device, +2.8% at N = 2; docs/results.md). ``rows``, the samples of the run's
     first batch, caps N: every microbatch keeps a sample (a smaller last batch does not: copies
     of weight 0 fill its slots, :func:`~pipemare.engine.microbatch.scatter_filled`).
-    A flushing schedule has no delay to bound and keeps N = 1 (pass ``microbatches`` to shrink
-    its bubble, ``(P - 1)/(N + P - 1)``).
+    A flushing schedule has no delay to bound: here it gets N = 1, which :func:`decide` keeps
+    only where it cannot replay the candidates (BatchNorm, the planner's cut); elsewhere it takes
+    the N whose replayed step is fastest.
 
     Example:
         >>> auto_microbatches("pipemare", 4)[0], auto_microbatches("pipemare", 8, rows=6)[0]
