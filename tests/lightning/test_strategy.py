@@ -544,12 +544,17 @@ def test_balance_auto_takes_the_planners_cut():
     try:
         t.validate(model, tiny_data())
         assert strategy.balance == cut and calls == []  # rebuilt with the same cut, not re-planned
+        assert strategy.pipeline is not None and list(strategy.pipeline.balance) == cut
         strategy._runner.pipeline = strategy._runner.plan = None  # a first build measures
         t.validate(model, tiny_data())
         assert len(calls) == 1
     finally:
         planner.profile = real
-    assert strategy.pipeline is not None and list(strategy.pipeline.balance) == cut
+    # A fresh measurement may cut elsewhere (the layers' times are this machine's, and noisy):
+    # whatever it decided is what the pipeline runs.
+    replanned = strategy.balance
+    assert isinstance(replanned, list) and sum(replanned) == len(model.net)
+    assert strategy.pipeline is not None and list(strategy.pipeline.balance) == replanned
 
 
 def test_a_layer_the_user_keeps_in_eval_mode_stays_there():
