@@ -49,6 +49,7 @@ from pipemare.planner.decide import (
     decide,
     measurements_needed,
     microbatch_candidates,
+    overheads_to_measure,
 )
 from pipemare.planner.measurements import ForwardContext
 from pipemare.schedule.delay import StageDelay, derive_delays
@@ -430,10 +431,34 @@ class PipelineRunner:
         measured = None
         if place.global_rank == 0:
             measured = self._measure(seq, kind, sizes, batch, step, args)
+            if kind == "time":
+                measured = (
+                    measured,
+                    self._overheads(seq, overheads_to_measure(self.options, facts)),
+                )
         measured = place.broadcast(measured, 0)
         if kind == "time":
-            return dataclasses.replace(facts, layer_passes=measured)
+            passes, overheads = measured
+            return dataclasses.replace(facts, layer_passes=passes, action_overhead=overheads)
         return dataclasses.replace(facts, profile=measured)
+
+    def _overheads(
+        self, seq: nn.Sequential, schedules: tuple[str, ...]
+    ) -> dict[str, tuple[float, float, float]]:
+        """The engine's own seconds per action under each of ``schedules`` with the run's
+        optimiser, on this device (:func:`~pipemare.planner.engine_overhead`)."""
+        from pipemare.planner import engine_overhead
+
+        device = next((p.device for p in seq.parameters()), torch.device("cpu"))
+        factory = copies_of(self._user_optimizer(seq), seq.parameters())
+        out = {}
+        with self.steps.discarding_logs():
+            for schedule in schedules:
+                fixed = engine_overhead(
+                    schedule, factory, config=self.options.config, device=device
+                )
+                out[schedule] = (fixed.forward_s, fixed.backward_s, fixed.update_s)
+        return out
 
     def _measure(
         self,

@@ -47,6 +47,7 @@ from pipemare.lightning.packages import LIGHTNING, PYTORCH_LIGHTNING, LightningP
 from pipemare.lightning.runner import PipelineOptions, PipelineRunner, Placement
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import RunSettings
+from pipemare.planner.decide import Advice
 from pipemare.schedule.actions import SCHEDULES
 from pipemare.schedule.delay import StageDelay
 
@@ -122,6 +123,11 @@ class PipeMareStrategyMixin(_StrategyBase):
             entry or its last element (``(inputs, targets)``), for a loss that averages over
             them (``cross_entropy(..., ignore_index=-100)``); or a function from the list of
             microbatches to their shares.
+        advise: an asynchronous schedule times the model's layers at every N 1F1B could run
+            for the first batch, and the engine's own cost per action, on this device, replays
+            both schedules and says in the run's first lines (and its stored settings) which
+            steps sooner and by how much, beside the quality the protocol measured for the
+            optimiser's family and P (default True; False skips the measurement).
 
     With ``stages`` below the process count (``devices * num_nodes``), the processes run
     ``devices * num_nodes / stages`` data-parallel copies of the pipeline
@@ -169,6 +175,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         heartbeat_timeout: float | None = 30.0,
         compile: bool | dict[str, Any] = False,
         microbatch_weights: str | Callable[[list[Any]], list[float]] = "auto",
+        advise: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -202,6 +209,8 @@ class PipeMareStrategyMixin(_StrategyBase):
             compile=compile,
             microbatch_weights=microbatch_weights,
         )
+        if not isinstance(advise, bool):
+            raise ValueError(f"advise must be True or False, got {advise!r}")
         self._options = PipelineOptions(
             stages=stages,
             microbatches=microbatches,
@@ -216,6 +225,7 @@ class PipeMareStrategyMixin(_StrategyBase):
             microbatch_weights=microbatch_weights,
             stall_timeout=float(stall_timeout),
             heartbeat_timeout=None if heartbeat_timeout is None else float(heartbeat_timeout),
+            advise=advise,
         )
         self._start_method, self._timeout = start_method, timeout
         self._num_nodes = 1
@@ -353,6 +363,14 @@ class PipeMareStrategyMixin(_StrategyBase):
         lines print it; None before the first batch built the pipeline."""
         pipe = self._runner.pipeline
         return None if pipe is None else pipe.settings
+
+    @property
+    def advice(self) -> Advice | None:
+        """Which schedule steps sooner on this model and device, replayed from its layers as
+        measured at the first batch (:class:`~pipemare.planner.decide.Advice`); None before
+        it, or where the run does not advise (see ``advise``)."""
+        plan = self._runner.plan
+        return None if plan is None else plan.advice
 
     def set_run_length(self, total_steps: int) -> int | None:
         """Run on as a run now known to be ``total_steps`` optimiser steps long (e.g. a time

@@ -24,7 +24,7 @@ a LightningCLI config.
 
 from pipemare.planner.cost import Layout, evaluate, replayed_step_time, steady_step_time
 from pipemare.planner.measurements import LayerProfile, Overhead, Profile
-from pipemare.planner.profile import profile
+from pipemare.planner.profile import engine_overhead, profile
 from pipemare.planner.report import Plan, parse_bytes
 from pipemare.planner.search import auto_balance, plan
 
@@ -35,6 +35,7 @@ __all__ = [
     "Plan",
     "Profile",
     "auto_balance",
+    "engine_overhead",
     "evaluate",
     "parse_bytes",
     "plan",

@@ -45,6 +45,8 @@ from pipemare.planner.search import best_cut
 from pipemare.schedule.actions import spec
 
 __all__ = [
+    "MEASURED_QUALITY",
+    "Advice",
     "ModelFacts",
     "PipelineOptions",
     "RunFacts",
@@ -54,6 +56,8 @@ __all__ = [
     "measurements_needed",
     "microbatch_candidates",
     "microbatches_to_measure",
+    "optimizer_family",
+    "overheads_to_measure",
 ]
 
 #: how each microbatch's loss is weighted: a function from the microbatches to their shares
@@ -80,6 +84,8 @@ class PipelineOptions:
     microbatch_weights: str | Weights = "auto"
     stall_timeout: float = 300.0
     heartbeat_timeout: float | None = 30.0
+    #: time the user's layers at every N 1F1B could run and say which schedule steps sooner
+    advise: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +142,10 @@ class RunFacts:
         fitting: whether the run trains (evaluation applies no corrections).
         previous: ``(stages, microbatches, balance)`` of this run's earlier pipeline (a rebuild
             after fit, for test, runs the same layout); None at the first build.
+        action_overhead: per schedule, the engine's own seconds per forward, backward and update
+            action whatever the layers (:func:`~pipemare.planner.timing.engine_overhead`),
+            added to each stage's layers in a replay; a schedule without one replays the
+            layers alone.
     """
 
     model: ModelFacts
@@ -153,6 +163,43 @@ class RunFacts:
     short_last_batches: tuple[tuple[int, int, int], ...] = ()
     fitting: bool = True
     previous: tuple[int, int, tuple[int, ...]] | None = None
+    action_overhead: Mapping[str, tuple[float, float, float]] = dataclasses.field(
+        default_factory=dict
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Advice:
+    """Which schedule steps sooner on this model and device, from its measured layers.
+
+    Attributes:
+        schedule: the run's schedule, at N = ``microbatches``.
+        microbatches: the run's N.
+        step_s: its step, replayed.
+        baseline_n: 1F1B's fastest N for the batch.
+        baseline_s: 1F1B's step at that N, replayed.
+        baseline_by_n: 1F1B's replayed step at each N it could run.
+        quality: the quality the protocol measured for this optimiser family and P, relative to
+            1F1B's (e.g. 0.004: 0.4% higher loss), and where; None where it measured none.
+    """
+
+    schedule: str
+    microbatches: int
+    step_s: float
+    baseline_n: int
+    baseline_s: float
+    baseline_by_n: Mapping[int, float]
+    quality: tuple[float, str] | None = None
+
+    @property
+    def ratio(self) -> float:
+        """The run's step as a multiple of 1F1B's at its fastest N."""
+        return self.step_s / self.baseline_s
+
+    @property
+    def favours(self) -> str:
+        """The schedule whose step is shorter (the run's on a tie)."""
+        return self.schedule if self.ratio <= 1.0 else "1f1b"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +213,8 @@ class RunPlan:
         compile: ``torch.compile``'s options for each stage, or None (not compiled).
         weights: each microbatch's share of its batch's loss (None: by rows).
         settings: the schedule, layout and corrections with every decision and its reason.
+        advice: which schedule steps sooner on this model and device (None where the run does
+            not say: a flushing schedule, evaluation, ``advise=False``, ``balance="auto"``).
     """
 
     stages: int
@@ -174,6 +223,7 @@ class RunPlan:
     compile: dict[str, Any] | None
     weights: Weights | None
     settings: RunSettings
+    advice: Advice | None = None
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -273,30 +323,126 @@ def _replays(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
     )
 
 
-def _fastest_microbatches(
-    options: PipelineOptions, facts: RunFacts, stages: int
-) -> tuple[int, list[Decision]]:
-    """The N, among the divisors of the first batch, whose replayed step is the fastest: each
-    N's cut from its own microbatch's passes, each stage's forward and backward the sums of its
-    layers', replayed through the schedule (:func:`~pipemare.planner.cost.replayed_step_time`;
-    the update, once per step whatever N, and the links left out). Ties go to the smaller N."""
+def _replayed_steps(
+    options: PipelineOptions,
+    facts: RunFacts,
+    stages: int,
+    schedule: str,
+    ns: Sequence[int],
+) -> dict[int, float]:
+    """Each N's step under ``schedule``, replayed
+    (:func:`~pipemare.planner.cost.replayed_step_time`): the layers cut at that N as the
+    options cut them, each stage's forward and backward the sums of its layers' measured at
+    that N's microbatch plus the engine's own seconds per action
+    (:attr:`RunFacts.action_overhead`), its update the engine's (the parameters' arithmetic,
+    the same per step whatever the schedule, and the links are left out)."""
+    fixed = facts.action_overhead.get(schedule, (0.0, 0.0, 0.0))
     replayed = {}
-    for n in divisors(facts.rows):
+    for n in ns:
         cut, _ = _layers_per_stage(options, facts, stages, n)
         passes = _passes_at(facts, microbatch_rows(facts.rows, n))
         bounds = [0, *itertools.accumulate(cut)]
         durations = [
-            (sum(f for f, _ in passes[a:b]), sum(b_ for _, b_ in passes[a:b]), 0.0)
+            (
+                fixed[0] + sum(f for f, _ in passes[a:b]),
+                fixed[1] + sum(b_ for _, b_ in passes[a:b]),
+                fixed[2],
+            )
             for a, b in itertools.pairwise(bounds)
         ]
-        replayed[n] = replayed_step_time(options.schedule, durations, n)
+        replayed[n] = replayed_step_time(schedule, durations, n)
+    return replayed
+
+
+def _shown(replayed: Mapping[int, float]) -> str:
+    return ", ".join(f"N={n}: {t * 1e3:.3g} ms" for n, t in sorted(replayed.items()))
+
+
+def _fastest_microbatches(
+    options: PipelineOptions, facts: RunFacts, stages: int
+) -> tuple[int, list[Decision]]:
+    """The N, among the divisors of the first batch, whose replayed step is the fastest
+    (:func:`_replayed_steps`). Ties go to the smaller N."""
+    replayed = _replayed_steps(options, facts, stages, options.schedule, divisors(facts.rows))
     best = min(replayed, key=lambda n: (replayed[n], n))
-    shown = ", ".join(f"N={n}: {t * 1e3:.3g} ms" for n, t in sorted(replayed.items()))
     why = (
         f"the fastest step of {options.schedule!r} for a batch of {facts.rows}, replayed from each "
-        f"layer's measured forward and backward at each N ({shown})"
+        f"layer's measured forward and backward at each N ({_shown(replayed)})"
     )
     return best, [Decision("microbatches", f"N={best}", why)]
+
+
+#: pipemare's default schedule against 1F1B at its fastest N: the relative gap in final
+#: validation loss (mean of seeds) the user's protocol measured at the user's recipe, per
+#: optimiser family and P, and where (docs/results.md, "Where pipemare pays")
+MEASURED_QUALITY: dict[tuple[str, int], tuple[float, str]] = {}
+
+
+def optimizer_family(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """``"adam"`` (every group has Adam's betas), ``"muon"`` (Muon or Muon + AdamW),
+    ``"sgdm"`` (SGD with momentum), or None."""
+    if optimizer is None:
+        return None
+    name = type(optimizer).__name__.lower()
+    groups = optimizer.param_groups
+    if "muon" in name:
+        return "muon"
+    if groups and all("betas" in g for g in groups):
+        return "adam"
+    if isinstance(optimizer, torch.optim.SGD) and all(g.get("momentum", 0) > 0 for g in groups):
+        return "sgdm"
+    return None
+
+
+def _advises(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
+    """Whether the run's first lines say which schedule steps sooner: an asynchronous
+    schedule that trains over several stages, asked to, its layers timed (not the planner's
+    profile), at its first build."""
+    return (
+        options.advise
+        and facts.fitting
+        and not spec(options.schedule).flushes
+        and stages > 1
+        and options.balance != "auto"
+        and facts.previous is None
+    )
+
+
+def _advice(
+    options: PipelineOptions, facts: RunFacts, stages: int, microbatches: int
+) -> tuple[Advice | None, list[Decision]]:
+    """The run's step against 1F1B's at its fastest N, both replayed from the layers measured
+    here (at each N whose microbatch was measured: :func:`microbatches_to_measure` asks for
+    every divisor of the batch), with the quality the protocol measured for this optimiser
+    family and P."""
+    measured = [
+        n for n in divisors(facts.rows) if microbatch_rows(facts.rows, n) in facts.layer_passes
+    ]
+    own_measured = microbatch_rows(facts.rows, microbatches) in facts.layer_passes
+    if not (_advises(options, facts, stages) and own_measured and measured):
+        return None, []
+    schedule = options.schedule
+    own = _replayed_steps(options, facts, stages, schedule, (microbatches,))[microbatches]
+    base = _replayed_steps(options, facts, stages, "1f1b", measured)
+    best = min(base, key=lambda n: (base[n], n))
+    family = optimizer_family(facts.optimizer)
+    quality = MEASURED_QUALITY.get((family, stages)) if family is not None else None
+    advice = Advice(schedule, microbatches, own, best, base[best], base, quality)
+    why = (
+        f"a step replayed from this model's layers as measured on this device: {schedule!r} at "
+        f"N={microbatches} {own * 1e3:.3g} ms, '1f1b' at its fastest N={best} "
+        f"{base[best] * 1e3:.3g} ms ({_shown(base)}): {advice.ratio:.2f}x 1F1B's step"
+    )
+    if quality is not None:
+        why += (
+            f"; at P={stages} with the {family} family the user's protocol measured "
+            f"{schedule}'s final loss {quality[0]:+.1%} of 1F1B's ({quality[1]})"
+        )
+    else:
+        why += f"; the protocol measured no quality for this optimiser at P={stages}"
+    if advice.favours == "1f1b":
+        why += f"; strategy='pipemare_1f1b' with microbatches={best} runs 1F1B there"
+    return advice, [Decision("advice", f"{advice.favours} steps sooner", why)]
 
 
 def _passes_at(facts: RunFacts, rows: int) -> tuple[tuple[float, float], ...]:
@@ -316,15 +462,32 @@ def microbatches_to_measure(options: PipelineOptions, facts: RunFacts) -> tuple[
 
     Example:
         >>> facts = RunFacts(ModelFacts("Net.layers", layers=6), rows=8)
-        >>> microbatches_to_measure(PipelineOptions(stages=4), facts)
+        >>> microbatches_to_measure(PipelineOptions(stages=4, advise=False), facts)
         (4,)
+        >>> microbatches_to_measure(PipelineOptions(stages=4), facts)  # advice: 1F1B's too
+        (1, 2, 4, 8)
         >>> microbatches_to_measure(PipelineOptions(stages=4, schedule="1f1b"), facts)
         (1, 2, 4, 8)
     """
     stages, _ = _stages(options, facts)
     if _replays(options, facts, stages):
         return divisors(facts.rows)
-    return (_microbatches(options, facts, stages)[0],)
+    own = _microbatches(options, facts, stages)[0]
+    if _advises(options, facts, stages):
+        return tuple(sorted({*divisors(facts.rows), *([own] if own <= facts.rows else [])}))
+    return (own,)
+
+
+def overheads_to_measure(options: PipelineOptions, facts: RunFacts) -> tuple[str, ...]:
+    """The schedules whose engine seconds per action (:attr:`RunFacts.action_overhead`) a
+    replay needs: the run's own, for a flushing schedule's ``"auto"`` N, and 1F1B's too where
+    the run says which steps sooner."""
+    stages, _ = _stages(options, facts)
+    if _replays(options, facts, stages):
+        return (options.schedule,)
+    if _advises(options, facts, stages):
+        return (options.schedule, "1f1b")
+    return ()
 
 
 def microbatch_candidates(options: PipelineOptions, stages: int) -> tuple[int, ...]:
@@ -355,13 +518,15 @@ def measurements_needed(
 
     Example:
         >>> facts = RunFacts(ModelFacts("Net.layers", layers=6), rows=32)
-        >>> measurements_needed(PipelineOptions(stages=2), facts)
+        >>> measurements_needed(PipelineOptions(stages=2, advise=False), facts)
         ('time', (2,))
-        >>> measurements_needed(PipelineOptions(stages=2, balance="even"), facts) is None
-        True
+        >>> measurements_needed(PipelineOptions(stages=2, balance="even", advise=False), facts)
+        >>> measurements_needed(PipelineOptions(stages=2, balance="even"), facts)
+        ('time', (1, 2, 4, 8, 16, 32))
     """
     stages, _ = _stages(options, facts)
-    if _replays(options, facts, stages):  # N is chosen from the passes, whatever the cut
+    if _replays(options, facts, stages) or _advises(options, facts, stages):
+        # N, or the advice, is chosen from the passes, whatever the cut
         return "time", microbatches_to_measure(options, facts)
     balance, saved = options.balance, facts.checkpointed
     if facts.previous is not None or not isinstance(balance, str):
@@ -529,6 +694,7 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
     compiled, compile_decided = _compiled(options, facts.model)
     weights, weights_decided = _weights(options, facts.model)
     short = _short_batches(facts, microbatches) if facts.fitting else []
+    advice, advised = _advice(options, facts, stages, microbatches)
     layout = [
         *_segments(facts.model),
         *compile_decided,
@@ -537,6 +703,7 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
         *short,
         *decided,
         *cut_decided,
+        *advised,
     ]
     optimizer = facts.optimizer if facts.optimizer is not None else _stand_in()
     settings = resolve(
@@ -551,4 +718,4 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
         steps_per_epoch=facts.steps_per_epoch,
         layout=layout,
     )
-    return RunPlan(stages, microbatches, tuple(cut), compiled, weights, settings)
+    return RunPlan(stages, microbatches, tuple(cut), compiled, weights, settings, advice)

@@ -154,6 +154,35 @@ def profile(
     )
 
 
+def engine_overhead(
+    schedule: str,
+    optimizer: OptimizerFactory = torch.optim.SGD,
+    *,
+    config: PipeMareConfig | None = None,
+    device: torch.device | str = "cpu",
+    repeats: int = 10,
+) -> Overhead:
+    """The engine's own seconds per forward, backward and update action of a stage under
+    ``schedule`` with ``optimizer``, whatever its layers: a pipeline of trivial layers (one
+    scalar weight each) timed through its middle (delayed) stages. A stage's action costs
+    this plus what its layers add; a replay of layer times alone misses it, which matters
+    where a schedule runs many small actions (:func:`pipemare.planner.decide.decide` adds it).
+
+    Example:
+        >>> fixed = engine_overhead("1f1b")
+        >>> fixed.forward_s > 0 and fixed.update_s > 0
+        True
+    """
+    spec(schedule)
+    training = _Training(_sum_loss, optimizer, schedule, config, repeats)
+    delayed = _empty()
+    with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
+        for name, samples in _calibrate(training, torch.device(device)):
+            if name == "delayed":
+                _extend(delayed, samples)
+    return Overhead(*_medians(delayed))
+
+
 def _share(total: float, weights: Sequence[float]) -> list[float]:
     """``total`` shared in proportion to ``weights`` (equally when they are all zero)."""
     mass = sum(weights)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pipemare.optim.settings import RunSettings
+from pipemare.planner.cost import replayed_step_time
 from pipemare.planner.decide import (
     ModelFacts,
     PipelineOptions,
@@ -116,16 +117,25 @@ def test_layout_rows():
 
 def test_what_must_be_measured_is_said_before_measuring():
     facts = RunFacts(SEQ, rows=32)
-    assert measurements_needed(PipelineOptions(stages=3), facts) == ("time", (3,))
+    # the asynchronous default times its own N and every N 1F1B could run, to advise
+    advising = ("time", (1, 2, 3, 4, 8, 16, 32))
+    assert measurements_needed(PipelineOptions(stages=3), facts) == advising
+    assert measurements_needed(PipelineOptions(stages=6), facts) == (
+        "time",
+        (1, 2, 4, 6, 8, 16, 32),
+    )
+    assert measurements_needed(PipelineOptions(stages=3, advise=False), facts) == ("time", (3,))
+    evaluating = dataclasses.replace(facts, fitting=False)
+    assert measurements_needed(PipelineOptions(stages=3), evaluating) == ("time", (3,))
     assert measurements_needed(PipelineOptions(stages=3, balance="auto"), facts) == ("auto", (3,))
     every_n = ("time", (1, 2, 4, 8, 16, 32))  # a flushing schedule's N: each divisor of 32
     assert measurements_needed(PipelineOptions(stages=3, schedule="gpipe"), facts) == every_n
     even = PipelineOptions(stages=3, schedule="1f1b", balance="even")
     assert measurements_needed(even, facts) == every_n  # N is chosen from them, not the cut
     for needless in (dict(stages=6), dict(stages=3, balance="params"), dict(balance=[3, 3])):
-        assert measurements_needed(PipelineOptions(**needless), facts) is None
+        assert measurements_needed(PipelineOptions(**needless, advise=False), facts) is None
     kept = dataclasses.replace(facts, checkpointed={"stages": 3, "balance": [2, 2, 2]})
-    assert measurements_needed(PipelineOptions(stages=3), kept) is None
+    assert measurements_needed(PipelineOptions(stages=3, advise=False), kept) is None
     # the times must be those of the size the layout runs, not another
     with pytest.raises(ValueError, match=r"times on a microbatch of 11 rows; measured at \[8\]"):
         measured = dataclasses.replace(facts, layer_passes={8: _passes(*(1.0,) * 6)})
@@ -191,3 +201,71 @@ def test_1f1b_keeps_one_microbatch_where_each_costs_the_same_whatever_its_rows()
     facts = RunFacts(norm, rows=8, layer_passes={8: _passes(*[1.0] * 6)})
     plan = decide(PipelineOptions(stages=2, schedule="gpipe"), facts)
     assert plan.microbatches == 1 and "has BatchNorm" in _said(plan)["microbatches"]
+
+
+def _advised(passes, overhead=None, **options) -> RunPlan:
+    """The default schedule at P = 2 on a batch of 8, the layers timed at every N."""
+    facts = RunFacts(
+        SEQ,
+        rows=8,
+        layer_passes={rows: passes(rows) for rows in (1, 2, 4, 8)},
+        optimizer=_adamw(),
+        action_overhead=overhead or {},
+    )
+    return decide(PipelineOptions(stages=2, **options), facts)
+
+
+def _replay(schedule, stage_passes, n, fixed=(0.0, 0.0, 0.0)):
+    """The replay of two stages whose (forward, backward) are ``stage_passes``, by hand."""
+    durations = [(fixed[0] + f, fixed[1] + b, fixed[2]) for f, b in stage_passes]
+    return replayed_step_time(schedule, durations, n)
+
+
+def test_the_advice_is_the_replay_of_the_measured_stages_and_names_the_sooner_schedule():
+    """Compute-bound layers (their time follows their rows): the asynchronous step costs one
+    pass over the batch, 1F1B's at its fastest N pays its bubble on top: pipemare is sooner,
+    by the ratio of the two replays, each computed here from the same stage times."""
+    plan = _advised(lambda rows: _passes(*[0.001 * rows] * 6))
+    advice = plan.advice
+    assert advice is not None and plan.microbatches == 2 and plan.balance == (3, 3)
+    stage = lambda rows: (3 * 0.001 * rows / 3, 3 * 2 * 0.001 * rows / 3)  # noqa: E731
+    want_own = _replay("pipemare", [stage(4)] * 2, 2)
+    want_base = {n: _replay("1f1b", [stage(8 // n)] * 2, n) for n in (1, 2, 4, 8)}
+    assert advice.step_s == pytest.approx(want_own)
+    assert dict(advice.baseline_by_n) == pytest.approx(want_base)
+    assert advice.baseline_n == 8 and advice.ratio == pytest.approx(want_own / want_base[8])
+    assert advice.ratio < 0.95 and advice.favours == "pipemare"
+    said = _said(plan)["advice"]
+    assert said.startswith("pipemare steps sooner (a step replayed from this model's layers")
+    assert f"'pipemare' at N=2 {want_own * 1e3:.3g} ms" in said
+    assert f"'1f1b' at its fastest N=8 {want_base[8] * 1e3:.3g} ms" in said
+    assert f"{advice.ratio:.2f}x 1F1B's step" in said and "pipemare_1f1b" not in said
+
+
+def test_the_advice_counts_the_engines_cost_per_action_and_can_favour_1f1b():
+    """Layers that cost the same per call whatever its rows (dispatch-bound): N = P doubles
+    the calls, and with the engine's own cost per action (higher under pipemare, whose
+    corrections run at each action) 1F1B at N = 1 is sooner; the message says how to run it."""
+    overhead = {"pipemare": (0.002, 0.002, 0.001), "1f1b": (0.001, 0.001, 0.001)}
+    plan = _advised(lambda rows: _passes(*[0.003] * 6), overhead)
+    advice = plan.advice
+    assert advice is not None and advice.baseline_n == 1 and advice.favours == "1f1b"
+    stage = (0.003, 0.006)
+    want_own = _replay("pipemare", [stage] * 2, 2, overhead["pipemare"])
+    want_base = _replay("1f1b", [stage] * 2, 1, overhead["1f1b"])
+    assert advice.step_s == pytest.approx(want_own)
+    assert advice.baseline_s == pytest.approx(want_base) and advice.ratio > 1
+    said = _said(plan)["advice"]
+    assert said.startswith("1f1b steps sooner")
+    assert "strategy='pipemare_1f1b' with microbatches=1 runs 1F1B there" in said
+    # the engine's cost is what tips it: without it the two replays tie, to the run's schedule
+    assert _advised(lambda rows: _passes(*[0.003] * 6)).advice.favours == "pipemare"
+
+
+def test_no_advice_where_it_is_not_asked_for_or_means_nothing():
+    passes = lambda rows: _passes(*[0.001 * rows] * 6)  # noqa: E731
+    assert _advised(passes, advise=False).advice is None
+    assert _advised(passes, schedule="1f1b").advice is None  # a flushing schedule: N is chosen
+    assert "advice" not in _said(_advised(passes, advise=False))
+    facts = RunFacts(SEQ, rows=8, layer_passes={4: passes(4)}, fitting=False)
+    assert decide(PipelineOptions(stages=2), facts).advice is None  # evaluation
