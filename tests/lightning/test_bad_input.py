@@ -140,6 +140,7 @@ def refuse(match, strategy, model=None, error=ValueError, batches=0, **kwargs):
             )
             for bad in (0, -1.0, "30", True, math.nan, math.inf)
         ],
+        *[(dict(advise=bad), ValueError, "advise must be True or False") for bad in (1, "yes")],
     ],
 )
 def test_bad_strategy_arguments_are_refused_when_it_is_built(kwargs, error, message):
@@ -153,6 +154,7 @@ def test_good_strategy_arguments_pass():
     assert o.balance == [3, 2] and o.stall_timeout == 300.0 and o.heartbeat_timeout == 30.0
     assert s.balance is None
     assert PipeMareStrategy(heartbeat_timeout=None).options.heartbeat_timeout is None
+    assert s.options.advise and not PipeMareStrategy(advise=False).options.advise
 
 
 @pytest.mark.parametrize(

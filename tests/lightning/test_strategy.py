@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import pytorch_lightning as pl
@@ -522,6 +523,28 @@ def test_recompute_through_the_strategy(schedule):
 def test_recompute_must_be_true_or_false():
     with pytest.raises(ValueError, match="recompute must be True or False, got 'yes'"):
         PipeMareStrategy(recompute="yes")
+
+
+def test_the_run_says_which_schedule_steps_sooner_on_its_own_model(caplog):
+    """The advice is measured at the first batch on this model (its layers at every N 1F1B
+    could run for the batch of 12), said in the run's first lines and kept in its settings;
+    which schedule it names depends on this machine's timings, so only its form is checked
+    here (tests/planner/test_decide.py checks the choice from given times)."""
+    caplog.set_level(logging.INFO)
+    strategy = PipeMareStrategy(stages=2)
+    trainer(strategy, max_steps=2).fit(Tiny(), tiny_data())
+    advice = strategy.advice
+    assert advice is not None and advice.schedule == "pipemare" and advice.microbatches == 2
+    assert sorted(advice.baseline_by_n) == [1, 2, 3, 4, 6, 12]
+    assert advice.baseline_s == min(advice.baseline_by_n.values()) > 0 and advice.step_s > 0
+    said = next(d for d in strategy.settings.decisions if d.subject == "advice")
+    assert said.choice == f"{advice.favours} steps sooner"
+    assert f"'1f1b' at its fastest N={advice.baseline_n}" in said.reason
+    assert f"pipemare:   advice: {advice.favours} steps sooner (a step replayed" in caplog.text
+    quiet = PipeMareStrategy(stages=2, advise=False)
+    trainer(quiet, max_steps=2).fit(Tiny(), tiny_data())
+    assert quiet.advice is None
+    assert all(d.subject != "advice" for d in quiet.settings.decisions)
 
 
 def test_balance_auto_takes_the_planners_cut():

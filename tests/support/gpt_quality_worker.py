@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytorch_lightning as pl
 import torch
@@ -23,21 +25,46 @@ from support.gpt import CharGPT
 RATE = 1e-2
 
 
+class RecipeGPT(CharGPT):
+    """The GPT trained as nanoGPT trains one: AdamW with betas 0.9/0.95 and weight decay 0.1,
+    the rate rising linearly over the first tenth of the run, then decaying along a cosine to
+    0 at its last step (a LambdaLR stepped every step, as Lightning users write it)."""
+
+    def __init__(self, lr: float, steps: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.lr, self.steps = lr, steps
+
+    def configure_optimizers(self) -> Any:
+        adamw = torch.optim.AdamW(
+            self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1
+        )
+        warm = max(1, self.steps // 10)
+
+        def factor(k: int) -> float:
+            if k < warm:
+                return (k + 1) / warm
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (k - warm) / (self.steps - warm))))
+
+        rates = torch.optim.lr_scheduler.LambdaLR(adamw, factor)
+        return {"optimizer": adamw, "lr_scheduler": {"scheduler": rates, "interval": "step"}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=384)
     parser.add_argument("--lr", type=float, default=RATE)
+    parser.add_argument("--recipe", action="store_true", help="nanoGPT's: warm-up, cosine")
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    pl.seed_everything(0, verbose=False)
-    model = CharGPT(
-        d_model=64,
-        heads=4,
-        layers=4,
-        context=32,
-        optimizer=functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.01),
-    )
+    pl.seed_everything(args.seed, verbose=False)
+    sizes: dict[str, Any] = dict(d_model=64, heads=4, layers=4, context=32)
+    if args.recipe:
+        model: CharGPT = RecipeGPT(args.lr, args.steps, **sizes)
+    else:
+        adamw = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
+        model = CharGPT(**sizes, optimizer=adamw)
     data = CharCorpusDataModule(context=32, batch_size=16)
     trainer = pl.Trainer(
         accelerator="cpu",
