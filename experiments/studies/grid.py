@@ -62,6 +62,10 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     # Zmushko et al.'s error feedback (c = 1) alone, and added to the default
     "pipemare-EF": ("pipemare", PipeMareConfig(**_ALONE, error_feedback=1.0)),
     "pipemare+EF": ("pipemare", PipeMareConfig(error_feedback=1.0)),
+    # the same with c = τ_i per stage (the delay's own length)
+    "pipemare+EFdelay": ("pipemare", PipeMareConfig(error_feedback="delay")),
+    # weight prediction looking twice as far ahead as the delay
+    "pipemare+lookahead2": ("pipemare", PipeMareConfig(prediction_scale=2.0)),
     # the default with delay-aware momentum rising with the delay itself, not its share
     "pipemare-DMwindow": ("pipemare", PipeMareConfig(delay_momentum_rise="window")),
     "pipemare-DMstretch": ("pipemare", PipeMareConfig(delay_momentum_rise="stretch")),
@@ -111,12 +115,15 @@ class Job:
     lr: float
     seed: int
     steps: int | None = None
+    #: told apart from the job of the same configuration at the task's length (e.g. a run
+    #: given another schedule's pipeline time: ``"-time420"``)
+    suffix: str = ""
 
     @property
     def key(self) -> str:
         return (
             f"{self.task}-{self.variant}-P{self.stages}-N{self.microbatches}"
-            f"-lr{self.lr:g}-s{self.seed}"
+            f"-lr{self.lr:g}-s{self.seed}{self.suffix}"
         )
 
 

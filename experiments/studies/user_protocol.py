@@ -13,14 +13,20 @@ devices reaches that quality soonest. Per task:
    ``async``) at the default N (:func:`pipemare.planner.decide.auto_microbatches`,
    ``N_auto``) and, with ``--all-n``, at N = 1 and N = P too; each with ``--seeds`` seeds.
 3. **The baseline.** 1F1B computes gpipe's loss curve per step; only its pipeline time differs.
-   Its step time is measured at every N dividing the batch up to 4P (beyond, the per-microbatch
-   cost only grows on these small models) and the fastest, N*, is 1F1B's.
+   Its step time is measured at every N dividing the batch and the fastest, N*, is 1F1B's.
 4. **Pipeline time.** Each configuration's step time comes from its per-action times measured
    once, alone (``--phase times``, nothing else on the machine), replayed through its schedule
    (:func:`~pipemare.experiments.studies.protocol.step_time`); no clock is read while a run
    trains. Time to quality = steps until the validation metric first comes within 1% (0.5
    point of accuracy) of 1F1B's final quality, times the step time.
-5. **Verdicts** (issue 40's bar), per cell at the default N: quality at equal steps within 2% of
+5. **Equal pipeline time** (``--phase equal-time``, or ``--equal-time`` with ``all``): pipemare
+   at the default N trained again for as many steps as 1F1B's pipeline time over the task's
+   run allows it (its rate schedule stretched over them), so a schedule that steps faster gets
+   its extra steps; its final quality and time to 1F1B's quality are reported beside.
+6. **Regime.** Each task is labelled by its whole model's forward and backward per row at the
+   microbatch sizes its layouts run (``cost_per_row.json``, measured with the step times):
+   compute-bound where the smallest costs at most 1.25× per row what the whole batch does.
+7. **Verdicts** (issue 40's bar), per cell at the default N: quality at equal steps within 2% of
    1F1B's (1 point); time to quality at most 0.8 of 1F1B's, or, where 1F1B's own bubble bound
    ``1 - (P-1)/(N*+P-1)`` is above 0.75, at most that bound + 0.05; never below ``async`` by
    more than the seed spread (half the range of the seeds).
@@ -45,7 +51,17 @@ from pipemare.experiments.studies.fair_report import first_reach, plateau, sprea
 from pipemare.experiments.studies.grid import Job, load_result
 from pipemare.experiments.studies.protocol import TASKS, RunResult, Task
 
-__all__ = ["HELD_OUT", "STAGES", "USER_TASKS", "one_f_one_b_ns", "run_compare", "verdict"]
+__all__ = [
+    "HELD_OUT",
+    "STAGES",
+    "USER_TASKS",
+    "equal_time_jobs",
+    "measure_cost_per_row",
+    "one_f_one_b_ns",
+    "regime",
+    "run_compare",
+    "verdict",
+]
 
 #: the tasks of the user's protocol: the GPT with AdamW and with Muon + AdamW, the LSTM-free
 #: char LM, MNIST, the digits, the plain deep network with Adam and with SGD momentum
@@ -86,8 +102,8 @@ def auto_n(task: Task, stages: int) -> int:
 
 
 def one_f_one_b_ns(task: Task, stages: int) -> list[int]:
-    """The N 1F1B is timed at: every divisor of the batch up to 4P."""
-    return [n for n in range(1, min(task.batch, 4 * stages) + 1) if task.batch % n == 0]
+    """The N 1F1B is timed at: every divisor of the batch."""
+    return [n for n in range(1, task.batch + 1) if task.batch % n == 0]
 
 
 def _ns(task: Task, stages: int, all_n: bool) -> list[int]:
@@ -164,6 +180,101 @@ def measure_times(
     return times
 
 
+def equal_time_jobs(
+    name: str, rate: float, seeds: int, times: dict[str, float], steps: int | None
+) -> dict[int, list[Job]]:
+    """P -> pipemare's runs at the default N given 1F1B's pipeline time (at N*) over the
+    task's run: ``steps × (1F1B's step / pipemare's step)`` steps, rounded, so a schedule that
+    steps faster gets its extra steps (the rate schedule stretched over them, as a user with
+    that time budget would set it). Empty where a step time is missing."""
+    task = TASKS[name]
+    length = steps or task.steps
+    out: dict[int, list[Job]] = {}
+    for p in STAGES:
+        per = {n: times.get(f"{name}-1f1b-P{p}-N{n}", math.nan) for n in one_f_one_b_ns(task, p)}
+        n_star = min(per, key=lambda n: (per[n], n))
+        own = times.get(f"{name}-pipemare-P{p}-N{auto_n(task, p)}", math.nan)
+        if not (math.isfinite(own) and math.isfinite(per[n_star])):
+            continue
+        budget = max(1, round(length * per[n_star] / own))
+        n = auto_n(task, p)
+        out[p] = [
+            Job(name, "pipemare", p, n, rate, s, budget, suffix=f"-time{budget}")
+            for s in range(seeds)
+        ]
+    return out
+
+
+def _equal_time_row(
+    out: Path, jobs: list[Job], target: float, higher: bool, step_s: float, base_time: float
+) -> dict[str, Any]:
+    runs = [load_result(out, j) for j in jobs]
+    finals = [_final(r) for r in runs]
+    steps_to = statistics.fmean(first_reach(r, target, higher) for r in runs)
+    return {
+        "schedule": "pipemare at 1F1B's time",
+        "N": jobs[0].microbatches,
+        "steps": jobs[0].steps,
+        "final": statistics.fmean(finals),
+        "spread": spread(finals),
+        "seeds": finals,
+        "steps_to_target": steps_to,
+        "step_time_s": step_s,
+        "time_to_target_s": steps_to * step_s,
+        "time_vs_1f1b": steps_to * step_s / base_time,
+    }
+
+
+def regime(cost_per_row: dict[int, float]) -> str:
+    """A task's regime from its whole model's forward and backward per row at each microbatch
+    size its layouts run: ``"compute-bound"`` where the smallest microbatch costs at most 1.25×
+    per row what the whole batch costs (N = P then costs about what N = 1 does), else
+    ``"dispatch-bound"``."""
+    rows = sorted(cost_per_row)
+    return (
+        "compute-bound"
+        if cost_per_row[rows[0]] <= 1.25 * cost_per_row[rows[-1]]
+        else ("dispatch-bound")
+    )
+
+
+def measure_cost_per_row(out: Path, names: list[str], repeats: int = 5) -> dict[str, dict]:
+    """Seconds per row of each task's whole model, forward and backward, one thread, at each
+    microbatch size its default layouts run (the batch / N for N = 1 and the default N at each
+    P): the median of ``repeats``. Run it alone on the machine."""
+    import statistics as stats
+    import time
+
+    import torch
+
+    path = out / "cost_per_row.json"
+    costs: dict[str, dict] = json.loads(path.read_text()) if path.exists() else {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name in names:
+            if name in costs:
+                continue
+            task = TASKS[name]
+            torch.manual_seed(0)
+            model = task.build()
+            x, y, _, _ = task.data()
+            sizes = sorted({task.batch, *(task.batch // auto_n(task, p) for p in STAGES)})
+            per: dict[str, float] = {}
+            for rows in sizes:
+                seconds = []
+                for _ in range(repeats + 1):
+                    start = time.perf_counter()
+                    task.loss(model(x[:rows]), y[:rows]).backward()
+                    seconds.append(time.perf_counter() - start)
+                per[str(rows)] = stats.median(seconds[1:]) / rows
+            costs[name] = per
+            path.write_text(json.dumps(costs, indent=1, sort_keys=True))
+    finally:
+        torch.set_num_threads(threads)
+    return costs
+
+
 def _final(run: RunResult) -> float:
     return run.metric[-1] if run.metric and math.isfinite(run.metric[-1]) else math.nan
 
@@ -185,9 +296,16 @@ def verdict(row: dict[str, Any], baseline: dict[str, Any], higher: bool) -> dict
 
 
 def task_table(
-    out: Path, name: str, rate: float, cells: dict[tuple[str, int, int], list[Job]], times: dict
+    out: Path,
+    name: str,
+    rate: float,
+    cells: dict[tuple[str, int, int], list[Job]],
+    times: dict,
+    equal_time: dict[int, list[Job]] | None = None,
+    cost_per_row: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """One task's table: per P, 1F1B at N*, gpipe, and the asynchronous cells."""
+    """One task's table: per P, 1F1B at N*, gpipe, the asynchronous cells, and pipemare given
+    1F1B's pipeline time where it was run (:func:`equal_time_jobs`)."""
     task = TASKS[name]
     higher = task.higher_is_better
     sync = [load_result(out, j) for j in cells[("gpipe", 2, 1)]]
@@ -204,6 +322,8 @@ def task_table(
         "final_1f1b": final,
         "target": target,
         "plateau_gain": plateau(sync, higher),
+        "cost_per_row": cost_per_row,
+        "regime": regime({int(k): v for k, v in cost_per_row.items()}) if cost_per_row else None,
         "stages": {},
     }
     for p in STAGES:
@@ -259,6 +379,13 @@ def task_table(
                     "diverged": sum(r.diverged for r in runs),
                 }
             )
+        if (
+            equal_time
+            and p in equal_time
+            and all((out / "runs" / f"{j.key}.json").exists() for j in equal_time[p])
+        ):
+            step_s = times.get(f"{name}-pipemare-P{p}-N{equal_time[p][0].microbatches}", math.nan)
+            rows.append(_equal_time_row(out, equal_time[p], target, higher, step_s, base_time))
         by = {(r["schedule"], r["N"]): r for r in rows}
         for r in rows:
             if r["schedule"] == "pipemare":
@@ -320,6 +447,8 @@ def markdown(results: dict[str, Any]) -> str:
             gap = _gap(row["final"], task["final_1f1b"], task["higher_is_better"])
             cells.append(f"{marks} N={row['N']}: {gap}, time {_ratio(row['time_vs_1f1b'])}")
         label = f"{name} (held out)" if task["held_out"] else name
+        if task.get("regime"):
+            label += f", {task['regime']}"
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for name, task in results["tasks"].items():
         higher = task["higher_is_better"]
@@ -330,7 +459,18 @@ def markdown(results: dict[str, Any]) -> str:
             f"{task['metric']}, rate {task['rate']:g} (tuned on one device), {task['steps']} "
             f"steps; 1F1B's final quality {task['final_1f1b']:.3f}, target {task['target']:.3f}; "
             f"the synchronous run's metric moved {task['plateau_gain']:.4f} over its last "
-            "quarter.",
+            "quarter."
+            + (
+                f" {task['regime'].capitalize()}: the whole model's forward and backward per "
+                "row, one thread, at the microbatch sizes run: "
+                + ", ".join(
+                    f"{rows} rows {1e3 * s:.2f} ms"
+                    for rows, s in sorted(task["cost_per_row"].items(), key=lambda kv: -int(kv[0]))
+                )
+                + "."
+                if task.get("regime")
+                else ""
+            ),
             "",
             "| P | schedule | N | quality | vs 1F1B | steps to target | ms/step | "
             "time to target vs 1F1B | verdict |",
@@ -350,8 +490,11 @@ def markdown(results: dict[str, Any]) -> str:
                 mark = "" if v is None else " ".join(k for k, ok in v.items() if not ok) or "all"
                 mark = "" if v is None else ("meets" if mark == "all" else f"misses {mark}")
                 steps = r["steps_to_target"]
+                name_shown = r["schedule"] + (" (default N)" if r.get("default_n") else "")
+                if "steps" in r:
+                    name_shown += f", {r['steps']} steps"
                 lines.append(
-                    f"| {p} | {r['schedule']}{' (default N)' if r.get('default_n') else ''} | "
+                    f"| {p} | {name_shown} | "
                     f"{r['N']} | {_quality(r['final'], r['spread'], higher)} | "
                     f"{_gap(r['final'], task['final_1f1b'], higher)} | "
                     f"{'never' if not math.isfinite(steps) else f'{steps:.0f}'} | "
@@ -416,17 +559,22 @@ def run_compare(
     steps: int | None = None,
     all_n: bool = False,
     phase: str = "all",
+    equal_time: bool = False,
 ) -> dict[str, Any]:
     """Tune, train, time and tabulate (see the module's docstring); returns ``results.json``.
 
     ``phase``: ``"runs"`` trains only (it may share the machine); ``"times"`` measures the step
-    times only (alone on the machine); ``"table"`` tabulates what is stored; ``"all"`` all three.
+    times and each task's cost per row only (alone on the machine); ``"equal-time"`` trains
+    pipemare given 1F1B's pipeline time (:func:`equal_time_jobs`; needs the times);
+    ``"table"`` tabulates what is stored; ``"all"`` all of them (``equal_time``: with
+    ``"equal-time"``'s runs).
     """
     out.mkdir(parents=True, exist_ok=True)
     rates_path = out / "rates.json"
     rates: dict[str, float] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
     if phase == "times":
         measure_times(out, names, all_n)
+        measure_cost_per_row(out, names)
         return {}
     cells: dict[str, dict] = {}
     for name in names:
@@ -440,9 +588,21 @@ def run_compare(
         return {}
     if phase == "all":
         measure_times(out, names, all_n)
+        measure_cost_per_row(out, names)
     times = json.loads((out / "step_times.json").read_text())
+    costs_path = out / "cost_per_row.json"
+    costs = json.loads(costs_path.read_text()) if costs_path.exists() else {}
+    budget = {n: equal_time_jobs(n, rates[n], seeds, times, steps) for n in names}
+    if phase == "equal-time" or (phase == "all" and equal_time):
+        for name in names:
+            jobs = [j for js in budget[name].values() for j in js]
+            execute(jobs, out, workers, f"{name}: at 1F1B's pipeline time")
+        if phase == "equal-time":
+            return {}
     results = {
-        "tasks": {n: task_table(out, n, rates[n], cells[n], times) for n in names},
+        "tasks": {
+            n: task_table(out, n, rates[n], cells[n], times, budget[n], costs.get(n)) for n in names
+        },
         "held_out": HELD_OUT,
         "seeds": seeds,
     }
@@ -465,12 +625,27 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--phase",
-        choices=("all", "runs", "times", "table"),
+        choices=("all", "runs", "times", "equal-time", "table"),
         default="all",
         help="runs: train only; times: measure step times only (alone on the machine); "
+        "equal-time: train pipemare given 1F1B's pipeline time (after times); "
         "table: tabulate what is stored",
     )
+    parser.add_argument(
+        "--equal-time",
+        action="store_true",
+        help="with --phase all: also train pipemare given 1F1B's pipeline time",
+    )
     args = parser.parse_args(argv)
-    run_compare(args.out, args.tasks, args.seeds, args.workers, args.steps, args.all_n, args.phase)
+    run_compare(
+        args.out,
+        args.tasks,
+        args.seeds,
+        args.workers,
+        args.steps,
+        args.all_n,
+        args.phase,
+        args.equal_time,
+    )
     if args.phase in ("all", "table"):
         print((args.out / "results.md").read_text())

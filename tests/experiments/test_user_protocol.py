@@ -8,10 +8,10 @@ from pipemare.experiments.studies import user_protocol
 from pipemare.experiments.studies.protocol import TASKS
 
 
-def test_1f1b_is_timed_at_every_n_dividing_the_batch_up_to_4p_and_pipemare_at_the_default():
+def test_1f1b_is_timed_at_every_n_dividing_the_batch_and_pipemare_at_the_default():
     task = TASKS["char_gpt@adamw"]  # batch 16
-    assert user_protocol.one_f_one_b_ns(task, 2) == [1, 2, 4, 8]
-    assert user_protocol.one_f_one_b_ns(task, 8) == [1, 2, 4, 8, 16]
+    assert user_protocol.one_f_one_b_ns(task, 2) == [1, 2, 4, 8, 16]
+    assert user_protocol.one_f_one_b_ns(TASKS["gpt_c64"], 8) == [1, 2, 4, 8, 16, 32]
     assert [user_protocol.auto_n(task, p) for p in user_protocol.STAGES] == [2, 4, 8]
     assert user_protocol.HELD_OUT in user_protocol.USER_TASKS
     assert not TASKS[user_protocol.HELD_OUT].tuned
@@ -48,3 +48,25 @@ def test_verdicts_for_accuracy_count_points():
     baseline = {"final": 0.95, "bubble_bound": 0.5}
     assert user_protocol.verdict(_row(0.941, 0.7, 0.93), baseline, higher=True)["quality"]
     assert not user_protocol.verdict(_row(0.939, 0.7, 0.93), baseline, higher=True)["quality"]
+
+
+def test_a_faster_schedule_gets_its_extra_steps_at_1f1bs_pipeline_time():
+    """pipemare's runs at equal pipeline time: the task's steps times 1F1B's step (at its
+    fastest N) over pipemare's, the rate schedule stretched; their key tells them apart."""
+    task = TASKS["gpt_c64"]  # 300 steps, batch 32
+    times = {
+        f"gpt_c64-1f1b-P{p}-N{n}": 0.9 + 0.1 / n for p in (2, 4, 8) for n in (1, 2, 4, 8, 16, 32)
+    }
+    times |= {"gpt_c64-1f1b-P4-N8": 0.8, "gpt_c64-pipemare-P4-N4": 0.6}
+    jobs = user_protocol.equal_time_jobs("gpt_c64", 1e-3, 2, times, None)
+    assert list(jobs) == [4]  # no pipemare time at P = 2 or 8: nothing to give them
+    assert [(j.steps, j.seed, j.variant, j.microbatches) for j in jobs[4]] == [
+        (400, 0, "pipemare", 4),
+        (400, 1, "pipemare", 4),
+    ]
+    assert jobs[4][0].key.endswith("-s0-time400") and task.steps == 300
+
+
+def test_a_tasks_regime_is_read_from_its_cost_per_row():
+    assert user_protocol.regime({32: 9.1e-3, 8: 9.4e-3, 4: 10.0e-3}) == "compute-bound"
+    assert user_protocol.regime({16: 1.2e-3, 2: 3.9e-3}) == "dispatch-bound"

@@ -1,105 +1,70 @@
-"""What each candidate correction does to the compute-bound GPT at P = 4 (issue 49, item 4).
+"""What each candidate correction does to the compute-bound GPT at P = 4 and 8 (issue 49,
+item 4).
 
 ``gpt_c64`` (experiments/studies/protocol.py: 8 blocks of width 128 at context 64, the nanoGPT
-recipe) at its one-device rate (``runs/c64/rates.json``, tuned by ``pipemare user-protocol``),
-P = 4 at the default N = 4, every candidate added to the default corrections; one-device runs
-and the default's come from the user's protocol's runs (``runs/c64/runs``). Each run's final
-validation loss goes to ``OUT/NAME-sSEED.json``; ``--table`` prints the table::
+recipe) at its one-device rate (``OUT/rates.json``, tuned by ``pipemare user-protocol``) and
+the default N = P, each candidate a variant of experiments/studies/grid.py's ``VARIANTS``
+(the default with one correction added, changed or taken away). The runs go to the user
+protocol's ``OUT/runs`` beside its one-device, default and ``async`` runs, which this reuses::
 
-    python experiments/results/ablation_c64/run.py --seeds 0 1 --workers 2
-    python experiments/results/ablation_c64/run.py --seeds 0 1 --table
+    pipemare user-protocol --tasks gpt_c64 --seeds 3 --out runs/c64 --phase runs
+    python experiments/results/ablation_c64/run.py --out runs/c64 --seeds 0 1
+
+It prints the table: final validation loss, mean ± half-range over the seeds, against one
+device's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-from multiprocessing import get_context
 from pathlib import Path
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+from pipemare.experiments.studies.fair import execute
+from pipemare.experiments.studies.grid import VARIANTS, Job, load_result
 
-#: candidate -> the PipeMareConfig fields it changes (the rest are the default's)
-CANDIDATES: dict[str, dict] = {
-    "error feedback c=1 (Zmushko et al.)": {"error_feedback": 1.0},
-    "error feedback c=delay": {"error_feedback": "delay"},
-    "look-ahead x2 (prediction_scale=2)": {"prediction_scale": 2.0},
-    "no delay-aware momentum": {"delay_momentum": None},
-    "T2 instead of prediction": {"discrepancy_correction": True},
-}
-STAGES, MICROBATCHES = 4, 4
-
-
-def _train(args: tuple[str, int, float, Path]) -> None:
-    import torch
-
-    from pipemare import PipeMareConfig
-    from pipemare.experiments.studies.protocol import TASKS, run_task
-
-    name, seed, rate, out = args
-    torch.set_num_threads(1)
-    config = PipeMareConfig(**CANDIDATES[name])
-    task = TASKS["gpt_c64"]
-    run = run_task(task, "pipemare", STAGES, MICROBATCHES, rate, seed, config=config)
-    record = {"candidate": name, "seed": seed, "final": run.metric[-1], "curve": run.metric}
-    record["corrections"] = (run.setup or {}).get("corrections")
-    (out / f"{_slug(name)}-s{seed}.json").write_text(json.dumps(record))
-
-
-def _slug(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
-
-
-def _stored(protocol: Path, schedule: str, p: int, n: int, rate: float, seed: int) -> float:
-    path = protocol / "runs" / f"gpt_c64-{schedule}-P{p}-N{n}-lr{rate:g}-s{seed}.json"
-    return json.loads(path.read_text())["metric"][-1]
+#: the candidates the literature measured, as grid variants
+CANDIDATES = (
+    "pipemare+EF",  # Zmushko et al.'s error feedback, c = 1
+    "pipemare+EFdelay",  # the same, c = the stage's delay
+    "pipemare+lookahead2",  # weight prediction twice as far ahead
+    "pipemare-noDM",  # without delay-aware momentum
+    "pipemare-T1T2",  # PipeMare's T1 + T2 (discrepancy correction instead of prediction)
+)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--protocol", type=Path, default=Path("runs/c64"))
-    parser.add_argument("--out", type=Path, default=Path("runs/ablation_c64"))
+    parser.add_argument("--out", type=Path, default=Path("runs/c64"))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--stages", type=int, nargs="+", default=[4])
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--table", action="store_true")
+    parser.add_argument("--table", action="store_true", help="tabulate what is stored")
     args = parser.parse_args()
-    rate = json.loads((args.protocol / "rates.json").read_text())["gpt_c64"]
-    args.out.mkdir(parents=True, exist_ok=True)
+    rate = json.loads((args.out / "rates.json").read_text())["gpt_c64"]
+    jobs = {
+        (v, p): [Job("gpt_c64", v, p, p, rate, s) for s in args.seeds]
+        for v in ("pipemare", "async", *CANDIDATES)
+        for p in args.stages
+    }
+    assert all(v in VARIANTS for v, _ in jobs)
     if not args.table:
-        todo = [
-            (name, seed, rate, args.out)
-            for name in CANDIDATES
-            for seed in args.seeds
-            if not (args.out / f"{_slug(name)}-s{seed}.json").exists()
-        ]
-        with get_context("spawn").Pool(args.workers) as pool:
-            pool.map(_train, todo, chunksize=1)
-    one = [_stored(args.protocol, "gpipe", 2, 1, rate, s) for s in args.seeds]
+        todo = [j for (v, _), js in jobs.items() if v in CANDIDATES for j in js]
+        execute(todo, args.out, args.workers, "gpt_c64 ablation")
+    one = [
+        load_result(args.out, Job("gpt_c64", "gpipe", 2, 1, rate, s)).metric[-1] for s in args.seeds
+    ]
     ref = statistics.fmean(one)
-    rows = [("one device (gpipe)", one)]
-    rows.append(
-        ("default", [_stored(args.protocol, "pipemare", 4, 4, rate, s) for s in args.seeds])
-    )
-    rows.append(
-        (
-            "async (uncorrected)",
-            [_stored(args.protocol, "async", 4, 4, rate, s) for s in args.seeds],
-        )
-    )
-    for name in CANDIDATES:
-        finals = [
-            json.loads((args.out / f"{_slug(name)}-s{s}.json").read_text())["final"]
-            for s in args.seeds
-        ]
-        rows.append((f"default + {name}", finals))
-    print(f"gpt_c64, P = {STAGES}, N = {MICROBATCHES}, rate {rate:g}, seeds {args.seeds}\n")
-    print("| corrections | final val loss (mean ± half-range) | vs one device |")
-    print("|---|---|---|")
-    for name, finals in rows:
+    print(f"gpt_c64 at rate {rate:g}, N = P, seeds {args.seeds}: final validation loss\n")
+    print("| P | corrections | final val loss (mean ± half-range) | vs one device |")
+    print("|---|---|---|---|")
+    half = (max(one) - min(one)) / 2
+    print(f"| 1 | one device (gpipe) | {ref:.4f} ± {half:.4f} | |")
+    for (v, p), js in jobs.items():
+        finals = [load_result(args.out, j).metric[-1] for j in js]
         mean, half = statistics.fmean(finals), (max(finals) - min(finals)) / 2
-        print(f"| {name} | {mean:.4f} ± {half:.4f} | {100 * (mean / ref - 1):+.2f}% |")
+        print(f"| {p} | {v} | {mean:.4f} ± {half:.4f} | {100 * (mean / ref - 1):+.2f}% |")
 
 
 if __name__ == "__main__":
