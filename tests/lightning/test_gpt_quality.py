@@ -29,11 +29,10 @@ pytestmark = pytest.mark.distributed
 WORKER = str(Path(__file__).resolve().parents[1] / "support" / "gpt_quality_worker.py")
 
 
-def _run(out: Path, devices: int) -> dict:
+def _run(out: Path, devices: int, *args: str) -> dict:
     out.mkdir()
-    run_all(
-        [([sys.executable, WORKER, "--out", str(out), "--devices", str(devices)], environment())]
-    )
+    cmd = [sys.executable, WORKER, "--out", str(out), "--devices", str(devices), *args]
+    run_all([(cmd, environment())])
     return json.loads((out / "report.json").read_text())
 
 
@@ -47,3 +46,26 @@ def test_a_gpt_at_two_processes_with_nothing_set_trains_near_one_device(tmp_path
         f"\nval_loss: one device {one['val_loss']:.3f}, pipemare {two['val_loss']:.3f} ({gap:+.1%})"
     )
     assert gap < 0.05
+
+
+def test_a_gpt_trained_with_warm_up_and_cosine_decay_at_two_processes_stays_near_one_device(
+    tmp_path,
+):
+    """The same GPT trained as nanoGPT trains one (AdamW 0.9/0.95, weight decay 0.1, linear
+    warm-up over the first tenth, cosine decay to 0; a LambdaLR stepped every step), at the
+    rate tuned on one device for it: the 384-step sweep gave 2.507 (3e-3), 2.423 (1e-2) and
+    2.442 (3e-2), so 1e-2. Through ``Trainer(strategy="pipemare", devices=2)`` with nothing
+    else set, seeds 0, 1, 2: one device 2.423, 2.415, 2.454; pipemare 2.448 (+1.0%), 2.480
+    (+2.7%), 2.447 (-0.3%); mean +1.15%. The issue's bar, 1% of one device, is missed on the
+    mean (docs/results.md); this test holds the measured level on seed 0 within 2.5%, so that
+    a change that loses it shows."""
+    one = _run(tmp_path / "one", 1, "--recipe")
+    two = _run(tmp_path / "two", 2, "--recipe")
+    assert one["global_step"] == two["global_step"] == 384
+    assert (two["stages"], two["microbatches"]) == (2, 2)
+    gap = two["val_loss"] / one["val_loss"] - 1
+    print(
+        f"\nwarm-up + cosine: one device {one['val_loss']:.3f}, pipemare {two['val_loss']:.3f} "
+        f"({gap:+.1%})"
+    )
+    assert gap < 0.025

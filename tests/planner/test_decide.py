@@ -11,6 +11,7 @@ from torch import nn
 from pipemare.optim.settings import RunSettings
 from pipemare.planner.cost import replayed_step_time
 from pipemare.planner.decide import (
+    MEASURED_QUALITY,
     ModelFacts,
     PipelineOptions,
     RunFacts,
@@ -240,6 +241,11 @@ def test_the_advice_is_the_replay_of_the_measured_stages_and_names_the_sooner_sc
     assert f"'pipemare' at N=2 {want_own * 1e3:.3g} ms" in said
     assert f"'1f1b' at its fastest N=8 {want_base[8] * 1e3:.3g} ms" in said
     assert f"{advice.ratio:.2f}x 1F1B's step" in said and "pipemare_1f1b" not in said
+    # beside the time, the quality the protocol measured for AdamW's family at P = 2
+    assert advice.quality == MEASURED_QUALITY[("adam", 2)] and len(advice.quality) == 2
+    gap, task = advice.quality[0]
+    assert "with the adam family the user's protocol measured" in said
+    assert f"{gap:+.1%} on {task}" in said
 
 
 def test_the_advice_counts_the_engines_cost_per_action_and_can_favour_1f1b():
