@@ -488,7 +488,10 @@ def microbatches_to_measure(options: PipelineOptions, facts: RunFacts) -> tuple[
         return divisors(facts.rows)
     own = _microbatches(options, facts, stages)[0]
     if _advises(options, facts, stages):
-        return tuple(sorted({*divisors(facts.rows), *([own] if own <= facts.rows else [])}))
+        # BatchNorm cannot train on one row: 1F1B's candidates keep two or more
+        least = 2 if facts.model.batch_statistics else 1
+        candidates = [n for n in divisors(facts.rows) if facts.rows // n >= least]
+        return tuple(sorted({*candidates, *([own] if own <= facts.rows else [])}))
     return (own,)
 
 

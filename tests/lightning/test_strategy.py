@@ -545,6 +545,12 @@ def test_the_run_says_which_schedule_steps_sooner_on_its_own_model(caplog):
     trainer(quiet, max_steps=2).fit(Tiny(), tiny_data())
     assert quiet.advice is None
     assert all(d.subject != "advice" for d in quiet.settings.decisions)
+    # BatchNorm cannot train on one row: its advice times 1F1B at two rows a microbatch or more
+    normed = Tiny()
+    normed.net[1] = nn.BatchNorm1d(16)
+    strategy = PipeMareStrategy(stages=2)
+    trainer(strategy, max_steps=2).fit(normed, tiny_data())
+    assert strategy.advice is not None and sorted(strategy.advice.baseline_by_n) == [1, 2, 3, 4, 6]
 
 
 def test_balance_auto_takes_the_planners_cut():

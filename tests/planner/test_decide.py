@@ -126,6 +126,8 @@ def test_what_must_be_measured_is_said_before_measuring():
         (1, 2, 4, 6, 8, 16, 32),
     )
     assert measurements_needed(PipelineOptions(stages=3, advise=False), facts) == ("time", (3,))
+    norm = dataclasses.replace(facts, model=dataclasses.replace(SEQ, batch_statistics=True))
+    assert measurements_needed(PipelineOptions(stages=3), norm) == ("time", (1, 2, 3, 4, 8, 16))
     evaluating = dataclasses.replace(facts, fitting=False)
     assert measurements_needed(PipelineOptions(stages=3), evaluating) == ("time", (3,))
     assert measurements_needed(PipelineOptions(stages=3, balance="auto"), facts) == ("auto", (3,))
