@@ -504,10 +504,15 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def plot_against_time(
-    out: Path, results: dict[str, Any], cells: dict[str, dict], name: str
+    out: Path,
+    results: dict[str, Any],
+    cells: dict[str, dict],
+    name: str,
+    equal_time: dict[int, list[Job]] | None = None,
 ) -> Path | None:
     """Validation metric against pipeline time, pipemare (default N) against 1F1B (N*), per P,
-    for task ``name``: ``loss_vs_time_NAME.png``."""
+    for task ``name``, with pipemare given 1F1B's pipeline time (dashed) where it was run:
+    ``loss_vs_time_NAME.png``."""
     if name not in results["tasks"]:
         return None
     import matplotlib
@@ -538,6 +543,19 @@ def plot_against_time(
                     alpha=0.8,
                     label=f"{label} N={n}" if i == 0 else None,
                 )
+        for i, job in enumerate((equal_time or {}).get(p, [])):
+            if not (out / "runs" / f"{job.key}.json").exists():
+                continue
+            run = load_result(out, job)
+            step_s = next(r["step_time_s"] for r in st["rows"] if r["schedule"] == "pipemare")
+            ax.plot(
+                [s * step_s for s in run.steps],
+                run.metric,
+                color="#2ca02c",
+                ls="--",
+                alpha=0.8,
+                label=f"pipemare N={job.microbatches}, {job.steps} steps" if i == 0 else None,
+            )
         ax.axhline(task["target"], color="grey", lw=0.8, ls="--")
         ax.set_title(f"P = {p}")
         ax.set_xlabel("pipeline time (s)")
@@ -609,7 +627,7 @@ def run_compare(
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "results.md").write_text(markdown(results))
     for name in names:
-        plot_against_time(out, results, cells, name)
+        plot_against_time(out, results, cells, name, budget[name])
     return results
 
 
