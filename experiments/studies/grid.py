@@ -66,6 +66,8 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     "pipemare+EFdelay": ("pipemare", PipeMareConfig(error_feedback="delay")),
     # weight prediction looking twice as far ahead as the delay
     "pipemare+lookahead2": ("pipemare", PipeMareConfig(prediction_scale=2.0)),
+    # T3: the first 30 steps synchronous (the compute-bound GPT's warm-up, a tenth of its run)
+    "pipemare+T3w30": ("pipemare", PipeMareConfig(warmup_steps=30)),
     # the default with delay-aware momentum rising with the delay itself, not its share
     "pipemare-DMwindow": ("pipemare", PipeMareConfig(delay_momentum_rise="window")),
     "pipemare-DMstretch": ("pipemare", PipeMareConfig(delay_momentum_rise="stretch")),

@@ -31,7 +31,11 @@ CANDIDATES = (
     "pipemare+lookahead2",  # weight prediction twice as far ahead
     "pipemare-noDM",  # without delay-aware momentum
     "pipemare-T1T2",  # PipeMare's T1 + T2 (discrepancy correction instead of prediction)
+    "pipemare+T3w30",  # T3: the warm-up's 30 steps synchronous
 )
+
+#: the default at twice as many microbatches (N = 2P: every delay halved, no stash)
+FINER = "pipemare"
 
 
 def main() -> None:
@@ -48,9 +52,11 @@ def main() -> None:
         for v in ("pipemare", "async", *CANDIDATES)
         for p in args.stages
     }
+    finer = {p: [Job("gpt_c64", FINER, p, 2 * p, rate, s) for s in args.seeds] for p in args.stages}
     assert all(v in VARIANTS for v, _ in jobs)
     if not args.table:
         todo = [j for (v, _), js in jobs.items() if v in CANDIDATES for j in js]
+        todo += [j for js in finer.values() for j in js]
         execute(todo, args.out, args.workers, "gpt_c64 ablation")
     one = [
         load_result(args.out, Job("gpt_c64", "gpipe", 2, 1, rate, s)).metric[-1] for s in args.seeds
@@ -65,6 +71,11 @@ def main() -> None:
         finals = [load_result(args.out, j).metric[-1] for j in js]
         mean, half = statistics.fmean(finals), (max(finals) - min(finals)) / 2
         print(f"| {p} | {v} | {mean:.4f} ± {half:.4f} | {100 * (mean / ref - 1):+.2f}% |")
+    for p, js in finer.items():
+        finals = [load_result(args.out, j).metric[-1] for j in js]
+        mean, half = statistics.fmean(finals), (max(finals) - min(finals)) / 2
+        gap = 100 * (mean / ref - 1)
+        print(f"| {p} | pipemare at N = {2 * p} | {mean:.4f} ± {half:.4f} | {gap:+.2f}% |")
 
 
 if __name__ == "__main__":
