@@ -16,7 +16,7 @@ from typing import Any
 import pytorch_lightning as pl
 import torch
 
-import pipemare  # noqa: F401  (importing it registers strategy="pipemare" with Lightning)
+import pipemare  # importing it registers strategy="pipemare" with Lightning
 from support.data import CharCorpusDataModule
 from support.gpt import CharGPT
 
@@ -49,6 +49,14 @@ class RecipeGPT(CharGPT):
         return {"optimizer": adamw, "lr_scheduler": {"scheduler": rates, "interval": "step"}}
 
 
+def _strategy(devices: int, microbatches: int | None) -> Any:
+    if devices == 1:
+        return "auto"
+    if microbatches is None:
+        return "pipemare"  # nothing else set, as the user writes it
+    return pipemare.PipeMareStrategy(microbatches=microbatches)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -57,6 +65,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=RATE)
     parser.add_argument("--recipe", action="store_true", help="nanoGPT's: warm-up, cosine")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--microbatches", type=int, help="N (default: the strategy's)")
     args = parser.parse_args()
     pl.seed_everything(args.seed, verbose=False)
     sizes: dict[str, Any] = dict(d_model=64, heads=4, layers=4, context=32)
@@ -69,7 +78,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
-        strategy="pipemare" if args.devices > 1 else "auto",
+        strategy=_strategy(args.devices, args.microbatches),
         max_steps=args.steps,
         val_check_interval=args.steps,  # one validation, after the last step
         check_val_every_n_epoch=None,
