@@ -14,6 +14,7 @@ measuring does not change the trajectory.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -89,29 +90,25 @@ def _mnist() -> tuple[torch.Tensor, ...]:
 _CONTEXT = 16
 
 
-def _char() -> tuple[torch.Tensor, ...]:
+def _char_windows(context: int, held_out: int) -> tuple[torch.Tensor, ...]:
+    """The standard library's source in windows of ``context`` bytes: the first 90% to train
+    on, at most ``held_out`` windows of the rest to validate on."""
     from pipemare.experiments.tasks.data import next_byte_windows, stdlib_corpus
 
     data = stdlib_corpus()
     cut = int(len(data) * 0.9)
-    x, y = next_byte_windows(data[:cut], _CONTEXT)
-    xv, yv = next_byte_windows(data[cut:], _CONTEXT, 512)
+    x, y = next_byte_windows(data[:cut], context)
+    xv, yv = next_byte_windows(data[cut:], context, held_out)
     return x, y, xv, yv
 
+
+_char = functools.partial(_char_windows, _CONTEXT, 512)
 
 #: the compute-bound GPT's context: at 64 tokens a row's forward and backward cost about
 #: the same at 32 rows as at 4 (9.1 and 10.0 ms per row at width 128, one thread, this CPU)
 _LONG_CONTEXT = 64
 
-
-def _char_long() -> tuple[torch.Tensor, ...]:
-    from pipemare.experiments.tasks.data import next_byte_windows, stdlib_corpus
-
-    data = stdlib_corpus()
-    cut = int(len(data) * 0.9)
-    x, y = next_byte_windows(data[:cut], _LONG_CONTEXT)
-    xv, yv = next_byte_windows(data[cut:], _LONG_CONTEXT, 256)
-    return x, y, xv, yv
+_char_long = functools.partial(_char_windows, _LONG_CONTEXT, 256)
 
 
 def _gpt_c64() -> nn.Sequential:

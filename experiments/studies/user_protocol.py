@@ -208,12 +208,19 @@ def equal_time_jobs(
 def _equal_time_row(
     out: Path, jobs: list[Job], target: float, higher: bool, step_s: float, base_time: float
 ) -> dict[str, Any]:
+    row = _seeded(out, jobs, target, higher, step_s, base_time)
+    return {"schedule": "pipemare at 1F1B's time", "N": jobs[0].microbatches, **row}
+
+
+def _seeded(
+    out: Path, jobs: list[Job], target: float, higher: bool, step_s: float, base_time: float
+) -> dict[str, Any]:
+    """What a cell's seeded runs reached: their final quality (mean, spread, each), their mean
+    steps to ``target``, and that time against 1F1B's ``base_time``."""
     runs = [load_result(out, j) for j in jobs]
     finals = [_final(r) for r in runs]
     steps_to = statistics.fmean(first_reach(r, target, higher) for r in runs)
     return {
-        "schedule": "pipemare at 1F1B's time",
-        "N": jobs[0].microbatches,
         "steps": jobs[0].steps,
         "final": statistics.fmean(finals),
         "spread": spread(finals),
@@ -222,6 +229,7 @@ def _equal_time_row(
         "step_time_s": step_s,
         "time_to_target_s": steps_to * step_s,
         "time_vs_1f1b": steps_to * step_s / base_time,
+        "diverged": sum(r.diverged for r in runs),
     }
 
 
@@ -360,25 +368,9 @@ def task_table(
         for (v, pp, n), jobs in sorted(cells.items(), key=lambda kv: (kv[0][2], kv[0][0])):
             if pp != p or v == "gpipe":
                 continue
-            runs = [load_result(out, j) for j in jobs]
-            finals = [_final(r) for r in runs]
-            steps_to = statistics.fmean(first_reach(r, target, higher) for r in runs)
             step_s = times.get(f"{name}-{v}-P{p}-N{n}", math.nan)
-            rows.append(
-                {
-                    "schedule": v,
-                    "N": n,
-                    "default_n": n == auto_n(task, p),
-                    "final": statistics.fmean(finals),
-                    "spread": spread(finals),
-                    "seeds": finals,
-                    "steps_to_target": steps_to,
-                    "step_time_s": step_s,
-                    "time_to_target_s": steps_to * step_s,
-                    "time_vs_1f1b": steps_to * step_s / base_time,
-                    "diverged": sum(r.diverged for r in runs),
-                }
-            )
+            row = _seeded(out, jobs, target, higher, step_s, base_time)
+            rows.append({"schedule": v, "N": n, "default_n": n == auto_n(task, p), **row})
         if (
             equal_time
             and p in equal_time
@@ -491,7 +483,7 @@ def markdown(results: dict[str, Any]) -> str:
                 mark = "" if v is None else ("meets" if mark == "all" else f"misses {mark}")
                 steps = r["steps_to_target"]
                 name_shown = r["schedule"] + (" (default N)" if r.get("default_n") else "")
-                if "steps" in r:
+                if r.get("steps") is not None and r["schedule"].endswith("1F1B's time"):
                     name_shown += f", {r['steps']} steps"
                 lines.append(
                     f"| {p} | {name_shown} | "

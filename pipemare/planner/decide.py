@@ -447,10 +447,10 @@ def _advice(
         f"{base[best] * 1e3:.3g} ms ({_shown(base)}): {advice.ratio:.2f}x 1F1B's step"
     )
     if quality:
-        measured = "; ".join(f"{gap:+.1%} on {task}" for gap, task in quality)
+        figures = "; ".join(f"{gap:+.1%} on {task}" for gap, task in quality)
         why += (
             f"; at P={stages} with the {family} family the user's protocol measured pipemare's "
-            f"final loss against 1F1B's at equal steps: {measured}"
+            f"final loss against 1F1B's at equal steps: {figures}"
         )
     else:
         why += f"; the protocol measured no quality for this optimiser at P={stages}"
