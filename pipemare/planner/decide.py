@@ -143,7 +143,7 @@ class RunFacts:
         previous: ``(stages, microbatches, balance)`` of this run's earlier pipeline (a rebuild
             after fit, for test, runs the same layout); None at the first build.
         action_overhead: per schedule, the engine's own seconds per forward, backward and update
-            action whatever the layers (:func:`~pipemare.planner.timing.engine_overhead`),
+            action whatever the layers (:func:`~pipemare.planner.engine_overhead`),
             added to each stage's layers in a replay; a schedule without one replays the
             layers alone.
     """
