@@ -13,6 +13,12 @@ import torch.distributed as dist
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
+# Under pytest-xdist (the suite runs on two workers: pyproject's addopts) each worker keeps to
+# one intra-op thread, as every launched rank does, so that two workers share two cores
+# instead of four threads fighting over them.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _seed():

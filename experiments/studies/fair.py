@@ -123,14 +123,24 @@ def _todo(jobs: list[Job], out: Path, label: str) -> list[Job]:
 
 
 def execute(jobs: list[Job], out: Path, workers: int, label: str) -> None:
-    """Train the jobs with no stored run (or one set up differently), ``workers`` at a time,
-    each into ``out/runs/KEY.json``."""
+    """Train the jobs with no stored run (or one set up differently), ``workers`` at a time
+    (one: in this process), each into ``out/runs/KEY.json``."""
     from tqdm import tqdm
 
     todo = _todo(jobs, out, label)
     if not todo:
         return
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    if workers <= 1:  # in this process: no interpreter to start
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            for job in tqdm(todo, desc=label, unit="run"):
+                (out / "runs" / f"{job.key}.json").write_text(json.dumps(_run(job)))
+        finally:
+            torch.set_num_threads(threads)
+        return
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers) as pool, tqdm(total=len(todo), desc=label, unit="run") as bar:
         for job, result in zip(todo, pool.imap(_run, todo), strict=True):

@@ -13,6 +13,7 @@ measuring does not change the trajectory.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -111,13 +112,13 @@ _LONG_CONTEXT = 64
 _char_long = functools.partial(_char_windows, _LONG_CONTEXT, 256)
 
 
-def _gpt_c64() -> nn.Sequential:
-    """A GPT whose stages cost about their rows: 8 blocks of width 128 at context 64, tied
-    head, cut into segments at its blocks (10 layers, so P = 8 cuts)."""
+def _gpt_c64(blocks: int = 8) -> nn.Sequential:
+    """A GPT whose stages cost about their rows: ``blocks`` blocks of width 128 at context 64,
+    tied head, cut into segments at its blocks (``blocks + 2`` layers: P = 8 cuts from 6)."""
     from pipemare.experiments.tasks.gpt import GPT
     from pipemare.model.segments import segment_module
 
-    model = GPT(256, 128, 4, 8, _LONG_CONTEXT)
+    model = GPT(256, 128, 4, blocks, _LONG_CONTEXT)
     for module in model.modules():  # nanoGPT's initialisation: logits start near uniform
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
@@ -296,6 +297,23 @@ TASKS: dict[str, Task] = {
         warmup=0.1,
         cosine=True,
     ),
+    # the same GPT at the main job's size (``pipemare study default``): 6 blocks, half the
+    # batch, 240 steps; no default was chosen on it
+    "gpt_c64s": Task(
+        "gpt_c64s",
+        functools.partial(_gpt_c64, 6),
+        _char_long,
+        _lm_loss,
+        "loss",
+        batch=16,
+        steps=240,
+        eval_every=20,
+        lrs=(1e-3, 3e-3),
+        tuned=False,
+        optimizer="nanogpt",
+        warmup=0.1,
+        cosine=True,
+    ),
 }
 # every task but the language models with SGD momentum and with Muon + AdamW too
 for _base in ("mnist", "digits", "plain"):
@@ -391,7 +409,7 @@ def run_setup(
 
     model = copy.deepcopy(model) if model is not None else task.build()
     try:
-        pipe = _pipeline(task, model, schedule, stages, microbatches, lr, config, 0)
+        pipe = _pipeline(task, model, schedule, stages, microbatches, lr, config, 0, steps)
     except ValueError as refusal:
         return _setup(task, schedule, steps or task.steps, str(refusal))
     return _setup(task, schedule, steps or task.steps, pipe)
@@ -406,7 +424,10 @@ def _pipeline(
     lr: float,
     config: PipeMareConfig | None,
     seed: int,
+    steps: int | None = None,
 ) -> Pipeline:
+    """The pipeline of one run of ``steps`` steps (default: the task's), which its corrections'
+    horizons are fractions of."""
     optimizer = _optimizer(task.optimizer, model, lr)
     return Pipeline(
         model,
@@ -418,7 +439,7 @@ def _pipeline(
         balance="params",
         config=config,
         seed=seed,
-        total_steps=task.steps,
+        total_steps=steps or task.steps,
     )
 
 
@@ -462,7 +483,7 @@ def run_task(
     )
     steps = steps or task.steps
     try:
-        pipe = _pipeline(task, model, schedule, stages, microbatches, lr, config, seed)
+        pipe = _pipeline(task, model, schedule, stages, microbatches, lr, config, seed, steps)
     except ValueError as refusal:
         result.refused = str(refusal)
         result.setup = _setup(task, schedule, steps, result.refused)
@@ -497,6 +518,14 @@ def run_task(
     return result
 
 
+@functools.cache
+def _timed_model(name: str) -> nn.Sequential:
+    """Task ``name``'s model at seed 0, built once per process for :func:`step_time`, which
+    copies it (a traced model takes seconds to build; its weights do not change its timings)."""
+    torch.manual_seed(0)
+    return TASKS[name].build()
+
+
 def step_time(
     task: Task,
     schedule: str,
@@ -515,8 +544,7 @@ def step_time(
     makespan by ``steps``; the median of ``repeats`` such windows. Run it alone on the
     machine: the durations are measured. NaN for a configuration the pipeline refuses.
     """
-    torch.manual_seed(0)
-    model = task.build()
+    model = copy.deepcopy(_timed_model(task.name))
     x, y, _, _ = task.data()
     try:
         pipe = _pipeline(task, model, schedule, stages, microbatches, 1e-4, config, 0)

@@ -1,5 +1,9 @@
 """``pipemare study SUITE``: run a named suite of configs into one directory and one W&B group.
 
+``pipemare study default`` is the main job: does pipemare reach your quality sooner than 1F1B on
+4 devices, at the rate you tuned on one (:mod:`~pipemare.experiments.studies.main_job`, about five
+minutes on two cores). The other suites run packaged Lightning configs, as follows.
+
 Every run gets a directory ``OUT/SUITE/RUN`` holding the exact config it ran
 (``config.yaml``, re-runnable with ``pipemare fit --config``), its CSV metrics, its offline
 W&B run and ``summary.json``. A run whose ``summary.json`` exists is skipped, so an
@@ -257,7 +261,14 @@ def run_study(
 
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("pipemare study", __doc__)
-    parser.add_argument("suite", nargs="?", default="default", choices=sorted(SUITES))
+    parser.add_argument(
+        "suite",
+        nargs="?",
+        default="default",
+        choices=["default", *sorted(SUITES)],
+        help="default: the main job (see pipemare.experiments.studies.main_job); the others "
+        "run packaged Lightning configs",
+    )
     parser.add_argument(
         "--out", type=Path, default=Path("runs"), help="where studies go (default: runs)"
     )
@@ -272,6 +283,17 @@ def main(argv: list[str] | None = None) -> None:
         f"measured and added (default: {ACTION_TIMES.relative_to(ACTION_TIMES.parents[2])})",
     )
     args = parser.parse_args(argv)
+    if args.suite == "default":
+        if args.only:
+            parser.error("--only: the main job trains all its runs, to answer from them")
+        from pipemare.experiments.studies.main_job import run_main_job
+
+        run_main_job(args.out / "default", wandb=not args.no_wandb)
+        if args.dashboard:
+            from pipemare.experiments.dashboard.answer_page import write_answer_page
+
+            print(f"dashboard: {write_answer_page(args.out / 'default')}", flush=True)
+        return
     study_dir = run_study(
         args.suite, args.out, not args.no_wandb, args.only, action_times=args.action_times
     )

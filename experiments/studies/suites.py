@@ -90,41 +90,6 @@ def _grid(
     return runs
 
 
-#: Each schedule's rate in the default study: the best of 3e-4, 1e-3 and 3e-3 on one seed,
-#: from ``pipemare study default_sweep`` and the 3e-3 runs (experiments/results/default/).
-#: Unlisted: the packaged configs' 3e-3 (gpipe's and 1f1b's best).
-DEFAULT_RATES: dict[tuple[str, str], float] = {
-    ("mnist", "pipedream"): 1e-3,
-    ("mnist", "async"): 3e-4,
-    ("mnist", "pipemare"): 3e-4,
-    ("mnist", "pipemare-T1T2"): 1e-3,
-    ("mnist", "pipemare-T1T2T3"): 3e-4,
-    ("char_lm", "pipemare-T1T2"): 1e-3,
-    ("char_lm", "pipemare-T1T2T3"): 1e-3,
-}
-
-
-#: validation often enough that a run stopped by its time budget was measured shortly before
-_VALIDATION = {"mnist": 0.25, "char_lm": 50}
-
-
-def default() -> list[RunSpec]:
-    """8 fine-grained stages, N=1: every schedule through Lightning, each at its own rate, and
-    each with the pipeline time gpipe takes for its steps (a user's question: what do I get on
-    these P devices in the same time?). The runs validate often, so the dashboard can also
-    read each one's quality at gpipe's number of steps."""
-    runs = []
-    for run in _grid(["mnist", "char_lm"]):
-        task, variant = run.name.split("-", 1)
-        overrides = {**run.overrides, "trainer.val_check_interval": _VALIDATION[task]}
-        lr = DEFAULT_RATES.get((task, variant))
-        if lr is not None:
-            overrides[LR] = lr
-        budget = None if variant == "gpipe" else _gpipe(run.name)
-        runs.append(dataclasses.replace(run, overrides=overrides, budget_of=budget))
-    return runs
-
-
 def _sweep(
     key: str, values: tuple[float, ...], tag: str, variants: list[str] = BASELINES
 ) -> list[RunSpec]:
@@ -150,16 +115,6 @@ def microbatches() -> list[RunSpec]:
     return _sweep(f"{STRATEGY}.microbatches", (1, 2, 4), "N")
 
 
-#: variants the default study runs below the packaged configs' rate (3e-3, gpipe's best)
-ASYNC_VARIANTS = ["pipedream", "async", "pipemare", "pipemare-T1T2", "pipemare-T1T2T3"]
-
-
-def default_sweep() -> list[RunSpec]:
-    """The non-flushing schedules of the default study at 3e-4 and 1e-3 (the default study
-    itself runs 3e-3): where each one's own rate for :func:`default` comes from."""
-    return _sweep(LR, (3e-4, 1e-3), "lr", ASYNC_VARIANTS)
-
-
 def quick() -> list[RunSpec]:
     """A few steps of three schedules per task: checks the whole path (tests use it)."""
     short = {
@@ -171,7 +126,7 @@ def quick() -> list[RunSpec]:
         "trainer.log_every_n_steps": 2,
     }
     runs = _grid(["mnist", "char_lm"], BASELINES, short)
-    return [  # each with gpipe's pipeline time, as the default study runs them
+    return [  # each with gpipe's pipeline time
         r if r.name.endswith("-gpipe") else dataclasses.replace(r, budget_of=_gpipe(r.name))
         for r in runs
     ]
@@ -182,10 +137,8 @@ def _gpipe(name: str) -> str:
 
 
 SUITES: dict[str, Callable[[], list[RunSpec]]] = {
-    "default": default,
     "stages": stages,
     "learning_rates": learning_rates,
     "microbatches": microbatches,
     "quick": quick,
-    "default_sweep": default_sweep,
 }

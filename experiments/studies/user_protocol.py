@@ -127,22 +127,28 @@ def tune_rate(out: Path, name: str, workers: int, steps: int | None) -> float:
 
 
 def jobs_for(
-    name: str, rate: float, seeds: int, all_n: bool, steps: int | None
+    name: str,
+    rate: float,
+    seeds: int,
+    all_n: bool,
+    steps: int | None,
+    stages: tuple[int, ...] = STAGES,
 ) -> dict[tuple[str, int, int], list[Job]]:
-    """(schedule, P, N) -> the seeded runs of task ``name`` at ``rate``."""
+    """(schedule, P, N) -> the seeded runs of task ``name`` at ``rate``, at each P of
+    ``stages``."""
     task = TASKS[name]
     cells = {("gpipe", 2, 1): [Job(name, "gpipe", 2, 1, rate, s, steps) for s in range(seeds)]}
-    for p in STAGES:
+    for p in stages:
         for n in _ns(task, p, all_n):
             for v in ("async", "pipemare"):
                 cells[(v, p, n)] = [Job(name, v, p, n, rate, s, steps) for s in range(seeds)]
     return cells
 
 
-def _time_keys(name: str, all_n: bool) -> list[tuple[str, int, int]]:
+def _time_keys(name: str, all_n: bool, stages: tuple[int, ...]) -> list[tuple[str, int, int]]:
     task = TASKS[name]
     keys = []
-    for p in STAGES:
+    for p in stages:
         keys += [("1f1b", p, n) for n in one_f_one_b_ns(task, p)]
         keys.append(("gpipe", p, auto_n(task, p)))
         keys += [(v, p, n) for n in _ns(task, p, all_n) for v in ("async", "pipemare")]
@@ -150,12 +156,19 @@ def _time_keys(name: str, all_n: bool) -> list[tuple[str, int, int]]:
 
 
 def measure_times(
-    out: Path, names: list[str], all_n: bool, steps: int = 12, repeats: int = 3
+    out: Path,
+    names: list[str],
+    all_n: bool,
+    steps: int = 12,
+    repeats: int = 3,
+    stages: tuple[int, ...] = STAGES,
+    warm: int = 8,
 ) -> dict[str, float]:
-    """Pipeline seconds per step of every configuration the tables need, one at a time (run
-    it alone on the machine): the median of ``repeats`` windows. Three, so that one disturbed
-    window is outvoted; the median of two is their mean, and one disturbed window moved a
-    configuration's time by up to 2.5x between two sittings on this two-core machine."""
+    """Pipeline seconds per step of every configuration the tables need at each P of
+    ``stages``, one at a time (run it alone on the machine): the median of ``repeats`` windows
+    of ``steps`` steps after ``warm``. Three, so that one disturbed window is outvoted; the
+    median of two is their mean, and one disturbed window moved a configuration's time by up
+    to 2.5x between two sittings on this two-core machine."""
     import torch
     from tqdm import tqdm
 
@@ -166,14 +179,16 @@ def measure_times(
     todo = [
         (t, v, p, n)
         for t in names
-        for v, p, n in _time_keys(t, all_n)
+        for v, p, n in _time_keys(t, all_n, stages)
         if f"{t}-{v}-P{p}-N{n}" not in times
     ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per stage's work, as the runs train
     try:
         for t, v, p, n in tqdm(todo, desc="pipeline time per step", unit="config"):
-            times[f"{t}-{v}-P{p}-N{n}"] = step_time(TASKS[t], v, p, n, None, steps, repeats=repeats)
+            times[f"{t}-{v}-P{p}-N{n}"] = step_time(
+                TASKS[t], v, p, n, None, steps, warm=warm, repeats=repeats
+            )
             path.write_text(json.dumps(times, indent=1, sort_keys=True))
     finally:
         torch.set_num_threads(threads)
@@ -181,7 +196,12 @@ def measure_times(
 
 
 def equal_time_jobs(
-    name: str, rate: float, seeds: int, times: dict[str, float], steps: int | None
+    name: str,
+    rate: float,
+    seeds: int,
+    times: dict[str, float],
+    steps: int | None,
+    stages: tuple[int, ...] = STAGES,
 ) -> dict[int, list[Job]]:
     """P -> pipemare's runs at the default N given 1F1B's pipeline time (at N*) over the
     task's run: ``steps × (1F1B's step / pipemare's step)`` steps, rounded, so a schedule that
@@ -190,7 +210,7 @@ def equal_time_jobs(
     task = TASKS[name]
     length = steps or task.steps
     out: dict[int, list[Job]] = {}
-    for p in STAGES:
+    for p in stages:
         per = {n: times.get(f"{name}-1f1b-P{p}-N{n}", math.nan) for n in one_f_one_b_ns(task, p)}
         n_star = min(per, key=lambda n: (per[n], n))
         own = times.get(f"{name}-pipemare-P{p}-N{auto_n(task, p)}", math.nan)
@@ -246,10 +266,13 @@ def regime(cost_per_row: dict[int, float]) -> str:
     )
 
 
-def measure_cost_per_row(out: Path, names: list[str], repeats: int = 5) -> dict[str, dict]:
+def measure_cost_per_row(
+    out: Path, names: list[str], repeats: int = 5, stages: tuple[int, ...] = STAGES
+) -> dict[str, dict]:
     """Seconds per row of each task's whole model, forward and backward, one thread, at each
     microbatch size its default layouts run (the batch / N for N = 1 and the default N at each
-    P): the median of ``repeats``. Run it alone on the machine."""
+    P of ``stages``): the median of ``repeats``. Run it alone on the machine. A task measured
+    before, at other sizes, is measured again."""
     import statistics as stats
     import time
 
@@ -261,13 +284,13 @@ def measure_cost_per_row(out: Path, names: list[str], repeats: int = 5) -> dict[
     torch.set_num_threads(1)
     try:
         for name in names:
-            if name in costs:
-                continue
             task = TASKS[name]
+            sizes = sorted({task.batch, *(task.batch // auto_n(task, p) for p in stages)})
+            if sorted(int(r) for r in costs.get(name, {})) == sizes:
+                continue
             torch.manual_seed(0)
             model = task.build()
             x, y, _, _ = task.data()
-            sizes = sorted({task.batch, *(task.batch // auto_n(task, p) for p in STAGES)})
             per: dict[str, float] = {}
             for rows in sizes:
                 seconds = []
@@ -311,9 +334,10 @@ def task_table(
     times: dict,
     equal_time: dict[int, list[Job]] | None = None,
     cost_per_row: dict[str, float] | None = None,
+    stages: tuple[int, ...] = STAGES,
 ) -> dict[str, Any]:
-    """One task's table: per P, 1F1B at N*, gpipe, the asynchronous cells, and pipemare given
-    1F1B's pipeline time where it was run (:func:`equal_time_jobs`)."""
+    """One task's table: per P of ``stages``, 1F1B at N*, gpipe, the asynchronous cells, and
+    pipemare given 1F1B's pipeline time where it was run (:func:`equal_time_jobs`)."""
     task = TASKS[name]
     higher = task.higher_is_better
     sync = [load_result(out, j) for j in cells[("gpipe", 2, 1)]]
@@ -334,7 +358,7 @@ def task_table(
         "regime": regime({int(k): v for k, v in cost_per_row.items()}) if cost_per_row else None,
         "stages": {},
     }
-    for p in STAGES:
+    for p in stages:
         ns = one_f_one_b_ns(task, p)
         per = {n: times.get(f"{name}-1f1b-P{p}-N{n}", math.nan) for n in ns}
         n_star = min(per, key=lambda n: (per[n], n))
@@ -404,8 +428,14 @@ def _ratio(x: float) -> str:
     return "never" if not math.isfinite(x) else f"{x:.2f}"
 
 
+def _stages(results: dict[str, Any]) -> tuple[int, ...]:
+    """The P a ``results.json`` holds."""
+    return tuple(int(p) for p in next(iter(results["tasks"].values()))["stages"])
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The tables of ``results.json``: the verdict summary first, then one table per task."""
+    stages = _stages(results)
     lines = [
         "# The user's protocol",
         "",
@@ -420,12 +450,12 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         "## Verdicts at the default N",
         "",
-        "| task | " + " | ".join(f"P = {p}" for p in STAGES) + " |",
-        "|---|" + "---|" * len(STAGES),
+        "| task | " + " | ".join(f"P = {p}" for p in stages) + " |",
+        "|---|" + "---|" * len(stages),
     ]
     for name, task in results["tasks"].items():
         cells = []
-        for p in STAGES:
+        for p in stages:
             st = task["stages"][str(p)]
             row = next(
                 (r for r in st["rows"] if r["schedule"] == "pipemare" and r.get("default_n")),
@@ -468,7 +498,7 @@ def markdown(results: dict[str, Any]) -> str:
             "time to target vs 1F1B | verdict |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
-        for p in STAGES:
+        for p in stages:
             st = task["stages"][str(p)]
             b = st["1f1b"]
             lines.append(
@@ -513,8 +543,11 @@ def plot_against_time(
     import matplotlib.pyplot as plt
 
     task = results["tasks"][name]
-    fig, axes = plt.subplots(1, len(STAGES), figsize=(4.2 * len(STAGES), 3.4), sharey=True)
-    for ax, p in zip(axes, STAGES, strict=True):
+    stages = _stages(results)
+    fig, axes = plt.subplots(
+        1, len(stages), figsize=(4.2 * len(stages), 3.4), sharey=True, squeeze=False
+    )
+    for ax, p in zip(axes[0], stages, strict=True):
         st = task["stages"][str(p)]
         b = st["1f1b"]
         series = [("1f1b", b["N"], ("gpipe", 2, 1), b["step_time_s"], "#1f77b4")]
@@ -552,7 +585,7 @@ def plot_against_time(
         ax.set_title(f"P = {p}")
         ax.set_xlabel("pipeline time (s)")
         ax.legend(fontsize=7)
-    axes[0].set_ylabel(task["metric"])
+    axes[0][0].set_ylabel(task["metric"])
     fig.suptitle(f"{name}: validation against pipeline time (rate {task['rate']:g}, one device's)")
     fig.tight_layout()
     path = out / f"loss_vs_time_{name.replace('@', '_')}.png"
@@ -570,8 +603,10 @@ def run_compare(
     all_n: bool = False,
     phase: str = "all",
     equal_time: bool = False,
+    stages: tuple[int, ...] = STAGES,
 ) -> dict[str, Any]:
-    """Tune, train, time and tabulate (see the module's docstring); returns ``results.json``.
+    """Tune, train, time and tabulate (see the module's docstring) at each P of ``stages``;
+    returns ``results.json``.
 
     ``phase``: ``"runs"`` trains only (it may share the machine); ``"times"`` measures the step
     times and each task's cost per row only (alone on the machine); ``"equal-time"`` trains
@@ -583,26 +618,26 @@ def run_compare(
     rates_path = out / "rates.json"
     rates: dict[str, float] = json.loads(rates_path.read_text()) if rates_path.exists() else {}
     if phase == "times":
-        measure_times(out, names, all_n)
-        measure_cost_per_row(out, names)
+        measure_times(out, names, all_n, stages=stages)
+        measure_cost_per_row(out, names, stages=stages)
         return {}
     cells: dict[str, dict] = {}
     for name in names:
         if name not in rates:
             rates[name] = tune_rate(out, name, workers, steps)
             rates_path.write_text(json.dumps(rates, indent=1, sort_keys=True))
-        cells[name] = jobs_for(name, rates[name], seeds, all_n, steps)
+        cells[name] = jobs_for(name, rates[name], seeds, all_n, steps, stages)
         if phase in ("runs", "all"):
             execute([j for js in cells[name].values() for j in js], out, workers, name)
     if phase == "runs":
         return {}
     if phase == "all":
-        measure_times(out, names, all_n)
-        measure_cost_per_row(out, names)
+        measure_times(out, names, all_n, stages=stages)
+        measure_cost_per_row(out, names, stages=stages)
     times = json.loads((out / "step_times.json").read_text())
     costs_path = out / "cost_per_row.json"
     costs = json.loads(costs_path.read_text()) if costs_path.exists() else {}
-    budget = {n: equal_time_jobs(n, rates[n], seeds, times, steps) for n in names}
+    budget = {n: equal_time_jobs(n, rates[n], seeds, times, steps, stages) for n in names}
     if phase == "equal-time" or (phase == "all" and equal_time):
         for name in names:
             jobs = [j for js in budget[name].values() for j in js]
@@ -611,7 +646,8 @@ def run_compare(
             return {}
     results = {
         "tasks": {
-            n: task_table(out, n, rates[n], cells[n], times, budget[n], costs.get(n)) for n in names
+            n: task_table(out, n, rates[n], cells[n], times, budget[n], costs.get(n), stages)
+            for n in names
         },
         "held_out": HELD_OUT,
         "seeds": seeds,
@@ -646,6 +682,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="with --phase all: also train pipemare given 1F1B's pipeline time",
     )
+    parser.add_argument(
+        "--stages",
+        nargs="+",
+        type=int,
+        default=list(STAGES),
+        help=f"the P compared (default: {' '.join(map(str, STAGES))})",
+    )
     args = parser.parse_args(argv)
     run_compare(
         args.out,
@@ -656,6 +699,7 @@ def main(argv: list[str] | None = None) -> None:
         args.all_n,
         args.phase,
         args.equal_time,
+        tuple(args.stages),
     )
     if args.phase in ("all", "table"):
         print((args.out / "results.md").read_text())

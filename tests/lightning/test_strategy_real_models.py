@@ -25,7 +25,12 @@ from support.real_modules import (
     images,
     tokens,
 )
-from support.real_runs import comparable, two_processes_equal_one_device, val_loss
+from support.real_runs import (
+    comparable,
+    launch_two_processes,
+    two_processes_equal_one_device,
+    val_loss,
+)
 
 STEPS = 20
 
@@ -94,13 +99,24 @@ def test_a_hugging_face_causal_lm_trains_through_gpipe_as_on_one_device(kind, st
     assert strategy.pipeline.ties.ties  # both tie their input embedding to the head
 
 
-@pytest.mark.parametrize("model", sorted(m for m in SETUPS if not m.startswith("zoo-")))
-def test_two_gloo_processes_train_it_as_one_device(model, tmp_path):
+TWO_PROCESS_MODELS = sorted(m for m in SETUPS if not m.startswith("zoo-"))
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """One two-process launch that trains every model of
+    :func:`test_two_gloo_processes_train_it_as_one_device` in turn (one start of the
+    processes, not one per model); each test checks its own model's results."""
+    out = tmp_path_factory.mktemp("two-process-models")
+    launch_two_processes(TWO_PROCESS_MODELS, out)
+    return out
+
+
+@pytest.mark.parametrize("model", TWO_PROCESS_MODELS)
+def test_two_gloo_processes_train_it_as_one_device(model, two_process_runs):
     """Each stage in its own process: a tie's copies live apart, its gradient crosses
     processes, and every process ends with the whole model, equal to one device's."""
-    if model in ("gpt2", "llama"):
-        pytest.importorskip("transformers")
-    two_processes_equal_one_device(model, tmp_path, weights=True)
+    two_processes_equal_one_device(model, two_process_runs, weights=True)
 
 
 def test_muon_with_adamw_trains_the_tied_gpt_through_gpipe_as_on_one_device():

@@ -2,7 +2,7 @@
 tied GPT, Hugging Face GPT-2 or Llama, a resnet18) through
 Trainer(strategy=PipeMareStrategy(...), devices=2) over gloo, nothing named; started by
 Lightning's launcher. Every rank writes its final weights and validation loss; rank 0 also a
-checkpoint."""
+checkpoint. ``--models`` trains several in turn in one launch (the tests share it)."""
 
 from __future__ import annotations
 
@@ -21,11 +21,17 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--schedule", default="gpipe")
-    parser.add_argument("--model", default="gpt", choices=sorted(SETUPS))
+    parser.add_argument("--models", nargs="+", default=["gpt"], choices=sorted(SETUPS))
     args = parser.parse_args()
-    out = Path(args.out)
-    build, data, microbatches, steps = SETUPS[args.model]
-    strategy = PipeMareStrategy(microbatches=microbatches, schedule=args.schedule)
+    for name in args.models:  # one launch for them all, each into a folder of its own
+        out = Path(args.out) / name
+        out.mkdir(parents=True, exist_ok=True)
+        train(name, args.schedule, out)
+
+
+def train(name: str, schedule: str, out: Path) -> None:
+    build, data, microbatches, steps = SETUPS[name]
+    strategy = PipeMareStrategy(microbatches=microbatches, schedule=schedule)
     # the loader as it is, so that one device sees the same batches (Lightning's distributed
     # sampler would shuffle them)
     trainer = quiet_trainer(strategy, devices=2, max_steps=steps, use_distributed_sampler=False)

@@ -39,12 +39,21 @@ def val_loss(module: pl.LightningModule, data: DataLoader) -> float:
     return out["val_loss"]
 
 
-def two_processes_equal_one_device(model: str, out: Path, weights: bool) -> None:
-    """``SETUPS[model]`` trained by two gloo processes, a stage each, through gpipe, ends as on
-    one device: every rank's validation loss and step count (and, with ``weights``, every
-    rank's whole model), and the checkpoint rank 0 wrote, loaded into the plain module."""
-    cmd = [sys.executable, str(WORKER), "--out", str(out), "--model", model]
+def launch_two_processes(models: list[str], out: Path) -> None:
+    """One launch of support/real_model_worker.py on two gloo processes training each of
+    ``models`` in turn through gpipe, a stage each, into ``out/MODEL``."""
+    cmd = [sys.executable, str(WORKER), "--out", str(out), "--models", *models]
     run_all([(cmd, environment())])
+
+
+def two_processes_equal_one_device(model: str, out: Path, weights: bool) -> None:
+    """``SETUPS[model]`` trained by two gloo processes (:func:`launch_two_processes` into
+    ``out``, unless a shared launch already did), a stage each, through gpipe, ends as on one
+    device: every rank's validation loss and step count (and, with ``weights``, every rank's
+    whole model), and the checkpoint rank 0 wrote, loaded into the plain module."""
+    if not (out / model / "report-0.json").exists():
+        launch_two_processes([model], out)
+    out = out / model
     build, data, _, steps = SETUPS[model]
     plain = build()
     threads = torch.get_num_threads()

@@ -1,0 +1,270 @@
+"""``pipemare study default``: the main job. On 4 devices, with the learning rate you tuned on one,
+does pipemare reach your quality sooner than 1F1B? A slice of the user's protocol
+(:mod:`~pipemare.experiments.studies.user_protocol`) that answers in about five minutes on two
+CPU cores.
+
+What it runs, fixed before any run trains:
+
+- **Tasks** (:data:`RUNS`): a GPT whose stages cost about their rows (``gpt_c64s``, 6 blocks of
+  width 128 at context 64) and the small character GPT (``char_gpt@adamw``, 14 blocks of width
+  32 at context 16), both trained with AdamW at the rate tuned on one device (gpipe's sweep on
+  the 1-3-10 grid, written down here). Each is labelled by its measured cost per row:
+  compute-bound where its smallest microbatch costs at most 1.25x per row what its whole batch
+  does, as on real models' stages; dispatch-bound otherwise.
+- **Layout**: P = 4 stages, each schedule at the N it is compared at: ``pipemare`` and
+  uncorrected ``async`` at the strategy's default N, gpipe at the same N, and 1F1B at its fastest
+  N among the batch's divisors (1F1B computes gpipe's curve per step; only its pipeline time
+  differs). Two seeds each, for the task's step count.
+
+How it runs:
+
+1. **Times**, in this process, alone (nothing trains meanwhile): each configuration's actions
+   timed over a short window and replayed through its schedule, as if each stage had a device.
+   Stored in ``OUT/step_times.json`` with each task's cost per row (``cost_per_row.json``); a
+   rerun into the same directory reuses them. Only the time columns read them.
+2. **Runs**: every run trains in this invocation, two at a time (one core each), stored runs
+   are never reused.
+3. **The answer**: ``results.json``, ``results.md``, the verdict printed in a user's words
+   (quality at equal steps against 1F1B, time to 1F1B's quality as a ratio of 1F1B's), one W&B
+   run per training run (offline without an API key), and with ``--dashboard`` the page
+   ``OUT/dashboard/index.html``.
+
+The full protocol (P = 2, 4, 8, seven tasks, three seeds on the GPT) is
+``pipemare user-protocol``; about 90 minutes per task on two cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+from pipemare.experiments.studies.fair import execute
+from pipemare.experiments.studies.grid import Job, load_result
+from pipemare.experiments.studies.protocol import TASKS
+from pipemare.experiments.studies.user_protocol import (
+    jobs_for,
+    markdown,
+    measure_cost_per_row,
+    measure_times,
+    task_table,
+)
+
+__all__ = ["RUNS", "STAGES", "answer_lines", "run_main_job", "schedule_series"]
+
+#: task -> (its one-device rate, the steps of each run): the rate is gpipe's best on the 1-3-10
+#: grid at that length, seed 0 (``pipemare user-protocol --tasks T --stages 4 --steps S``;
+#: experiments/results/main_job/README.md)
+RUNS: dict[str, tuple[float, int]] = {"gpt_c64s": (1e-3, 240), "char_gpt@adamw": (1e-2, 400)}
+
+#: the layout the main job answers for
+STAGES = (4,)
+
+#: seeds per run: two, for a spread
+SEEDS = 2
+
+#: each configuration's timed window: steps timed, steps before them, windows (the median)
+TIMING = {"steps": 6, "warm": 2, "repeats": 3}
+
+
+def _cells(runs: dict[str, tuple[float, int]], seeds: int) -> dict[str, dict]:
+    return {name: jobs_for(name, lr, seeds, False, n, STAGES) for name, (lr, n) in runs.items()}
+
+
+def run_main_job(
+    out: Path,
+    runs: dict[str, tuple[float, int]] | None = None,
+    seeds: int = SEEDS,
+    workers: int = 2,
+    wandb: bool = True,
+) -> dict[str, Any]:
+    """Time, train and answer (see the module's docstring) into ``out``; returns what
+    ``results.json`` holds. ``runs``: task -> (rate, steps), default :data:`RUNS`."""
+    runs = dict(RUNS if runs is None else runs)
+    for name in runs:
+        if name not in TASKS:
+            raise ValueError(f"unknown task {name!r}; choose among {', '.join(sorted(TASKS))}")
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    names = list(runs)
+    rates = {name: lr for name, (lr, _) in runs.items()}
+    cells = _cells(runs, seeds)
+    plan = {
+        "stages": list(STAGES),
+        "seeds": seeds,
+        "tasks": {
+            n: {"rate": lr, "steps": steps, "optimizer": TASKS[n].optimizer}
+            for n, (lr, steps) in runs.items()
+        },
+    }
+    (out / "plan.json").write_text(json.dumps(plan, indent=1))
+    measure_times(out, names, False, stages=STAGES, **TIMING)
+    measure_cost_per_row(out, names, stages=STAGES)
+    print(f"times: {time.perf_counter() - start:.0f} s ({out / 'step_times.json'})", flush=True)
+    shutil.rmtree(out / "runs", ignore_errors=True)  # every reported run trains now
+    # the longest runs first, so that the two workers finish together
+    jobs = [j for name in names for js in cells[name].values() for j in js]
+    jobs.sort(key=lambda j: -runs[j.task][1] * TASKS[j.task].batch * _weight(j.task))
+    execute(jobs, out, workers, "runs")
+    times = json.loads((out / "step_times.json").read_text())
+    costs = json.loads((out / "cost_per_row.json").read_text())
+    results: dict[str, Any] = {
+        "tasks": {
+            n: task_table(out, n, rates[n], cells[n], times, None, costs.get(n), STAGES)
+            for n in names
+        },
+        "held_out": None,
+        "seeds": seeds,
+        "stages": list(STAGES),
+    }
+    results["answer"] = answer_lines(results)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(
+        "\n".join(f"- {line}" for line in results["answer"]) + "\n\n" + markdown(results)
+    )
+    if wandb:
+        log_to_wandb(out, results, cells)
+    print(f"done in {time.perf_counter() - start:.0f} s: {out / 'results.md'}", flush=True)
+    for line in results["answer"]:
+        print(line, flush=True)
+    return results
+
+
+def _weight(task: str) -> float:
+    """A rough cost per row of ``task``'s runs: the compute-bound ones are heavier."""
+    return 10.0 if task.startswith("gpt_c64") else 1.0
+
+
+def _pct(value: float, ref: float, higher: bool) -> str:
+    if not math.isfinite(value):
+        return "no finite result"
+    if higher:
+        return f"{100 * (value - ref):+.1f} points"
+    return f"{100 * (value / ref - 1):+.1f}%"
+
+
+def _reach(row: dict[str, Any], base: dict[str, Any]) -> str:
+    ratio = row["time_vs_1f1b"]
+    if math.isfinite(ratio):
+        return f"reaches 1F1B's quality in {ratio:.2f}x 1F1B's time"
+    step = row["step_time_s"] / base["step_time_s"]
+    return f"does not reach 1F1B's quality within the run (a step costs {step:.2f}x 1F1B's)"
+
+
+def answer_lines(results: dict[str, Any]) -> list[str]:
+    """The verdict in a user's words: per task and P, pipemare's quality at equal steps against
+    1F1B's and its time to 1F1B's quality as a ratio of 1F1B's, with async and gpipe beside."""
+    lines = []
+    for name, task in results["tasks"].items():
+        higher = task["higher_is_better"]
+        costs = task.get("cost_per_row") or {}
+        per_row = ", ".join(
+            f"{1e3 * s:.2f} ms a row at {rows} rows"
+            for rows, s in sorted(costs.items(), key=lambda kv: int(kv[0]))
+        )
+        label = f"{task.get('regime') or 'regime not measured'}{': ' + per_row if per_row else ''}"
+        for p in task["stages"]:
+            series = {s: (n, row) for s, n, row, _ in schedule_series(task, p)}
+            if not {"pipemare", "async"} <= set(series):
+                continue
+            n_base, base = series["1f1b"]
+            n_pm, pm = series["pipemare"]
+            n_gp, gp = series["gpipe"]
+            asy = series["async"][1]
+            spread = 100 * pm["spread"] / (1 if higher else base["final"])
+            lines.append(
+                f"{name} ({label}), {task['steps']} steps at rate {task['rate']:g} (one "
+                f"device's), P = {p}: pipemare (N = {n_pm}) ends "
+                f"{_pct(pm['final'], base['final'], higher)} (± {spread:.1f}) against 1F1B "
+                f"(N = {n_base}) at equal steps and {_reach(pm, base)}; uncorrected async "
+                f"(N = {n_pm}): {_pct(asy['final'], base['final'], higher)}, {_reach(asy, base)}; "
+                f"gpipe (N = {n_gp}): {_reach(gp, base)}."
+            )
+    return lines
+
+
+def schedule_series(task: dict[str, Any], p: str) -> list[tuple[str, int, dict[str, Any], tuple]]:
+    """(schedule, N, its row, the cell whose runs draw it) of each schedule at ``p`` stages in a
+    task of ``results.json``: 1F1B draws gpipe's runs (the same curve per step) at its own step
+    time."""
+    stage = task["stages"][p]
+    base = stage["1f1b"]
+    out = [("1f1b", base["N"], base, ("gpipe", 2, 1))]
+    for row in stage["rows"]:
+        if row["schedule"].startswith("gpipe"):
+            out.append(("gpipe", row["N"], row, ("gpipe", 2, 1)))
+        elif row.get("default_n"):
+            out.append((row["schedule"], row["N"], row, (row["schedule"], int(p), row["N"])))
+    return out
+
+
+def log_to_wandb(out: Path, results: dict[str, Any], cells: dict[str, dict]) -> None:
+    """One W&B run per training run, grouped ``default`` (offline without an API key): the
+    validation metric against steps and against pipeline time, the setup and the verdict's
+    figures in its summary. 1F1B gets gpipe's curves with its own pipeline time."""
+    import os
+
+    import wandb
+
+    from pipemare.callbacks.wandb import has_api_key
+
+    mode = os.environ.get("WANDB_MODE") or ("online" if has_api_key() else "offline")
+    if mode == "disabled":
+        return
+    for name, task in results["tasks"].items():
+        for p in task["stages"]:
+            for schedule, n, row, key in schedule_series(task, p):
+                for job in cells[name][key]:
+                    _wandb_run(
+                        wandb, mode, out, name, task["metric"], schedule, int(p), n, row, job
+                    )
+
+
+def _wandb_run(
+    wandb: Any,
+    mode: str,
+    out: Path,
+    task: str,
+    metric: str,
+    schedule: str,
+    p: int,
+    n: int,
+    row: dict[str, Any],
+    job: Job,
+) -> None:
+    run = load_result(out, job)
+    step_s = row["step_time_s"]
+    experiment = wandb.init(
+        project="pipemare",
+        group="default",
+        job_type=task,
+        name=f"{task}-{schedule}-P{p}-N{n}-s{job.seed}",
+        dir=str(out),
+        mode=mode,
+        reinit="create_new",
+        config={
+            "task": task,
+            "schedule": schedule,
+            "stages": p,
+            "microbatches": n,
+            "lr": job.lr,
+            "seed": job.seed,
+            "step_time_s": step_s,
+        },
+        settings=wandb.Settings(silent=True),
+    )
+    experiment.define_metric("pipeline_time_s")
+    experiment.define_metric(metric, step_metric="pipeline_time_s")
+    for step, value in zip(run.steps, run.metric, strict=True):
+        experiment.log({metric: value, "pipeline_time_s": step * step_s}, step=step)
+    experiment.summary.update(
+        {
+            "final": row["final"],
+            "steps_to_target": row["steps_to_target"],
+            "time_vs_1f1b": row["time_vs_1f1b"],
+        }
+    )
+    experiment.finish()

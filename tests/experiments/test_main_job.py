@@ -1,0 +1,86 @@
+"""The main job (``pipemare study default``): a slice of the user's protocol that trains every run
+it reports, keeps its measured times for a rerun, answers in a user's words, logs to W&B and
+opens its dashboard with the answer."""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+
+import pytest
+
+from pipemare.experiments.studies import main_job, protocol, user_protocol
+from pipemare.experiments.studies.protocol import TASKS
+
+
+def test_the_main_jobs_tasks_are_the_protocols_with_a_compute_and_a_dispatch_bound_one():
+    assert set(main_job.RUNS) <= set(TASKS)
+    assert main_job.STAGES == (4,)
+    gpt = TASKS["gpt_c64s"]
+    assert (gpt.optimizer, gpt.warmup, gpt.cosine, gpt.tuned) == ("nanogpt", 0.1, True, False)
+    assert len(gpt.build()) >= 8  # the full protocol's P = 8 cuts it
+    for name in main_job.RUNS:  # AdamW, as the issue's user trains
+        assert TASKS[name].optimizer in ("adamw", "nanogpt")
+
+
+def test_the_main_job_trains_what_it_reports_and_keeps_its_times(tmp_path, monkeypatch):
+    """One small task end to end, twice into one directory: the second run measures nothing
+    (the stored times are reused) but trains every run again, and gives the same quality."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = tmp_path / "default"
+    first = main_job.run_main_job(out, runs={"digits": (3e-3, 20)}, workers=1, wandb=True)
+    task = first["tasks"]["digits"]
+    stage = task["stages"]["4"]
+    # 1F1B timed at every N dividing the batch, the fastest its baseline
+    by_n = {int(n): s for n, s in stage["1f1b"]["step_times_by_n"].items()}
+    assert sorted(by_n) == user_protocol.one_f_one_b_ns(TASKS["digits"], 4)
+    assert stage["1f1b"]["N"] == min(by_n, key=lambda n: (by_n[n], n))
+    default_n = user_protocol.auto_n(TASKS["digits"], 4)
+    shown = {(r["schedule"], r["N"]) for r in stage["rows"]}
+    assert {("pipemare", default_n), ("async", default_n)} <= shown
+    assert ("gpipe (pipemare's N)", default_n) in shown
+    assert task["regime"] in ("compute-bound", "dispatch-bound")
+    # every run it reports, trained now: two seeds of gpipe, async and pipemare
+    trained = sorted(p.name for p in (out / "runs").glob("*.json"))
+    assert len(trained) == 6 and all("-s0" in n or "-s1" in n for n in trained)
+    # the answer, in a user's words
+    (line,) = first["answer"]
+    assert f"pipemare (N = {default_n})" in line and f"1F1B (N = {stage['1f1b']['N']})" in line
+    assert "P = 4" in line and "at equal steps" in line and "rate 0.003" in line
+    assert (out / "results.md").read_text().startswith(f"- {line}")
+    # one W&B run per reported series and seed (1F1B, gpipe, async, pipemare), offline
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 8
+    times = (out / "step_times.json").read_text()
+
+    def measured(*args, **kwargs):
+        raise AssertionError("a rerun into the same directory measured a step time again")
+
+    monkeypatch.setattr(protocol, "step_time", measured)
+    for path in (out / "runs").glob("*.json"):  # marked, so that a reused run shows
+        path.write_text(json.dumps({**json.loads(path.read_text()), "seconds": -1.0}))
+    second = main_job.run_main_job(out, runs={"digits": (3e-3, 20)}, workers=1, wandb=False)
+    assert (out / "step_times.json").read_text() == times
+    assert all(json.loads(p.read_text())["seconds"] >= 0 for p in (out / "runs").glob("*.json"))
+    again = second["tasks"]["digits"]["stages"]["4"]
+    for a, b in zip(stage["rows"], again["rows"], strict=True):  # the same quality columns
+        assert (a["schedule"], a["N"]) == (b["schedule"], b["N"])
+        assert a["final"] == b["final"] or (math.isnan(a["final"]) and math.isnan(b["final"]))
+
+    # the dashboard opens with the answer, before any figure or table
+    from pipemare.experiments.dashboard.answer_page import write_answer_page
+
+    page = write_answer_page(out).read_text()
+    assert page.index("<ul><li>") < page.index("<img") < page.index("<table>")
+    assert page.index(html.escape(line)) < page.index("<img")
+    for schedule in ("pipemare", "1f1b", "gpipe", "async"):  # each named with its N and rate
+        assert f"<td>{schedule}</td>" in page
+    assert page.count("<td>0.003</td>") == 4
+    assert page.count("<img") == 2  # the task against pipeline time, the staleness per stage
+
+
+def test_the_dashboard_says_what_to_run_without_results(tmp_path):
+    from pipemare.experiments.dashboard.answer_page import write_answer_page
+
+    with pytest.raises(ValueError, match="pipemare study default"):
+        write_answer_page(tmp_path)
