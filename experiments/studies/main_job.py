@@ -175,10 +175,12 @@ def answer_lines(results: dict[str, Any]) -> list[str]:
             n_gp, gp = series["gpipe"]
             asy = series["async"][1]
             spread = 100 * pm["spread"] / (1 if higher else base["final"])
+            unit = " points" if higher else "%"
             lines.append(
                 f"{name} ({label}), {task['steps']} steps at rate {task['rate']:g} (one "
                 f"device's), P = {p}: pipemare (N = {n_pm}) ends "
-                f"{_pct(pm['final'], base['final'], higher)} (± {spread:.1f}) against 1F1B "
+                f"{_pct(pm['final'], base['final'], higher)} (± {spread:.1f}{unit} over seeds) "
+                f"against 1F1B "
                 f"(N = {n_base}) at equal steps and {_reach(pm, base)}; uncorrected async "
                 f"(N = {n_pm}): {_pct(asy['final'], base['final'], higher)}, {_reach(asy, base)}; "
                 f"gpipe (N = {n_gp}): {_reach(gp, base)}."

@@ -29,16 +29,34 @@ pytestmark = pytest.mark.distributed
 WORKER = str(Path(__file__).resolve().parents[1] / "support" / "gpt_quality_worker.py")
 
 
-def _run(out: Path, devices: int, *args: str) -> dict:
+#: both tests' runs, each trained in turn by one launch per device count
+RECIPES = ("constant", "nanogpt")
+
+
+def _launch(out: Path, devices: int) -> None:
     out.mkdir()
-    cmd = [sys.executable, WORKER, "--out", str(out), "--devices", str(devices), *args]
-    run_all([(cmd, environment())])
-    return json.loads((out / "report.json").read_text())
+    cmd = [sys.executable, WORKER, "--out", str(out), "--devices", str(devices)]
+    run_all([([*cmd, "--recipes", *RECIPES], environment())])
 
 
-def test_a_gpt_at_two_processes_with_nothing_set_trains_near_one_device(tmp_path):
-    one = _run(tmp_path / "one", 1)
-    two = _run(tmp_path / "two", 2)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """One launch on one device and one on two processes, each training both recipes (not a
+    launch per test and device count); each test reads its recipe's reports."""
+    out = tmp_path_factory.mktemp("gpt-quality")
+    _launch(out / "one", 1)
+    _launch(out / "two", 2)
+    return out
+
+
+def _reports(out: Path, recipe: str) -> tuple[dict, dict]:
+    return tuple(  # type: ignore[return-value]
+        json.loads((out / d / f"report-{recipe}.json").read_text()) for d in ("one", "two")
+    )
+
+
+def test_a_gpt_at_two_processes_with_nothing_set_trains_near_one_device(runs):
+    one, two = _reports(runs, "constant")
     assert one["global_step"] == two["global_step"] == 384
     assert (two["stages"], two["microbatches"]) == (2, 2)  # N = P by default
     gap = two["val_loss"] / one["val_loss"] - 1
@@ -49,7 +67,7 @@ def test_a_gpt_at_two_processes_with_nothing_set_trains_near_one_device(tmp_path
 
 
 def test_a_gpt_trained_with_warm_up_and_cosine_decay_at_two_processes_stays_near_one_device(
-    tmp_path,
+    runs,
 ):
     """The same GPT trained as nanoGPT trains one (AdamW 0.9/0.95, weight decay 0.1, linear
     warm-up over the first tenth, cosine decay to 0; a LambdaLR stepped every step), at the
@@ -59,8 +77,7 @@ def test_a_gpt_trained_with_warm_up_and_cosine_decay_at_two_processes_stays_near
     (+2.7%), 2.447 (-0.3%); mean +1.15%. The issue's bar, 1% of one device, is missed on the
     mean (docs/results.md); this test holds the measured level on seed 0 within 2.5%, so that
     a change that loses it shows."""
-    one = _run(tmp_path / "one", 1, "--recipe")
-    two = _run(tmp_path / "two", 2, "--recipe")
+    one, two = _reports(runs, "nanogpt")
     assert one["global_step"] == two["global_step"] == 384
     assert (two["stages"], two["microbatches"]) == (2, 2)
     gap = two["val_loss"] / one["val_loss"] - 1

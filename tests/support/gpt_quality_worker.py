@@ -63,13 +63,25 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--steps", type=int, default=384)
     parser.add_argument("--lr", type=float, default=RATE)
-    parser.add_argument("--recipe", action="store_true", help="nanoGPT's: warm-up, cosine")
+    parser.add_argument(
+        "--recipes",
+        nargs="+",
+        choices=("constant", "nanogpt"),
+        default=["constant"],
+        help="each trained in turn in this launch: AdamW at a constant rate, or nanoGPT's "
+        "warm-up and cosine; each writes report-RECIPE.json",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--microbatches", type=int, help="N (default: the strategy's)")
     args = parser.parse_args()
+    for recipe in args.recipes:
+        train(args, recipe)
+
+
+def train(args: argparse.Namespace, recipe: str) -> None:
     pl.seed_everything(args.seed, verbose=False)
     sizes: dict[str, Any] = dict(d_model=64, heads=4, layers=4, context=32)
-    if args.recipe:
+    if recipe == "nanogpt":
         model: CharGPT = RecipeGPT(args.lr, args.steps, **sizes)
     else:
         adamw = functools.partial(torch.optim.AdamW, lr=args.lr, weight_decay=0.01)
@@ -97,7 +109,7 @@ def main() -> None:
             "stages": len(getattr(strategy, "delays", [None])),
             "microbatches": getattr(strategy, "microbatches", 1),
         }
-        (args.out / "report.json").write_text(json.dumps(report))
+        (args.out / f"report-{recipe}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
