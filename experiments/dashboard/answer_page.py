@@ -23,11 +23,19 @@ import matplotlib.pyplot as plt
 
 from pipemare.experiments.studies.grid import Job, load_result
 from pipemare.experiments.studies.main_job import schedule_series
+from pipemare.experiments.studies.user_protocol import gap_text
 
 __all__ = ["ranked_rows", "write_answer_page"]
 
 #: a colour per schedule, the same in every figure
 COLORS = {"pipemare": "#2ca02c", "1f1b": "#1f77b4", "gpipe": "#7f7f7f", "async": "#ff7f0e"}
+
+
+def _save(fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
 
 
 def _img(path: Path, alt: str) -> str:
@@ -75,11 +83,7 @@ def curve_plot(study: Path, out: Path, results: dict[str, Any]) -> Path:
             pad = 0.1 * (high - low) or 0.01 * abs(high)
             ax.set_ylim(low - pad, high + pad)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "quality_vs_time.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "quality_vs_time.png")
 
 
 def delay_plot(out: Path, results: dict[str, Any]) -> Path:
@@ -108,21 +112,11 @@ def delay_plot(out: Path, results: dict[str, Any]) -> Path:
         ax.set_ylabel("weight staleness (optimiser steps)")
         ax.set_title(f"{name}: staleness per stage", fontsize=10)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "staleness.png"
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return _save(fig, out / "staleness.png")
 
 
 def _quality(value: float, spread: float, higher: bool) -> str:
     return "—" if not math.isfinite(value) else f"{value:.3f} ± {spread:.3f}"
-
-
-def _vs(value: float, ref: float, higher: bool) -> str:
-    if not math.isfinite(value):
-        return "—"
-    return f"{100 * (value - ref):+.1f} pt" if higher else f"{100 * (value / ref - 1):+.1f}%"
 
 
 def _steps(steps: float) -> str:
@@ -148,7 +142,7 @@ def ranked_rows(task: dict[str, Any]) -> list[list[str]]:
                         str(n),
                         f"{task['rate']:g}",
                         _quality(final, row.get("spread", 0.0), higher),
-                        _vs(final, task["final_1f1b"], higher),
+                        gap_text(final, task["final_1f1b"], higher),
                         _steps(row["steps_to_target"]),
                         f"{1e3 * row['step_time_s']:.1f}",
                         "never" if not math.isfinite(ratio) else f"{ratio:.2f}",

@@ -46,6 +46,7 @@ from pipemare.experiments.studies.fair import execute
 from pipemare.experiments.studies.grid import Job, load_result
 from pipemare.experiments.studies.protocol import TASKS
 from pipemare.experiments.studies.user_protocol import (
+    gap_text,
     jobs_for,
     markdown,
     measure_cost_per_row,
@@ -138,14 +139,6 @@ def _weight(task: str) -> float:
     return 10.0 if task.startswith("gpt_c64") else 1.0
 
 
-def _pct(value: float, ref: float, higher: bool) -> str:
-    if not math.isfinite(value):
-        return "no finite result"
-    if higher:
-        return f"{100 * (value - ref):+.1f} points"
-    return f"{100 * (value / ref - 1):+.1f}%"
-
-
 def _reach(row: dict[str, Any], base: dict[str, Any]) -> str:
     ratio = row["time_vs_1f1b"]
     if math.isfinite(ratio):
@@ -179,10 +172,11 @@ def answer_lines(results: dict[str, Any]) -> list[str]:
             lines.append(
                 f"{name} ({label}), {task['steps']} steps at rate {task['rate']:g} (one "
                 f"device's), P = {p}: pipemare (N = {n_pm}) ends "
-                f"{_pct(pm['final'], base['final'], higher)} (± {spread:.1f}{unit} over seeds) "
+                f"{gap_text(pm['final'], base['final'], higher)} (± {spread:.1f}{unit} over seeds) "
                 f"against 1F1B "
                 f"(N = {n_base}) at equal steps and {_reach(pm, base)}; uncorrected async "
-                f"(N = {n_pm}): {_pct(asy['final'], base['final'], higher)}, {_reach(asy, base)}; "
+                f"(N = {n_pm}): {gap_text(asy['final'], base['final'], higher)}, "
+                f"{_reach(asy, base)}; "
                 f"gpipe (N = {n_gp}): {_reach(gp, base)}."
             )
     return lines

@@ -56,6 +56,7 @@ __all__ = [
     "STAGES",
     "USER_TASKS",
     "equal_time_jobs",
+    "gap_text",
     "measure_cost_per_row",
     "one_f_one_b_ns",
     "regime",
@@ -416,7 +417,8 @@ def _quality(value: float, spread: float, higher: bool) -> str:
     return f"{value:.3f} ± {spread:.3f}" if math.isfinite(value) else "—"
 
 
-def _gap(value: float, ref: float, higher: bool) -> str:
+def gap_text(value: float, ref: float, higher: bool) -> str:
+    """``value`` against ``ref``: points for an accuracy, percent for a loss; "—" if not finite."""
     if not math.isfinite(value):
         return "—"
     if higher:
@@ -466,7 +468,7 @@ def markdown(results: dict[str, Any]) -> str:
                 continue
             v = row["verdict"]
             marks = "".join(k if v[key] else "·" for k, key in zip("QTA", v, strict=True))
-            gap = _gap(row["final"], task["final_1f1b"], task["higher_is_better"])
+            gap = gap_text(row["final"], task["final_1f1b"], task["higher_is_better"])
             cells.append(f"{marks} N={row['N']}: {gap}, time {_ratio(row['time_vs_1f1b'])}")
         label = f"{name} (held out)" if task["held_out"] else name
         if task.get("regime"):
@@ -518,7 +520,7 @@ def markdown(results: dict[str, Any]) -> str:
                 lines.append(
                     f"| {p} | {name_shown} | "
                     f"{r['N']} | {_quality(r['final'], r['spread'], higher)} | "
-                    f"{_gap(r['final'], task['final_1f1b'], higher)} | "
+                    f"{gap_text(r['final'], task['final_1f1b'], higher)} | "
                     f"{'never' if not math.isfinite(steps) else f'{steps:.0f}'} | "
                     f"{1e3 * r['step_time_s']:.2f} | {_ratio(r['time_vs_1f1b'])} | {mark} |"
                 )
