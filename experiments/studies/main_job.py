@@ -106,11 +106,11 @@ def run_main_job(
     measure_cost_per_row(out, names, stages=STAGES)
     print(f"times: {time.perf_counter() - start:.0f} s ({out / 'step_times.json'})", flush=True)
     shutil.rmtree(out / "runs", ignore_errors=True)  # every reported run trains now
-    # the longest runs first, so that the two workers finish together
     jobs = [j for name in names for js in cells[name].values() for j in js]
-    jobs.sort(key=lambda j: -runs[j.task][1] * TASKS[j.task].batch * _weight(j.task))
-    execute(jobs, out, workers, "runs")
     times = json.loads((out / "step_times.json").read_text())
+    # the longest runs first (steps × the measured step), so that the workers finish together
+    jobs.sort(key=lambda j: -runs[j.task][1] * times[f"{j.task}-1f1b-P{STAGES[0]}-N1"])
+    execute(jobs, out, workers, "runs")
     costs = json.loads((out / "cost_per_row.json").read_text())
     results: dict[str, Any] = {
         "tasks": {
@@ -132,11 +132,6 @@ def run_main_job(
     for line in results["answer"]:
         print(line, flush=True)
     return results
-
-
-def _weight(task: str) -> float:
-    """A rough cost per row of ``task``'s runs: the compute-bound ones are heavier."""
-    return 10.0 if task.startswith("gpt_c64") else 1.0
 
 
 def _reach(row: dict[str, Any], base: dict[str, Any]) -> str:
