@@ -25,7 +25,8 @@ import pytest
 
 from support.launch import environment, run_all
 
-pytestmark = pytest.mark.distributed
+# one worker runs the module: its tests share a module-scoped launch
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("gpt_quality")]
 WORKER = str(Path(__file__).resolve().parents[1] / "support" / "gpt_quality_worker.py")
 
 

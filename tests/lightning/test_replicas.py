@@ -16,6 +16,9 @@ from pipemare.engine.replicas import _buckets
 from pipemare.lightning.steps import Record, merge_published
 from support.launch import environment, free_port, reports, run_all
 
+# one worker runs the module: its tests share module-scoped fixtures
+pytestmark = pytest.mark.xdist_group("replicas")
+
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 WORKER = str(SUPPORT / "replica_worker.py")
 

@@ -17,7 +17,8 @@ from support.data import DigitsDataModule
 from support.launch import environment, free_port, reports, run_all
 from support.models import DigitsCNN, quiet_trainer
 
-pytestmark = pytest.mark.distributed
+# one worker runs the module: its tests share a module-scoped launch
+pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("strategy_distributed")]
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 WORKER = str(SUPPORT / "lightning_worker.py")
 MONITOR_WORKER = SUPPORT / "monitor_worker.py"

@@ -32,6 +32,9 @@ from support.real_runs import (
     val_loss,
 )
 
+# one worker runs the module: its tests share module-scoped fixtures
+pytestmark = pytest.mark.xdist_group("strategy_real_models")
+
 STEPS = 20
 
 
