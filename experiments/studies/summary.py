@@ -21,10 +21,12 @@ def _bytes(tensors: Any) -> int:
 
 
 def memory_report(trainer: pl.Trainer) -> dict[str, Any]:
-    """Per stage, in MB: weights, optimiser state (and the part of it that is a rotated basis,
-    :class:`~pipemare.optim.RotatedAdamW`'s factors), PipeDream's weight stash (peak), the
-    corrections' buffers (in all and per correction); and the peak number of microbatches whose
-    activations a stage held."""
+    """Per stage, in MB: weights (and the part of them that trains: frozen parameters, a LoRA
+    model's base, are the rest), optimiser state (and the part of it that is a rotated basis,
+    :class:`~pipemare.optim.RotatedAdamW`'s factors), PipeDream's weight stash (peak: copies of
+    the trained weights), the corrections' buffers (in all and per correction); and the peak
+    number of microbatches whose activations a stage held. Every figure is read off the
+    tensors the run holds, not derived from the optimiser's groups."""
     from pipemare.optim.rotated import extra_state_bytes
 
     pipe = getattr(trainer.strategy, "pipeline", None)
@@ -34,6 +36,7 @@ def memory_report(trainer: pl.Trainer) -> dict[str, Any]:
     stages = []
     for stage in pipe.stages:
         params = list(stage.module.parameters())
+        trained = [p for p in params if p.requires_grad]
         state = [
             t
             for p in params
@@ -45,9 +48,10 @@ def memory_report(trainer: pl.Trainer) -> dict[str, Any]:
             {
                 "stage": stage.index,
                 "weights_mb": _bytes(params) * mb,
+                "trainable_mb": _bytes(trained) * mb,
                 "optimizer_state_mb": _bytes(state) * mb,
                 "rotated_basis_mb": extra_state_bytes(pipe.optimizer.optimizer, params) * mb,
-                "stash_mb": stage.peak_stashed_versions * _bytes(params) * mb,
+                "stash_mb": stage.peak_stashed_bytes * mb,
                 "correction_buffers_mb": sum(buffers.values()) * mb,
                 "corrections_mb": {name: size * mb for name, size in buffers.items()},
                 "peak_in_flight": stage.peak_in_flight,

@@ -105,13 +105,14 @@ class Stash:
 
     Attributes:
         peak: the most versions held in copies at once so far.
+        peak_bytes: the most bytes those copies held at once so far.
     """
 
     def __init__(self, params: Mapping[int, nn.Parameter]) -> None:
         self._params = params
         self._users: Counter[int] = Counter()  # in-flight microbatches per forward version
         self._copies: dict[int, dict[int, torch.Tensor]] = {}
-        self.peak = 0
+        self.peak = self.peak_bytes = 0
 
     def hold(self, version: int) -> None:
         """A microbatch's forward ran at ``version``; its backward may need that version."""
@@ -130,6 +131,8 @@ class Stash:
         if self._users[version] > 0:
             self._copies[version] = {i: p.detach().clone() for i, p in self._params.items()}
             self.peak = max(self.peak, len(self._copies))
+            held = sum(t.nbytes for copy in self._copies.values() for t in copy.values())
+            self.peak_bytes = max(self.peak_bytes, held)
 
     def weight(self, param: nn.Parameter, version: int) -> torch.Tensor:
         """The copy of ``param`` at ``version`` (an update has overwritten the live one)."""

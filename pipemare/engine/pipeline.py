@@ -212,9 +212,15 @@ class Pipeline:
         return self.optimizer.settings
 
     def _trained(self, stage: int) -> list[nn.Parameter]:
-        """``stage``'s parameters that its update steps: all but copies of tied ones."""
+        """``stage``'s parameters that its update steps: those that require gradients when
+        the pipeline is built, but copies of tied ones. A frozen parameter (a LoRA model's
+        base) gets no optimiser step, correction buffer or weight prediction."""
         copies = {id(p) for p in self.ties.copies_on(stage)}
-        return [p for p in self.stage_modules[stage].parameters() if id(p) not in copies]
+        return [
+            p
+            for p in self.stage_modules[stage].parameters()
+            if p.requires_grad and id(p) not in copies
+        ]
 
     def _stream(self, stage: int, start: int) -> Iterator[Action]:
         return stream(

@@ -38,9 +38,10 @@ def _copy(value: Any) -> Any:
 
 
 def _copy_state(module: nn.Module, parameters: bool) -> dict[str, torch.Tensor]:
-    """Copies of ``module``'s state dict entries: its parameters, or everything else."""
+    """Copies of ``module``'s state dict entries: its parameters, or everything else. A frozen
+    parameter (no gradient) is held by reference: no update changes it."""
     return {
-        k: _copy(v)
+        k: v.detach() if isinstance(v, nn.Parameter) and not v.requires_grad else _copy(v)
         for k, v in module.state_dict(keep_vars=True).items()
         if isinstance(v, nn.Parameter) == parameters
     }

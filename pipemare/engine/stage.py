@@ -120,9 +120,12 @@ class Stage:
         self.microbatches = microbatches
         self._params = {id(p): p for p in module.parameters()}
         self._named_params = dict(module.named_parameters())
+        #: parameters frozen when the stage is built (a LoRA model's base): no update changes
+        #: them, so they never need another version (no stash copy, no corrected weights)
+        self._frozen = {i for i, p in self._params.items() if not p.requires_grad}
         buffers = {id(b): b for b in module.buffers()}
         self._saved = SavedTensors(self._params, buffers, self.weight_at, compile is not None)
-        self._stash = Stash(self._params)
+        self._stash = Stash({i: p for i, p in self._params.items() if i not in self._frozen})
         self.recompute = recompute
         self.measure_saved = (track or recompute) if measure_saved is None else measure_saved
         self._bytes = SavedBytes()
@@ -132,6 +135,8 @@ class Stage:
 
     def weight_at(self, param: nn.Parameter, version: int) -> torch.Tensor:
         """What a backward pass sees of ``param`` for a microbatch forwarded at ``version``."""
+        if id(param) in self._frozen:
+            return param.detach()
         if self.stashes:
             if version == self.version:
                 return param.detach()
@@ -261,7 +266,8 @@ class Stage:
             return None
         horizon = microbatch // self.microbatches - self.version
         with self._forward_weights(self.index, horizon):
-            return [p.detach().clone() for p in self.module.parameters()]
+            params = self.module.parameters()
+            return [p.detach().clone() if p.requires_grad else p.detach() for p in params]
 
     def forward_version(self, microbatch: int) -> int:
         """The weight version the forward of an in-flight ``microbatch`` ran with."""
@@ -289,3 +295,8 @@ class Stage:
     def peak_stashed_versions(self) -> int:
         """The most weight versions held in copies at once so far."""
         return self._stash.peak
+
+    @property
+    def peak_stashed_bytes(self) -> int:
+        """The most bytes those copies held at once so far (copies of trained weights only)."""
+        return self._stash.peak_bytes

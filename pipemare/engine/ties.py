@@ -142,7 +142,12 @@ class TiedWeights:
     ) -> None:
         self.ties, self.local, self.transport = ties, set(local), transport
         self.microbatches = microbatches
-        for tie in ties:
+        # A frozen tie (requires_grad False when the run is built: a LoRA model's embedding
+        # and head) never changes, so its copies stay equal to it with nothing sent: no
+        # gradient (a zero one would give it a gradient the optimiser steps, weight decay
+        # moving it) and no weights.
+        self.trained = [tie.param.requires_grad for tie in ties]
+        for tie in self._moving():
             for s in sorted(tie.copies):
                 transport.connect(tie.owner, s, TIE_WEIGHT)
                 transport.connect(s, tie.owner, TIE_GRAD)
@@ -160,6 +165,9 @@ class TiedWeights:
 
     def __bool__(self) -> bool:
         return bool(self.ties)
+
+    def _moving(self) -> list[Tie]:
+        return [tie for tie, trained in zip(self.ties, self.trained, strict=True) if trained]
 
     def restart(self, minibatches: int) -> None:
         """Continue after ``minibatches`` updates (a drained pipeline, weights maybe loaded):
@@ -193,14 +201,14 @@ class TiedWeights:
     def stale(self, tie: Tie, stage: int) -> bool:
         """Whether ``stage``'s copy of ``tie`` misses updates the owner applied since."""
         t = self.ties.index(tie)
-        return self.installed[(t, stage)] != self._version[t]
+        return self.trained[t] and self.installed[(t, stage)] != self._version[t]
 
     # -- the owner's side ---------------------------------------------------------------------
 
     def gradients_ready(self, stage: int, update: int) -> bool:
         """Owner ``stage`` before ``update``: add every copy's contribution (once); False while
         one has not arrived."""
-        owned = [tie for tie in self.ties if tie.owner == stage]
+        owned = [tie for tie in self._moving() if tie.owner == stage]
         if not owned or (stage, update) in self._added:
             return True
         if not all(self.transport.ready(s, stage, TIE_GRAD) for t in owned for s in t.copies):
@@ -217,13 +225,13 @@ class TiedWeights:
     def updated(self, stage: int) -> None:
         """Owner ``stage`` applied an update: its tied weights have a new version."""
         for t, tie in enumerate(self.ties):
-            if tie.owner == stage:
+            if tie.owner == stage and self.trained[t]:
                 self._version[t] += 1
 
     def forwarded(self, stage: int, microbatch: int) -> None:
         """Owner ``stage`` ran ``microbatch`` forward: tell the holders which weights it used."""
         for t, tie in enumerate(self.ties):
-            if tie.owner == stage:
+            if tie.owner == stage and self.trained[t]:
                 self._send_version(t, tie, microbatch)
 
     def _send_version(self, t: int, tie: Tie, tag: int) -> None:
@@ -240,14 +248,14 @@ class TiedWeights:
         """Whether holder ``stage`` has the owners' weights for its next forward waiting."""
         return all(
             self.transport.ready(tie.owner, stage, TIE_WEIGHT)
-            for tie in self.ties
+            for tie in self._moving()
             if stage in tie.copies
         )
 
     def install(self, stage: int, microbatch: int) -> None:
         """Holder ``stage`` before its forward of ``microbatch``: the owner's weights of then."""
         for t, tie in enumerate(self.ties):
-            if stage in tie.copies:
+            if stage in tie.copies and self.trained[t]:
                 self._install(t, tie, stage, microbatch)
 
     @torch.no_grad()
@@ -262,7 +270,7 @@ class TiedWeights:
 
     def contribute(self, stage: int, update: int) -> None:
         """Holder ``stage`` at its ``update``: send its copies' gradients to their owners."""
-        for tie in self.ties:
+        for tie in self._moving():
             if stage in tie.copies:
                 twin = tie.copies[stage][1]
                 grad = twin.grad if twin.grad is not None else torch.zeros_like(twin)
@@ -276,6 +284,8 @@ class TiedWeights:
     def sync(self) -> None:
         """Bring every copy to its owner's latest weights (nothing may be in flight)."""
         for t, tie in enumerate(self.ties):
+            if not self.trained[t]:
+                continue
             if tie.owner in self.local and self.sent[t] != self._version[t]:
                 self._send_version(t, tie, -1)
             for s in sorted(tie.copies):
