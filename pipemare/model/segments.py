@@ -7,6 +7,7 @@ import contextlib
 import copy
 import inspect
 import re
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -216,6 +217,40 @@ def _dynamic_shapes(
     return {name: pytree.tree_map(spec, value) for name, value in bound.items()}
 
 
+@contextlib.contextmanager
+def _keywords_named(module: nn.Module, kwargs: dict) -> Any:
+    """While open, ``module.forward`` names each keyword the call passes into its ``**kwargs``
+    as a parameter of its own (the call itself unchanged). ``torch.export`` then sees one
+    argument per keyword: given dynamic shapes, torch 2.13 files a ``**kwargs`` forward's
+    keywords both under the ``**kwargs`` name and at the top level, and refuses every such
+    trace as a mismatch (measured: a two-line ``forward(self, **kw)`` wrapper, and
+    ``peft``'s ``PeftModel``)."""
+    signature = inspect.signature(module.forward)
+    params = list(signature.parameters.values())
+    named = {p.name for p in params if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    extra = [name for name in kwargs if name not in named]
+    if not extra or params[-1].kind is not inspect.Parameter.VAR_KEYWORD:
+        yield
+        return
+    own = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY) for name in extra]
+    bound = module.forward
+
+    def forward(*args: Any, **kw: Any) -> Any:
+        return bound(*args, **kw)
+
+    forward.__signature__ = signature.replace(parameters=params[:-1] + own)  # type: ignore[attr-defined]
+    missing = object()
+    before = module.__dict__.get("forward", missing)  # a hook's own forward (accelerate)
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if before is missing:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = before
+
+
 def export_module(
     module: nn.Module,
     args: tuple,
@@ -245,12 +280,18 @@ def export_module(
 
     hook = register_module_buffer_registration_hook(traced_assignment)
     try:
-        try:
-            shapes = _dynamic_shapes(module, args, kwargs, every=dynamic == "all")
-            ep = torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=shapes)
-        except Exception:
-            assigned.clear()
-            ep = torch.export.export(module, args, kwargs, strict=False)
+        with _keywords_named(module, kwargs):
+            try:
+                shapes = _dynamic_shapes(module, args, kwargs, every=dynamic == "all")
+                ep = torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=shapes)
+            except Exception as dynamic_err:
+                assigned.clear()
+                ep = torch.export.export(module, args, kwargs, strict=False)
+                _warn_static(module, f"{type(dynamic_err).__name__}: {dynamic_err}")
+            else:
+                if _batch_fixed(ep):
+                    _warn_static(module, "its forward fixes the batch size (a reshape or a "
+                                 "size written into the model)")  # fmt: skip
     except Exception as err:
         raise UncuttableModelError(_explain(err, module, args, kwargs)) from err
     finally:
@@ -266,6 +307,35 @@ def export_module(
     return ep
 
 
+def _batch_fixed(ep: ExportedProgram) -> bool:
+    """Whether the trace fixed the batch: no tensor input's first size stayed symbolic (a size
+    the forward pins is still a ``SymInt``, of a constant value)."""
+    firsts = [
+        node.meta["val"].shape[0]
+        for node in ep.graph.nodes
+        if node.op == "placeholder"
+        and node.name in ep.graph_signature.user_inputs
+        and isinstance(node.meta.get("val"), torch.Tensor)
+        and node.meta["val"].dim() > 0
+    ]
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    return bool(firsts) and all(is_concrete_int(size) for size in firsts)
+
+
+def _warn_static(module: nn.Module, reason: str) -> None:
+    """Say that ``module`` was traced for the example's sizes only, and why."""
+    reason = " ".join(reason.split())[:300]
+    warnings.warn(
+        f"{type(module).__name__} was traced for the example batch's sizes only: no trace "
+        f"lets its batch vary ({reason}). Every microbatch must then have the example's "
+        "shape, so a microbatch or a last batch of fewer rows is refused at its first call. "
+        "Let the batch vary where the forward fixes it (x.reshape(-1, ...) rather than the "
+        "batch size), or train with microbatches=1 and batches of one size",
+        stacklevel=3,
+    )
+
+
 def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
     """What the module's own forward raises on the example (run once, without gradients, on
     copies of the arguments, its random state kept), or None: then the trace is at fault."""
@@ -278,20 +348,41 @@ def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | No
     return None
 
 
+def _cache_receiver(module: nn.Module) -> tuple[nn.Module, inspect.Parameter] | None:
+    """The module whose forward decides ``use_cache`` for a call to ``module``, and that
+    parameter: ``module`` itself where its forward names it, else the first module (nearest
+    first) reached through forwards that take ``**kwargs`` and so pass it on (``peft``'s
+    ``PeftModel`` to its ``LoraModel`` to the Hugging Face model; a wrapper of the user's own
+    whose ``forward(self, **kw)`` calls ``self.model(**kw)``); None where no such module is."""
+    frontier = [module]
+    while frontier:
+        deeper: list[nn.Module] = []
+        for candidate in frontier:
+            params = inspect.signature(candidate.forward).parameters
+            if "use_cache" in params:
+                return candidate, params["use_cache"]
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+                deeper.extend(candidate.children())
+        frontier = deeper
+    return None
+
+
 def cache_off(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     """``{"use_cache": False}`` where ``module`` would build a key/value cache for generation
     and the call leaves ``use_cache`` to it (Hugging Face's causal LMs and encoder–decoders:
-    ``config.use_cache`` is True as they ship); else ``{}``. A cache cannot travel between
+    ``config.use_cache`` is True as they ship), directly or through wrappers whose forward
+    passes ``**kwargs`` on (``peft``'s adapters); else ``{}``. A cache cannot travel between
     stages, and training does not read it; the config keeps its setting (Hugging Face's
     gradient checkpointing switches it off per call the same way). Models that cannot generate
     (a classifier whose config carries ``use_cache`` anyway) are left alone."""
-    named = inspect.signature(module.forward).parameters.get("use_cache")
-    if "use_cache" in kwargs or named is None:
+    found = _cache_receiver(module)
+    if "use_cache" in kwargs or found is None:
         return {}
-    can_generate = getattr(module, "can_generate", None)
+    receiver, named = found
+    can_generate = getattr(receiver, "can_generate", None)
     if callable(can_generate) and not can_generate():
         return {}
-    config = getattr(module, "config", None)
+    config = getattr(receiver, "config", None)
     if named.default is None and config is not None:  # Hugging Face: None defers to the config
         wanted = bool(getattr(config, "use_cache", False))
     else:

@@ -17,6 +17,9 @@ from pipemare.model.segments import (
 )
 from support.real_models import GPT, GPTConfig, resnet18
 
+# one worker runs the module: its tests share module-scoped fixtures
+pytestmark = pytest.mark.xdist_group("segments")
+
 
 def run(segments, *args, **kwargs):
     return segments(segments.flatten_inputs(*args, **kwargs))
@@ -313,6 +316,64 @@ def test_the_cache_is_switched_off_for_the_calls_only_and_advice_that_works_othe
     assert seg.call_defaults == {"use_cache": False}
     t5.eval(), seg.eval()
     torch.testing.assert_close(run(seg, input_ids=ids, labels=ids).loss, t5(ids, labels=ids).loss)
+
+
+class Keywords(nn.Module):
+    """A wrapper of the user's own, every argument by keyword and handed on (as ``peft``'s
+    ``PeftModel`` does too)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, **kwargs):
+        return self.model(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [{}, {"use_cache": False, "output_hidden_states": False, "return_dict": True}],
+    ids=["as-for-one-device", "keywords-in-the-call"],
+)
+def test_a_forward_taking_keywords_gets_the_cache_switch_and_a_dynamic_trace(call, recwarn):
+    """Through a ``**kwargs`` forward the cache is switched off as for the bare model, and the
+    trace lets the batch and the length vary, whatever keywords the call writes (torch 2.13
+    refuses a ``**kwargs`` forward's dynamic trace; it was silently static before)."""
+    pytest.importorskip("transformers")
+    model, _ = _hf_gpt2()
+    wrapped = Keywords(model)
+    ids = torch.randint(0, 50, (4, 8))
+    seg = segment_module(wrapped, (), {"input_ids": ids, "labels": ids, **call})
+    assert seg.call_defaults == ({} if call else {"use_cache": False})
+    assert model.config.use_cache and "forward" not in vars(wrapped)  # both left as they were
+    assert not [w for w in recwarn if "example batch's sizes only" in str(w.message)]
+    model.eval(), seg.eval()
+    for rows, length in ((4, 8), (2, 5), (3, 11)):  # another batch and length: one trace
+        other = torch.randint(0, 50, (rows, length))
+        got = run(seg, input_ids=other, labels=other, **call).loss
+        torch.testing.assert_close(got, wrapped(input_ids=other, labels=other, **call).loss)
+
+
+def test_a_model_traced_for_the_example_sizes_only_says_so():
+    """Where no trace lets the batch vary, the fall-back to the example's sizes warns, naming
+    what a user must then do, instead of refusing the second batch size silently later."""
+
+    class FixedRows(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+            self.register_buffer("offset", torch.zeros(4, 4))  # one per row of a batch of 4
+
+        def forward(self, x):
+            x = x + self.offset  # the example's batch size written into the model
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    with pytest.warns(UserWarning, match="traced for the example batch's sizes only"):
+        seg = segment_module(FixedRows(), (torch.randn(4, 4),))
+    with pytest.raises(ValueError, match="inputs of other shapes"):
+        run(seg, torch.randn(2, 4))
 
 
 @pytest.mark.parametrize("build", [_hf_gpt2, _hf_llama], ids=["gpt2", "llama"])
