@@ -21,8 +21,9 @@ def _bytes(tensors: Any) -> int:
 
 
 def memory_report(trainer: pl.Trainer) -> dict[str, Any]:
-    """Per stage, in MB: weights (and the part of them that trains: frozen parameters, a LoRA
-    model's base, are the rest), optimiser state (and the part of it that is a rotated basis,
+    """Per stage, in MB: weights (and the part of them that its update steps: not the frozen
+    parameters, a LoRA model's base, nor its copies of weights tied to an earlier stage's),
+    optimiser state (and the part of it that is a rotated basis,
     :class:`~pipemare.optim.RotatedAdamW`'s factors), PipeDream's weight stash (peak: copies of
     the trained weights), the corrections' buffers (in all and per correction); and the peak
     number of microbatches whose activations a stage held. Every figure is read off the
@@ -36,7 +37,8 @@ def memory_report(trainer: pl.Trainer) -> dict[str, Any]:
     stages = []
     for stage in pipe.stages:
         params = list(stage.module.parameters())
-        trained = [p for p in params if p.requires_grad]
+        copies = {id(p) for p in pipe.ties.copies_on(stage.index)}  # stepped by their owner
+        trained = [p for p in params if p.requires_grad and id(p) not in copies]
         state = [
             t
             for p in params

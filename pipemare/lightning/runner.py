@@ -532,7 +532,7 @@ class PipelineRunner:
             target_fn=lambda mb: mb,
             microbatch_weights=plan.weights,
             forward_context=self._forward_context,
-            recompute=options.recompute,
+            recompute=plan.recompute,
             compile=False if plan.compile is None else plan.compile,
             settings=plan.settings,
             **self._clipping(),

@@ -272,6 +272,10 @@ class ModuleAdapter:
             batch_statistics=any(
                 isinstance(m, nn.modules.batchnorm._BatchNorm) for m in seq.modules()
             ),
+            # Hugging Face's gradient_checkpointing_enable() marks the layers it checkpoints
+            gradient_checkpointing=any(
+                getattr(m, "gradient_checkpointing", False) is True for m in model.modules()
+            ),
         )
 
     def state_key(self, stage_key: str) -> str:

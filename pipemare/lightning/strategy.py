@@ -106,7 +106,9 @@ class PipeMareStrategyMixin(_StrategyBase):
             per in-flight microbatch and reruns its forward at backward time, with the weights
             its backward uses (under ``async``/``pipemare`` those are backward-time weights,
             so the activations differ from the saved-activation default; exact for ``gpipe``,
-            ``1f1b`` and ``pipedream``).
+            ``1f1b`` and ``pipedream``). On whenever the model has Hugging Face's gradient
+            checkpointing on (``model.gradient_checkpointing_enable()``): its per-layer
+            checkpoints do not survive the trace, so the run honours it per stage.
         compile: ``torch.compile`` each stage's forward: True (its defaults: inductor) or a
             dict of its options (``backend``, ``mode``, ``dynamic``, ``fullgraph``,
             ``options``). A pipelined module the user passed through ``torch.compile`` (or
@@ -260,7 +262,10 @@ class PipeMareStrategyMixin(_StrategyBase):
 
     @property
     def recompute(self) -> bool:
-        return self.options.recompute
+        """Whether stages recompute: as given, or once the pipeline is built, as the run
+        decided (Hugging Face's gradient checkpointing turns it on)."""
+        plan = self._runner.plan
+        return plan.recompute if plan is not None else self.options.recompute
 
     # -- where this process sits: Lightning's properties ---------------------------------------
 

@@ -105,6 +105,8 @@ class ModelFacts:
         layer_params: parameters of each layer, for ``balance="params"``.
         batch_statistics: it normalises over its batch (BatchNorm), so microbatches change
             what it computes.
+        gradient_checkpointing: a module in it has Hugging Face's gradient checkpointing on
+            (``model.gradient_checkpointing_enable()``).
     """
 
     what: str
@@ -116,6 +118,7 @@ class ModelFacts:
     user_compiled: str | None = None
     layer_params: tuple[int, ...] = ()
     batch_statistics: bool = False
+    gradient_checkpointing: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,6 +219,8 @@ class RunPlan:
         settings: the schedule, layout and corrections with every decision and its reason.
         advice: which schedule steps sooner on this model and device (None where the run does
             not say: a flushing schedule, evaluation, ``advise=False``, ``balance="auto"``).
+        recompute: every stage but the last keeps only its inputs and reruns its forward at
+            backward time (asked for, or Hugging Face's gradient checkpointing honoured).
     """
 
     stages: int
@@ -225,6 +230,7 @@ class RunPlan:
     weights: Weights | None
     settings: RunSettings
     advice: Advice | None = None
+    recompute: bool = False
 
     @property
     def decisions(self) -> tuple[Decision, ...]:
@@ -625,6 +631,21 @@ def _segments(model: ModelFacts) -> list[Decision]:
     return [*out, Decision("use_cache", f"False in {model.what}'s calls", why)]
 
 
+def _recompute(options: PipelineOptions, model: ModelFacts) -> tuple[bool, list[Decision]]:
+    """Whether stages recompute: as asked, or where the model has Hugging Face's gradient
+    checkpointing on. Its per-layer checkpoints do not survive the trace (torch.export inlines
+    them: the traced stage would keep every activation), so the run honours it per stage."""
+    if options.recompute or not model.gradient_checkpointing:
+        return options.recompute, []
+    why = (
+        f"{model.what} has Hugging Face's gradient checkpointing on "
+        "(gradient_checkpointing_enable()); its per-layer checkpoints do not survive the "
+        "trace, so pipemare recomputes per stage instead (recompute=True)"
+    )
+    choice = "on: every stage but the last keeps its input only and reruns at backward time"
+    return True, [Decision("recompute", choice, why)]
+
+
 def _compiled(
     options: PipelineOptions, model: ModelFacts
 ) -> tuple[dict[str, Any] | None, list[Decision]]:
@@ -709,11 +730,13 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
     microbatches, n_decided = _microbatches(options, facts, stages)
     cut, cut_decided = _layers_per_stage(options, facts, stages, microbatches)
     compiled, compile_decided = _compiled(options, facts.model)
+    recompute, recompute_decided = _recompute(options, facts.model)
     weights, weights_decided = _weights(options, facts.model)
     short = _short_batches(facts, microbatches) if facts.fitting else []
     advice, advised = _advice(options, facts, stages, microbatches)
     layout = [
         *_segments(facts.model),
+        *recompute_decided,
         *compile_decided,
         *weights_decided,
         *n_decided,
@@ -735,4 +758,4 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
         steps_per_epoch=facts.steps_per_epoch,
         layout=layout,
     )
-    return RunPlan(stages, microbatches, tuple(cut), compiled, weights, settings, advice)
+    return RunPlan(stages, microbatches, tuple(cut), compiled, weights, settings, advice, recompute)
