@@ -268,7 +268,7 @@ class Batches(Dataset):
     the labels) are replaced by random ones: the loss has a floor, which a model reaches in
     tens of steps, so two runs compare near it, not on their way down to zero."""
 
-    def __init__(self, kind: str, n: int, seed: int) -> None:
+    def __init__(self, kind: str, n: int, seed: int, stride: int = 1) -> None:
         gen = torch.Generator().manual_seed(seed)
 
         def noisy(clean: torch.Tensor, low: int, high: int) -> torch.Tensor:
@@ -276,7 +276,8 @@ class Batches(Dataset):
             return torch.where(flip, torch.randint(low, high, clean.shape, generator=gen), clean)
 
         start = torch.randint(1, VOCAB, (n, 1), generator=gen)
-        counting = (start + torch.arange(LENGTH)) % (VOCAB - 1) + 1  # 0 stays the padding id
+        # counting up by ``stride`` (0 stays the padding id)
+        counting = (start + stride * torch.arange(LENGTH)) % (VOCAB - 1) + 1
         tokens = noisy(counting, 1, VOCAB)
         if kind == "causal":  # a causal LM shifts the labels itself
             self.items = {"input_ids": tokens, "labels": tokens}
@@ -306,8 +307,10 @@ class Batches(Dataset):
         return {k: v[i] for k, v in self.items.items()}
 
 
-def data(kind: str, n: int = 320, batch: int = 8, seed: int = 0) -> DataLoader:
-    return DataLoader(Batches(kind, n, seed), batch_size=batch)
+def data(kind: str, n: int = 320, batch: int = 8, seed: int = 0, stride: int = 1) -> DataLoader:
+    """``n`` examples of the task, in batches; ``stride``: the causal sequences count up by it
+    (a second task for fine-tuning a model trained on the first)."""
+    return DataLoader(Batches(kind, n, seed, stride), batch_size=batch)
 
 
 class ZooModule(pl.LightningModule):
