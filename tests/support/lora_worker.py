@@ -2,7 +2,8 @@
 Lightning's launcher over gloo, a stage each. For each of support/lora.py's MODELS in turn, from
 its pretrained checkpoint: gpipe for ``--equal-steps`` with Lightning's ModelCheckpoint writing
 mid-run (every half of them), then the default schedule for ``--train-steps``, whose adapter
-(or model) rank 0 saves with ``save_pretrained`` into ``MODEL/saved``. Every rank reports each
+(or model) rank 0 saves with ``save_pretrained`` into ``MODEL/saved``, then uncorrected
+``async`` as long. Every rank reports each
 run's held-out loss. Last, the fine-tuning example of docs/your-model.md as it is written, its
 adapter into ``doc-example``."""
 
@@ -33,7 +34,8 @@ def main() -> None:
         out = Path(args.out) / name
         out.mkdir(parents=True, exist_ok=True)
         report, rank = {}, 0
-        for schedule, steps in (("gpipe", args.equal_steps), ("pipemare", args.train_steps)):
+        runs = (("gpipe", args.equal_steps), ("pipemare", args.train_steps))
+        for schedule, steps in (*runs, ("async", args.train_steps)):
             module = FineTune(name, pretrained=pretrained[family])
             every = ModelCheckpoint(
                 dirpath=out / "checkpoints",
@@ -42,8 +44,10 @@ def main() -> None:
                 save_top_k=-1,
             )
             gpipe = schedule == "gpipe"
+            # the default as users get it (nothing named), the others by name
+            named = {} if schedule == "pipemare" else {"schedule": schedule}
             trainer = quiet_trainer(
-                PipeMareStrategy(schedule="gpipe") if gpipe else PipeMareStrategy(),
+                PipeMareStrategy(**named),
                 devices=2,
                 max_steps=steps,
                 use_distributed_sampler=False,  # the batches one device sees
@@ -60,7 +64,7 @@ def main() -> None:
                 "global_step": trainer.global_step,
             }
             rank = trainer.global_rank
-            if not gpipe and rank == 0:
+            if schedule == "pipemare" and rank == 0:
                 module.save_pretrained(out / "saved")
         (out / f"report-{rank}.json").write_text(json.dumps(report))
     docs_example(Path(args.out) / "doc-example", pretrained["gpt2"], args.train_steps)
