@@ -10,6 +10,7 @@ written as for one device, through every schedule:
 - the adapter (or the fine-tuned model) saved with ``save_pretrained`` and loaded onto a fresh
   model on one device gives the same held-out loss;
 - the run's memory report: optimiser state and correction buffers sized by the adapters;
+- peft's prompt tuning, prefix tuning and IA3 likewise (gpipe, the default);
 - with ``use_cache=False`` written in the call, at N = 1, 2 and 4 likewise;
 - on two gloo processes: gpipe as one device, the default and ``async`` within 10%, the
   adapter saved by rank 0 after the run, and from a Lightning checkpoint written mid-run,
@@ -139,6 +140,28 @@ def test_use_cache_false_in_the_call_keeps_the_trace_dynamic(microbatches, pretr
         got = _val(module)
         print(f"\nuse_cache=False, N={microbatches}, {schedule}: {got:.4f} (one device {want:.4f})")
         assert got <= 1.1 * want, f"N={microbatches} {schedule}: {got:.4f} against {want:.4f}"
+
+
+@pytest.mark.parametrize("kind", ["prompt", "prefix", "ia3"])
+def test_peft_s_other_methods_train_through_the_cut(kind, pretrained):
+    """Prompt tuning (virtual tokens prepended to the embeddings), prefix tuning (virtual keys
+    and values handed to every attention layer) and IA3 (learned rescaling) on GPT-2, the
+    call as for one device: gpipe ends as one device, the default within 10% of it."""
+    from support.lora import base_model, other_adapter
+
+    base = FineTune("lora-gpt2", pretrained=str(pretrained["gpt2"]))
+    base.model = other_adapter(kind, base_model("gpt2", pretrained["gpt2"]))
+    start = _val(base)
+    plain, piped = copy.deepcopy(base), copy.deepcopy(base)
+    _fit(plain, "auto", EQUAL_STEPS)
+    _fit(piped, PipeMareStrategy(stages=2, schedule="gpipe"), EQUAL_STEPS)
+    assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)
+    one, default = copy.deepcopy(base), copy.deepcopy(base)
+    _fit(one, "auto", TRAIN_STEPS)
+    _fit(default, PipeMareStrategy(stages=2), TRAIN_STEPS)
+    want, got = _val(one), _val(default)
+    print(f"\npeft {kind}: {start:.3f} -> one device {want:.4f}, pipemare {got:.4f}")
+    assert want < start and got <= 1.1 * want
 
 
 @pytest.fixture(scope="module")

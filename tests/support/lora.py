@@ -81,6 +81,22 @@ def adapt(model: nn.Module) -> nn.Module:
     return peft.get_peft_model(model, config)
 
 
+def other_adapter(kind: str, model: nn.Module) -> nn.Module:
+    """``model`` with one of peft's other methods: prompt tuning, prefix tuning (4 virtual
+    tokens each) or IA3 (on attention and MLP)."""
+    import peft
+
+    torch.manual_seed(1)
+    configs = {
+        "prompt": lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        "prefix": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+        "ia3": lambda: peft.IA3Config(
+            task_type="CAUSAL_LM", target_modules=["c_attn", "c_fc"], feedforward_modules=["c_fc"]
+        ),
+    }
+    return peft.get_peft_model(model, configs[kind]())
+
+
 class FineTune(pl.LightningModule):
     """One of :data:`MODELS`; ``call``: keywords the user writes into every call of the model
     (``{"use_cache": False}``)."""
