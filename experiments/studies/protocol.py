@@ -246,6 +246,21 @@ def _with(task: Task, optimizer: str) -> Task:
     )
 
 
+_GPT_C64 = Task(
+    "gpt_c64",
+    _gpt_c64,
+    _char_long,
+    _lm_loss,
+    "loss",
+    batch=32,
+    steps=300,
+    eval_every=25,
+    lrs=(1e-3, 3e-3),
+    tuned=False,
+    optimizer="nanogpt",
+    warmup=0.1,
+    cosine=True,
+)
 _PLAIN = Task(
     "plain",
     _plain_mlp(64, 64, 16),
@@ -282,37 +297,16 @@ TASKS: dict[str, Task] = {
     # compute-bound: a GPT whose stages cost about their rows, trained the nanoGPT way (AdamW
     # 0.9/0.95, weight decay 0.1, warm-up over the first tenth, cosine decay); no default was
     # chosen on it
-    "gpt_c64": Task(
-        "gpt_c64",
-        _gpt_c64,
-        _char_long,
-        _lm_loss,
-        "loss",
-        batch=32,
-        steps=300,
-        eval_every=25,
-        lrs=(1e-3, 3e-3),
-        tuned=False,
-        optimizer="nanogpt",
-        warmup=0.1,
-        cosine=True,
-    ),
+    "gpt_c64": _GPT_C64,
     # the same GPT at the main job's size (``pipemare study default``): 6 blocks, half the
     # batch, 240 steps; no default was chosen on it
-    "gpt_c64s": Task(
-        "gpt_c64s",
-        functools.partial(_gpt_c64, 6),
-        _char_long,
-        _lm_loss,
-        "loss",
+    "gpt_c64s": dataclasses.replace(
+        _GPT_C64,
+        name="gpt_c64s",
+        build=functools.partial(_gpt_c64, 6),
         batch=16,
         steps=240,
         eval_every=20,
-        lrs=(1e-3, 3e-3),
-        tuned=False,
-        optimizer="nanogpt",
-        warmup=0.1,
-        cosine=True,
     ),
 }
 # every task but the language models with SGD momentum and with Muon + AdamW too

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from support.models import quiet_trainer
-from support.zoo import FAMILIES, GPT2Module, data
+from support.zoo import FAMILIES, ZooModule, data
 
 #: the fine-tuning task: sequences counting up by 2 (the pretraining task counts up by 1)
 STRIDE = 2
@@ -58,8 +58,7 @@ def base_model(family: str, pretrained: str | Path | None = None) -> nn.Module:
 def pretrain(family: str, path: str | Path, steps: int = 60) -> Path:
     """Train the family's model on the first task on one device (AdamW, every weight) and
     ``save_pretrained`` it into ``path``: the checkpoint the fine-tuning runs start from."""
-    module = GPT2Module(dropout=False)  # a LightningModule training ``module.model``
-    module.model = base_model(family)
+    module = ZooModule(family)  # base_model(family), trained on ``model(**batch).loss``
     quiet_trainer("auto", max_steps=steps).fit(module, data("causal", n=8 * steps))
     module.model.save_pretrained(path)
     return Path(path)
