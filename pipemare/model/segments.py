@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import inspect
 import re
 import warnings
@@ -20,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from pipemare.model.blocks import Cut, as_cuts, block_cuts, pp_plan_cuts
 from pipemare.model.graph_split import SegmentProgram, UncuttableModelError, split_program
+from pipemare.model.traces import TRACES, trace_key
 
 __all__ = [
     "DYNAMIC_SHAPES",
@@ -196,6 +198,18 @@ class SegmentedModule(nn.Sequential):
                 )
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
+    def accepts(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether the segments take this call (its structure, values and sizes) in both modes."""
+        try:
+            values = self.flatten_inputs(*args, **kwargs)
+            first: Segment = self[0]  # type: ignore[assignment]
+            constraints = first._range_constraints or {}
+            for mode in (True, False):
+                _check_shapes(first._programs[mode], values, constraints[mode])
+        except ValueError:
+            return False
+        return True
+
 
 def _dynamic_shapes(
     module: nn.Module, args: tuple, kwargs: dict, every: bool = False
@@ -209,12 +223,14 @@ def _dynamic_shapes(
     bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
 
     def spec(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor):
-            return None
-        varying = range(x.dim()) if every or x.dim() <= 2 else (0, 1) if x.dim() == 3 else (0,)
-        return {d: Dim.AUTO for d in varying}
+        return {d: Dim.AUTO for d in _varying(x, every)} if isinstance(x, torch.Tensor) else None
 
     return {name: pytree.tree_map(spec, value) for name, value in bound.items()}
+
+
+def _varying(x: torch.Tensor, every: bool) -> Sequence[int]:
+    """The sizes of input ``x`` a trace lets vary (:func:`_dynamic_shapes`)."""
+    return range(x.dim()) if every or x.dim() <= 2 else (0, 1) if x.dim() == 3 else (0,)
 
 
 @contextlib.contextmanager
@@ -323,17 +339,23 @@ def _batch_fixed(ep: ExportedProgram) -> bool:
     return bool(firsts) and all(is_concrete_int(size) for size in firsts)
 
 
+#: while a cut traces, the warnings :func:`_warn_static` gave (a reuse of the trace repeats them)
+_warned: list[str] | None = None
+
+
 def _warn_static(module: nn.Module, reason: str) -> None:
     """Say that ``module`` was traced for the example's sizes only, and why."""
     reason = " ".join(reason.split())[:300]
-    warnings.warn(
+    text = (
         f"{type(module).__name__} was traced for the example batch's sizes only: no trace "
         f"lets its batch vary ({reason}). Every microbatch must then have the example's "
         "shape, so a microbatch or a last batch of fewer rows is refused at its first call. "
         "Let the batch vary where the forward fixes it (x.reshape(-1, ...) rather than the "
-        "batch size), or train with microbatches=1 and batches of one size",
-        stacklevel=3,
+        "batch size), or train with microbatches=1 and batches of one size"
     )
+    if _warned is not None:
+        _warned.append(text)
+    warnings.warn(text, stacklevel=3)
 
 
 def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
@@ -423,19 +445,17 @@ def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> st
     )
 
 
-def _tensors(module: nn.Module, eps: list[ExportedProgram]) -> dict[tuple[str, str], Any]:
-    """The user's own tensor behind every state name the traced graphs read."""
+def _state(module: nn.Module, eps: list[ExportedProgram]) -> list[tuple[str, str, Any]]:
+    """Every state name the traced graphs read, and for a constant the forward makes itself
+    (not an attribute of the module) the trace's tensor."""
     found: dict[tuple[str, str], Any] = {}
     for ep in eps:
         for kind, name in {k for p in ep.graph_signature.input_specs for k in [_key(p)] if k}:
             owner_name, _, attr = name.rpartition(".")
-            owner = module.get_submodule(owner_name)
-            tensor = getattr(owner, attr, None)
-            if kind == "constant" and not isinstance(tensor, torch.Tensor):
-                tensor = ep.constants[name]
-            persistent = attr not in getattr(owner, "_non_persistent_buffers_set", set())
-            found[(kind, name)] = (tensor, persistent)
-    return found
+            own = getattr(module.get_submodule(owner_name), attr, None)
+            made = kind == "constant" and not isinstance(own, torch.Tensor)
+            found[(kind, name)] = ep.constants[name] if made else None
+    return [(kind, name, made) for (kind, name), made in sorted(found.items())]
 
 
 def _key(spec: Any) -> tuple[str, str] | None:
@@ -505,6 +525,20 @@ def segment_module(
         >>> torch.equal(seg(seg.flatten_inputs(x)), net(x))
         True
     """
+    # Traced as for training whatever mode the caller is in (a validation's inference mode, a
+    # no_grad block): every call of the segments runs the same graphs, as fit's, and a kept
+    # trace serves fit, validate and test alike.
+    with torch.inference_mode(False), torch.enable_grad():
+        return _segment(module, args, kwargs, split_points, dynamic)
+
+
+def _segment(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict | None,
+    split_points: Sequence[str | Cut] | None,
+    dynamic: str,
+) -> SegmentedModule:
     # Fresh copies: export traces an input passed twice (or a view of another) as one value, and
     # the graph would then read the wrong argument once they differ.
     args, kwargs = pytree.tree_map_only(
@@ -518,34 +552,106 @@ def segment_module(
         cuts = as_cuts(split_points)
     if dynamic not in DYNAMIC_SHAPES:
         raise ValueError(f"dynamic must be one of {DYNAMIC_SHAPES}, got {dynamic!r}")
-    eps = {
-        mode: export_module(module, args, kwargs, training=mode, dynamic=dynamic)
-        for mode in (True, False)
-    }
+    options = (tuple(cuts), dynamic, tuple(sorted(defaults.items())))
+    key = trace_key(module, args, kwargs, options, lambda x: _varying(x, dynamic == "all"))
+    kept = TRACES.get(key) if key is not None else None
+    if kept is not None:
+        segmented = kept.bind(module)
+        if segmented.accepts(*args, **kwargs):  # else the trace fixed a size that differs
+            TRACES.hits += 1
+            for text in kept.warned:
+                warnings.warn(text, stacklevel=2)
+            return segmented
+    traced = _trace(module, args, kwargs, cuts, dynamic, defaults)
+    if key is not None:
+        TRACES.misses += 1
+        TRACES.put(key, traced)
+    return traced.bind(module)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """A module's cut, apart from its tensors: bound to a module (the traced one, or another
+    with the same :func:`~pipemare.model.traces.trace_key`) it gives its segments."""
+
+    programs: dict[bool, list[SegmentProgram]]
+    #: every state name the graphs read: kind, name, and the trace's own tensor for a constant
+    #: the forward makes (None: the module's tensor of that name)
+    state: list[tuple[str, str, torch.Tensor | None]]
+    out_spec: pytree.TreeSpec
+    range_constraints: dict[bool, dict[Any, Any]]
+    in_spec: pytree.TreeSpec
+    baked: list[Any]
+    signature: tuple[list[str], int]
+    cuts: list[Cut]
+    defaults: dict[str, Any]
+    #: what tracing warned (:func:`_warn_static`)
+    warned: tuple[str, ...] = ()
+
+    def bind(self, module: nn.Module) -> SegmentedModule:
+        tensors: dict[tuple[str, str], Any] = {}
+        for kind, name, made in self.state:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name)
+            tensor = getattr(owner, attr, None) if made is None else made
+            persistent = attr not in getattr(owner, "_non_persistent_buffers_set", set())
+            tensors[(kind, name)] = (tensor, persistent)
+        n = len(self.programs[True])
+        segments = [
+            Segment(
+                i,
+                {mode: self.programs[mode][i] for mode in (True, False)},
+                tensors,
+                self.out_spec if i == n - 1 else None,
+                self.range_constraints if i == 0 else None,
+            )
+            for i in range(n)
+        ]
+        return SegmentedModule(
+            segments, self.cuts, self.in_spec, self.baked, self.signature, self.defaults
+        )
+
+
+def _trace(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cuts: list[Cut],
+    dynamic: str,
+    defaults: dict[str, Any],
+) -> _Traced:
+    """Trace ``module`` in train and eval mode and cut both graphs at ``cuts``."""
+    global _warned
+    warned: list[str] = []
+    _warned = warned
+    try:
+        eps = {
+            mode: export_module(module, args, kwargs, training=mode, dynamic=dynamic)
+            for mode in (True, False)
+        }
+    finally:
+        _warned = None
     programs = {mode: split_program(ep, cuts) for mode, ep in eps.items()}
     if len(programs[True]) != len(programs[False]):
         raise UncuttableModelError(
             f"the cuts give {len(programs[True])} segments in train mode but "
             f"{len(programs[False])} in eval mode; choose split points whose modules run in both"
         )
-    tensors = _tensors(module, list(eps.values()))
-    n = len(programs[True])
-    segments = [
-        Segment(
-            i,
-            {mode: programs[mode][i] for mode in (True, False)},
-            tensors,
-            eps[True].call_spec.out_spec if i == n - 1 else None,
-            {mode: ep.range_constraints for mode, ep in eps.items()} if i == 0 else None,
-        )
-        for i in range(n)
-    ]
     from torch.export._tree_utils import reorder_kwargs
 
     in_spec = eps[True].call_spec.in_spec
     leaves = pytree.tree_leaves((args, reorder_kwargs(kwargs, in_spec)))
-    baked = [None if isinstance(x, torch.Tensor) else x for x in leaves]
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     params = inspect.signature(module.forward).parameters.values()
-    signature = ([p.name for p in params if p.kind in kinds], len(args))
-    return SegmentedModule(segments, cuts, in_spec, baked, signature, defaults)
+    return _Traced(
+        programs=programs,
+        state=_state(module, list(eps.values())),
+        out_spec=eps[True].call_spec.out_spec,
+        range_constraints={mode: ep.range_constraints for mode, ep in eps.items()},
+        in_spec=in_spec,
+        baked=[None if isinstance(x, torch.Tensor) else x for x in leaves],
+        signature=([p.name for p in params if p.kind in kinds], len(args)),
+        cuts=list(cuts),
+        defaults=defaults,
+        warned=tuple(warned),
+    )

@@ -1,0 +1,198 @@
+"""A module cut again reuses an earlier cut's graphs where nothing the trace bakes in differs
+(pipemare/model/traces.py), and computes with its own tensors; anything that changes the graph
+gets a trace of its own; the kept graphs keep no model alive."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+import weakref
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from pipemare import PipeMareStrategy
+from pipemare.model.segments import segment_module
+from pipemare.model.traces import TRACES, TraceStore
+from support.models import quiet_trainer
+
+
+class Net(nn.Module):
+    """Blocks in a ModuleList, a Python float and a dropout rate the trace bakes in."""
+
+    def __init__(self, width: int = 8, scale: float = 0.5, p: float = 0.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(3))
+        self.drop = nn.Dropout(p)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        for block in self.blocks:
+            x = self.drop(torch.tanh(block(x))) * self.scale + shift
+        return x
+
+
+def run(segments, *args, **kwargs):
+    return segments(segments.flatten_inputs(*args, **kwargs))
+
+
+@pytest.fixture(autouse=True)
+def fresh():
+    TRACES.clear()
+    yield
+    TRACES.clear()
+
+
+def _same_as_eager(model: nn.Module, segments: nn.Module, x: torch.Tensor, **kwargs) -> None:
+    for mode in (True, False):
+        model.train(mode), segments.train(mode)
+        want = model(x, **kwargs)
+        got = run(segments, x, **kwargs)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        (gw,) = torch.autograd.grad(want.sum(), model.blocks[0].weight)
+        (gg,) = torch.autograd.grad(got.sum(), model.blocks[0].weight)
+        torch.testing.assert_close(gg, gw, rtol=0, atol=0)
+
+
+def test_a_copy_reuses_the_cut_and_computes_with_its_own_weights():
+    torch.manual_seed(0)
+    first = Net()
+    x = torch.randn(4, 8)
+    cut = segment_module(first, (x,))
+    assert (TRACES.hits, TRACES.misses, len(TRACES)) == (0, 1, 1)
+
+    second = copy.deepcopy(first)
+    with torch.no_grad():
+        for p in second.parameters():
+            p.add_(torch.randn_like(p))
+    again = segment_module(second, (torch.randn(6, 8),))  # another batch: the batch varies
+    assert (TRACES.hits, TRACES.misses) == (1, 1)
+    assert again[0]._programs is not cut[0]._programs
+    assert again[0]._programs[True] is cut[0]._programs[True]  # the graphs, not traced again
+    assert {id(p) for p in again.parameters()} == {id(p) for p in second.parameters()}
+    _same_as_eager(second, again, torch.randn(5, 8))
+    _same_as_eager(first, cut, torch.randn(5, 8))  # each reads its own module's weights
+
+    # the kept graphs hold none of the traced module's tensors
+    gone = weakref.ref(first.blocks[0].weight)
+    del first, cut
+    gc.collect()
+    assert gone() is None
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["a float attribute", "a dropout rate", "a width", "a dtype", "a baked argument", "a cut"],
+)
+def test_anything_the_trace_bakes_in_gets_a_trace_of_its_own(change):
+    torch.manual_seed(0)
+    base, x, kwargs, cuts = Net(), torch.randn(4, 8), {}, None
+    segment_module(base, (x,))
+    other = copy.deepcopy(base)
+    if change == "a float attribute":
+        other.scale = 2.0
+    elif change == "a dropout rate":
+        other.drop.p = 0.5
+    elif change == "a width":
+        other, x = Net(width=6), torch.randn(4, 6)
+    elif change == "a dtype":
+        other, x = other.double(), x.double()
+    elif change == "a baked argument":
+        kwargs = {"shift": 1}
+    else:
+        cuts = ["blocks.2"]
+    cut = segment_module(other, (x,), kwargs, split_points=cuts)
+    assert (TRACES.hits, TRACES.misses) == (0, 2)
+    if change != "a dropout rate":  # a rate above 0 draws its own mask in each
+        _same_as_eager(other, cut, x, **kwargs)
+    else:
+        other.eval(), cut.eval()
+        torch.testing.assert_close(run(cut, x), other(x), rtol=0, atol=0)
+
+
+def test_a_module_with_a_hook_is_traced_each_time():
+    """A hook can change what the forward computes: such a module is never keyed."""
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 8)
+    net.blocks[1].register_forward_hook(lambda module, args, out: out * 3)
+    segment_module(net, (x,))
+    other = copy.deepcopy(net)
+    cut = segment_module(other, (x,))
+    assert (TRACES.hits, TRACES.misses, len(TRACES)) == (0, 0, 0)
+    _same_as_eager(other, cut, x)
+
+
+class FixedBatch(nn.Module):
+    """A forward that fixes the batch size: its trace is static."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).reshape(4, 2, 2).sum(-1)
+
+
+def test_a_static_trace_is_reused_only_for_its_sizes_and_warns_each_time():
+    torch.manual_seed(0)
+    net = FixedBatch()
+    with pytest.warns(UserWarning, match="traced for the example batch's sizes only"):
+        segment_module(net, (torch.randn(4, 4),))
+    with pytest.warns(UserWarning, match="traced for the example batch's sizes only"):
+        segment_module(copy.deepcopy(net), (torch.randn(4, 4),))  # reused: it warns again
+    assert (TRACES.hits, TRACES.misses) == (1, 1)
+    with warnings.catch_warnings(), pytest.raises(Exception):  # noqa: B017 - traced again
+        warnings.simplefilter("ignore")
+        segment_module(copy.deepcopy(net), (torch.randn(3, 4),))  # the forward's own error
+    assert TRACES.hits == 1
+
+
+def test_the_store_keeps_the_latest_traces():
+    store = TraceStore(size=2)
+    for key in "abc":
+        store.put(key, key.upper())
+    assert len(store) == 2 and store.get("a") is None and store.get("c") == "C"
+    store.get("b")  # now the latest: "c" goes first
+    store.put("d", "D")
+    assert store.get("c") is None and store.get("b") == "B"
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net(scale=1.0)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.net(x), y))
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader():
+    gen = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8, generator=gen), torch.zeros(32, 8))
+    return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def test_fit_then_validate_cuts_the_model_once_and_validates_the_trained_weights():
+    """Each trainer call sets the strategy up again; the second reuses the first's cut."""
+    torch.manual_seed(0)
+    module = Tiny()
+    strategy = PipeMareStrategy(stages=2, schedule="gpipe")
+    trainer = quiet_trainer(strategy, max_steps=8)
+    trainer.fit(module, _loader())
+    assert (TRACES.hits, TRACES.misses) == (0, 1)
+    (result,) = trainer.validate(module, _loader(), verbose=False)
+    assert (TRACES.hits, TRACES.misses) == (1, 1)
+    with torch.no_grad():
+        want = torch.stack([nn.functional.mse_loss(module.net(x), y) for x, y in _loader()])
+    assert result["val_loss"] == pytest.approx(want.mean().item(), rel=1e-5)
