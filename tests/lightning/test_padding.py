@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pipemare import PipeMareStrategy
+from pipemare.model.traces import TRACES
 from pipemare.schedule.actions import SCHEDULES
 from support.models import quiet_trainer
 from support.real_runs import two_process_workflow, val_loss
@@ -21,6 +22,12 @@ from support.zoo import ZooModule, padded_data
 
 pytestmark = pytest.mark.zoo
 STEPS = 12
+
+
+@pytest.fixture(autouse=True)
+def no_kept_traces():
+    """Each test counts its own traces: none kept from an earlier test's cut of the GPT-2."""
+    TRACES.clear()
 
 
 def _val(module) -> float:
