@@ -3,46 +3,40 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from pipemare.__main__ import main as pipemare_command
 from pipemare.experiments import demo, plan_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_the_cli_plans_a_gpt_that_is_no_sequential():
+def _plan(argv: list[str], capsys, monkeypatch) -> str:
+    """``pipemare plan ARGV`` in the repository, through the command's own dispatch (the
+    interpreter's start is tested by test_experiments' ``python -m pipemare``); its output."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    capsys.readouterr()
+    pipemare_command(["plan", *argv])
+    return capsys.readouterr().out
+
+
+def test_the_cli_plans_a_gpt_that_is_no_sequential(capsys, monkeypatch):
     """configs/char_gpt.yaml: blocks in a ModuleList and a tied head, cut into segments as the
     strategy cuts it, then planned like any Sequential."""
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "pipemare", "plan", "--config", "configs/char_gpt.yaml",
-            "--devices", "4", "--microbatches", "4", "--repeats", "1",
-        ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "profiled 8 layers" in result.stdout  # 6 blocks, the embeddings and the head
-    assert "choice: P=" in result.stdout
+    argv = ["--config", "configs/char_gpt.yaml", "--devices", "4", "--microbatches", "4"]
+    out = _plan([*argv, "--repeats", "1"], capsys, monkeypatch)
+    assert "profiled 8 layers" in out  # 6 blocks, the embeddings and the head
+    assert "choice: P=" in out
 
 
-def test_the_cli_plans_the_mnist_config():
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        [
-            sys.executable, "-m", "pipemare", "plan", "--config", "configs/mnist.yaml",
-            "--devices", "2", "--microbatches", "1,2", "--repeats", "2", "--memory-limit", "1GiB",
-        ],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "choice: P=" in result.stdout and "modelled step time" in result.stdout
-    assert "runner-ups" in result.stdout
+def test_the_cli_plans_the_mnist_config(capsys, monkeypatch):
+    argv = ["--config", "configs/mnist.yaml", "--devices", "2", "--microbatches", "1,2"]
+    out = _plan([*argv, "--repeats", "2", "--memory-limit", "1GiB"], capsys, monkeypatch)
+    assert "choice: P=" in out and "modelled step time" in out
+    assert "runner-ups" in out
 
 
 @pytest.mark.parametrize(
