@@ -160,10 +160,17 @@ def test_the_store_keeps_the_latest_traces():
     assert store.get("c") is None and store.get("b") == "B"
 
 
+class GradBranch(Net):
+    """A forward that computes otherwise without grad (as some check ``is_grad_enabled``)."""
+
+    def forward(self, x: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        return super().forward(x, shift) * (2.0 if torch.is_grad_enabled() else 1.0)
+
+
 class Tiny(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, net: type[Net] = Net) -> None:
         super().__init__()
-        self.net = Net(scale=1.0)
+        self.net = net(scale=1.0)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -196,3 +203,24 @@ def test_fit_then_validate_cuts_the_model_once_and_validates_the_trained_weights
     with torch.no_grad():
         want = torch.stack([nn.functional.mse_loss(module.net(x), y) for x, y in _loader()])
     assert result["val_loss"] == pytest.approx(want.mean().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("net", [Net, GradBranch])
+def test_validate_then_fit_trains_on_the_kept_cut_as_on_a_fresh_one(net):
+    """A baseline validated before training: the cut made under validation's inference mode is
+    the one fit reuses, and trains as a fresh cut does (gpipe: the same weights, bit for bit),
+    also for a forward that branches on grad mode: a cut is always traced with grad on."""
+    torch.manual_seed(0)
+    first = Tiny(net)
+    fresh = copy.deepcopy(first)
+    strategy = PipeMareStrategy(stages=2, schedule="gpipe")
+    trainer = quiet_trainer(strategy, max_steps=8)
+    trainer.validate(first, _loader(), verbose=False)
+    trainer.fit(first, _loader())
+    assert (TRACES.hits, TRACES.misses) == (1, 1)
+
+    TRACES.clear()
+    quiet_trainer(PipeMareStrategy(stages=2, schedule="gpipe"), max_steps=8).fit(fresh, _loader())
+    assert (TRACES.hits, TRACES.misses) == (0, 1)
+    for (name, got), want in zip(first.named_parameters(), fresh.parameters(), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
