@@ -121,7 +121,7 @@ def quick() -> list[RunSpec]:
         "trainer.max_epochs": 1,
         "trainer.max_steps": 12,
         "trainer.limit_train_batches": 12,
-        "trainer.limit_val_batches": 2,
+        "trainer.limit_val_batches": 1,
         "trainer.val_check_interval": 6,
         "trainer.log_every_n_steps": 2,
     }
