@@ -445,7 +445,7 @@ def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> st
     )
 
 
-def _state(module: nn.Module, eps: list[ExportedProgram]) -> list[tuple[str, str, Any]]:
+def _state_names(module: nn.Module, eps: list[ExportedProgram]) -> list[tuple[str, str, Any]]:
     """Every state name the traced graphs read, and for a constant the forward makes itself
     (not an attribute of the module) the trace's tensor."""
     found: dict[tuple[str, str], Any] = {}
@@ -645,7 +645,7 @@ def _trace(
     params = inspect.signature(module.forward).parameters.values()
     return _Traced(
         programs=programs,
-        state=_state(module, list(eps.values())),
+        state=_state_names(module, list(eps.values())),
         out_spec=eps[True].call_spec.out_spec,
         range_constraints={mode: ep.range_constraints for mode, ep in eps.items()},
         in_spec=in_spec,
