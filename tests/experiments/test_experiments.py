@@ -331,3 +331,22 @@ def test_readme_commands_match_ci_and_the_package():
                 assert re.search(rf"^{extra} = \[", pyproject, re.M), f"no extra {extra!r}"
     suite = re.search(r"pipemare study (\w+)", main)
     assert suite is not None and suite.group(1) in ("default", *SUITES)
+
+
+def test_the_mnist_subset_is_read_once_and_each_call_gets_tensors_of_its_own():
+    from pipemare.experiments.tasks import data
+
+    first = data.mnist_subset()
+    assert data._mnist_arrays.cache_info().currsize == 1
+    first[0].zero_()  # a run that changed its images in place
+    second = data.mnist_subset()
+    assert data._mnist_arrays.cache_info().hits >= 1
+    assert [tuple(t.shape) for t in second] == [
+        (4000, 1, 28, 28),
+        (4000,),
+        (1000, 1, 28, 28),
+        (1000,),
+    ]
+    assert second[0].sum() > 0 and second[0].min() >= 0 and second[0].max() <= 1
+    other = data.mnist_subset(seed=1)  # another split of the same images
+    assert not torch.equal(other[1], second[1])
