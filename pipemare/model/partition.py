@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -176,7 +175,8 @@ def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
 
 
 def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[float]:
-    """Median seconds of each layer's forward plus backward pass on ``sample`` (the model's input).
+    """Seconds of each layer's forward plus backward pass on ``sample`` (the model's input):
+    the fastest of ``repeats`` timings, taken as :func:`layer_passes` takes them.
 
     Each layer runs on the output of the previous one, as in the pipeline; gradients flow into
     a detached copy of the layer's input and are thrown away (parameters keep theirs), and the
@@ -186,8 +186,16 @@ def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[flo
 
 
 def layer_passes(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[tuple[float, float]]:
-    """Median seconds of each layer's forward pass and of its backward pass on ``sample``
-    (measured as :func:`layer_times` measures their sum)."""
+    """Seconds of each layer's forward pass and of its backward pass on ``sample``: the fastest
+    of ``repeats`` rounds through every layer, after a first round that warms caches.
+
+    A round times each layer once, in order, so a burst of load lands on one run of a few
+    layers, not on every run of one; the fastest run, which a pause can only lengthen, ignores
+    it. On the CPU with one thread (as each stage process of a CPU pipeline runs), a run's time
+    is the thread's CPU time, which does not count the moments another process held the core:
+    on a busy machine the wall clock of every run of a layer could hold such a pause, and
+    move the layer's time, and with it the cut, from one run of the same script to the next.
+    """
     check_sequential(model)
     # Timing runs the layers in their mode: a BatchNorm's running statistics would move.
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
@@ -201,30 +209,43 @@ def layer_passes(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[tu
                 buffer.copy_(saved)
 
 
+def _clock(sample: Any) -> tuple[Callable[[], Any], Callable[[], float]]:
+    """How a run is timed: what waits for the device, and the clock read around it."""
+    if _on_cuda(sample):
+        return torch.cuda.synchronize, time.perf_counter
+    precise = time.get_clock_info("thread_time").resolution <= 1e-6
+    if torch.get_num_threads() == 1 and precise:
+        return (lambda: None), time.thread_time
+    return (lambda: None), time.perf_counter
+
+
 def _layer_passes(model: nn.Sequential, sample: Any, repeats: int) -> list[tuple[float, float]]:
-    sync = torch.cuda.synchronize if _on_cuda(sample) else (lambda: None)
-    passes, x = [], sample
-    for _, layer in _layers(model):
-        forwards, backwards = [], []
-        for _ in range(repeats + 1):
+    sync, clock = _clock(sample)
+    layers = [layer for _, layer in _layers(model)]
+    inputs, x = [], sample  # each layer's input, as the pipeline gives it
+    with torch.no_grad():
+        for layer in layers:
+            inputs.append(x)
+            x = layer(_leaf(x))
+    forwards: list[list[float]] = [[] for _ in layers]
+    backwards: list[list[float]] = [[] for _ in layers]
+    for _ in range(repeats + 1):  # the first round warms caches up
+        for layer, x, fw, bw in zip(layers, inputs, forwards, backwards, strict=True):
             leaf = _leaf(x)
-            start = time.perf_counter()
+            start = clock()
             out = layer(leaf)
             sync()
-            middle = time.perf_counter()
+            middle = clock()
             outs = [t for t in _flat(out) if t.requires_grad]
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             sync()
-            forwards.append(middle - start)
-            backwards.append(time.perf_counter() - middle)
+            fw.append(middle - start)
+            bw.append(clock() - middle)
+    for layer in layers:
         for p in layer.parameters():
             p.grad = None
-        # the first run warms caches up
-        passes.append((statistics.median(forwards[1:]), statistics.median(backwards[1:])))
-        with torch.no_grad():
-            x = layer(_leaf(x))
-    return passes
+    return [(min(fw[1:]), min(bw[1:])) for fw, bw in zip(forwards, backwards, strict=True)]
 
 
 #: ``balance="time"`` takes the most even cut whose slowest stage is within this share of the

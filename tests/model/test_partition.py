@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -38,3 +41,85 @@ def test_balance_by_params():
 )
 def test_balance_by_cost_minimises_the_slowest_stage(costs, stages, expected):
     assert partition.balance_by_cost(costs, stages) == expected
+
+
+class _Clock:
+    """A clock that only the layers below move: each forward adds its layer's cost, and a
+    pause adds ``pause`` seconds to each of ``calls`` consecutive forwards from the
+    ``start``-th on (the process held off its core while a layer ran)."""
+
+    def __init__(self, start: int, calls: int, pause: float) -> None:
+        self.now, self.calls, self.window, self.pause = 0.0, 0, range(start, start + calls), pause
+
+    def read(self) -> float:
+        return self.now
+
+    def forward(self, cost: float) -> None:
+        self.now += cost + (self.pause if self.calls in self.window else 0.0)
+        self.calls += 1
+
+
+class _Costly(nn.Module):
+    """Scales its input; its forward and backward move the clock by their costs."""
+
+    def __init__(self, clock: _Clock, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.clock, self.forward_s, self.backward_s = clock, forward_s, backward_s
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.clock.forward(self.forward_s)
+        y = x * self.scale
+        if y.requires_grad:
+            y.register_hook(lambda grad: self._backward())
+        return y
+
+    def _backward(self) -> None:
+        self.clock.now += self.backward_s
+
+
+#: a GPT's segments cut in two: the embedding and the head cheap, four equal blocks between
+COSTS = [(0.2, 0.1), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (0.3, 0.2)]
+
+
+def _timed(monkeypatch, start: int, calls: int) -> nn.Sequential:
+    """The layers of :data:`COSTS` on a clock paused from the ``start``-th forward on."""
+    clock = _Clock(start, calls, pause=4.0)
+    reads = {"perf_counter": clock.read, "thread_time": clock.read}  # whichever it reads
+    monkeypatch.setattr(
+        partition, "time", SimpleNamespace(**reads, get_clock_info=time.get_clock_info)
+    )
+    return nn.Sequential(*(_Costly(clock, f, b) for f, b in COSTS))
+
+
+@pytest.mark.parametrize("calls", [1, 3, 6])
+def test_a_pause_over_consecutive_runs_moves_no_layers_time_and_no_cut(monkeypatch, calls):
+    """Wherever a pause over ``calls`` consecutive forwards falls in the measurement, every
+    layer's time is its own cost and the cut stays even. Timing each layer's runs back to back
+    (the median of three), a pause over three of them made that layer several times slower
+    and cut [4, 2]: what a busy machine did to a GPT's cut from one run to the next."""
+    x = torch.ones(2, 3)
+    for start in range(len(COSTS) * 5):  # every forward of the measurement
+        passes = partition.layer_passes(_timed(monkeypatch, start, calls), x)
+        assert [t for p in passes for t in p] == pytest.approx(sum(map(list, COSTS), [])), start
+        assert partition.balance_by_time(_timed(monkeypatch, start, calls), x, 2) == [3, 3]
+
+
+def test_on_one_cpu_thread_a_layer_is_timed_by_its_own_work_not_the_time_it_waited():
+    """A layer that waits 50 ms in every run (as a process held off its core would) is timed
+    at its own work on the CPU with one thread: the thread's CPU time."""
+
+    class Waits(nn.Linear):
+        def forward(self, x):
+            time.sleep(0.05)
+            return super().forward(x)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ((forward, backward),) = partition.layer_passes(
+            nn.Sequential(Waits(4, 4)), torch.ones(2, 4)
+        )
+    finally:
+        torch.set_num_threads(threads)
+    assert 0 < forward < 0.025 and 0 < backward < 0.025

@@ -108,6 +108,7 @@ def train(args: argparse.Namespace, recipe: str) -> None:
             "global_step": trainer.global_step,
             "stages": len(getattr(strategy, "delays", [None])),
             "microbatches": getattr(strategy, "microbatches", 1),
+            "balance": getattr(strategy, "balance", None),
         }
         (args.out / f"report-{recipe}.json").write_text(json.dumps(report))
 
