@@ -72,8 +72,9 @@ def _names_stage_1(out: str, pid: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["kill", "stop"])
 def test_a_stage_killed_or_stopped_ends_every_process_naming_it(tmp_path, sig):
-    """stall_timeout at its default (300 s): a stopped stage is found by its heartbeat."""
-    proc = _start(tmp_path)
+    """stall_timeout at its default (300 s): a stopped stage is found by its heartbeat (5 s
+    here; the default is 10 s)."""
+    proc = _start(tmp_path, "--heartbeat-timeout", "5")
     pids = _ready(proc, tmp_path)
     start = time.monotonic()
     os.kill(pids[1], sig)
@@ -90,9 +91,9 @@ def test_a_stage_killed_or_stopped_ends_every_process_naming_it(tmp_path, sig):
 
 def test_a_stage_hung_in_a_native_call_is_named_when_its_heartbeat_stops(tmp_path):
     """A native call that keeps the interpreter lock stops the heartbeat: the peer names the
-    stage once it has been silent for heartbeat_timeout (10 s here), not before, and long
+    stage once it has been silent for heartbeat_timeout (5 s here), not before, and long
     before stall_timeout (300 s)."""
-    proc = _start(tmp_path, "--mode", "native")
+    proc = _start(tmp_path, "--mode", "native", "--heartbeat-timeout", "5")
     pids = _ready(proc, tmp_path)  # rank 1 wrote "ready", then entered the call
     code, out, elapsed, left = _end(proc, pids, time.monotonic())
     assert code != 0, out[-3000:]
@@ -100,7 +101,7 @@ def test_a_stage_hung_in_a_native_call_is_named_when_its_heartbeat_stops(tmp_pat
     assert _names_stage_1(out, pids[1]), out[-4000:]
     assert "is running but does not beat" in out, out[-4000:]
     silence = [int(s) for s in re.findall(r"no heartbeat from it for (\d+) s", out)]
-    assert silence and min(silence) >= 10, out[-4000:]
+    assert silence and min(silence) >= 5, out[-4000:]
 
 
 def test_a_healthy_stage_slower_than_the_heartbeat_timeout_is_never_reported(tmp_path):
@@ -119,9 +120,9 @@ def test_a_healthy_stage_slower_than_the_heartbeat_timeout_is_never_reported(tmp
 
 
 def test_a_stage_that_raised_and_is_slow_to_exit_is_named_failed_not_hung(tmp_path):
-    """Stage 1 raises, then takes 20 s to finalise its logger with heartbeat_timeout=4 s:
+    """Stage 1 raises, then takes 10 s to finalise its logger with heartbeat_timeout=4 s:
     stage 0 names it as failed with its own error, not as a process stuck without a beat."""
-    proc = _start(tmp_path, "--mode", "raise", "--slow", "20", "--heartbeat-timeout", "4")
+    proc = _start(tmp_path, "--mode", "raise", "--slow", "10", "--heartbeat-timeout", "4")
     pids = _ready(proc, tmp_path)
     code, out, elapsed, left = _end(proc, pids, time.monotonic())
     assert code != 0, out[-3000:]
