@@ -87,6 +87,7 @@ class StabilityGuard(Correction):
         self.warmup, self.refractory, self.recovery = warmup, refractory, recovery
         self.floor, self.start = floor, start
         self.state: dict[nn.Parameter, torch.Tensor] = {}
+        self._factors: dict[int, tuple[torch.Tensor, int, float]] = {}  # factor() at every action
         self.backoffs: dict[int, int] = {}
         """Halvings per stage in this process since it was built (for logs and tests)."""
 
@@ -103,16 +104,26 @@ class StabilityGuard(Correction):
     def factor(self, stage: int) -> float:
         """The stage's current factor on its rate and its corrections' strength."""
         s = self._stage_state(stage)
-        return 1.0 if s is None else float(s[_FACTOR])
+        if s is None:
+            return 1.0
+        # read at every action of the stage: kept as a float beside the tensor (which holds it
+        # for checkpoints) until the tensor changes in place (its version counter moves)
+        cached = self._factors.get(id(s))
+        if cached is None or cached[0] is not s or cached[1] != s._version:
+            cached = self._factors[id(s)] = (s, s._version, float(s[_FACTOR]))
+        return cached[2]
 
     def ratio(self, stage: int) -> float:
         """The stage's fast average of gradient norms over its slow one (1 before any)."""
         s = self._stage_state(stage)
-        seen = 0 if s is None else int(s[_SEEN])
-        if s is None or seen == 0:
+        return 1.0 if s is None else self._ratio(s.tolist())
+
+    def _ratio(self, values: list[float]) -> float:
+        seen = int(values[_SEEN])
+        if seen == 0:
             return 1.0
-        fast = float(s[_FAST]) / (1 - self.fast**seen)
-        slow = float(s[_SLOW]) / (1 - self.slow**seen)
+        fast = values[_FAST] / (1 - self.fast**seen)
+        slow = values[_SLOW] / (1 - self.slow**seen)
         return fast / slow if slow > 0 else 1.0
 
     @torch.no_grad()
@@ -125,20 +136,23 @@ class StabilityGuard(Correction):
         norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
         if not math.isfinite(norm):
             return  # the engine refuses a non-finite update on its own
-        seen = int(s[_SEEN])
-        s[_FAST] = self.fast * s[_FAST] + (1 - self.fast) * norm
-        s[_SLOW] = self.slow * s[_SLOW] + (1 - self.slow) * norm
-        s[_SEEN] += 1
-        s[_SINCE] += 1
-        since = int(s[_SINCE])
+        v = s.tolist()  # the arithmetic in Python floats (float64, as the tensor), written once
+        seen = int(v[_SEEN])
+        v[_FAST] = self.fast * v[_FAST] + (1 - self.fast) * norm
+        v[_SLOW] = self.slow * v[_SLOW] + (1 - self.slow) * norm
+        v[_SEEN] += 1
+        v[_SINCE] += 1
+        since = int(v[_SINCE])
         ready = seen >= self.warmup and since > self.refractory
-        if ready and self.ratio(stage) > self.threshold:
-            s[_FACTOR] = max(float(s[_FACTOR]) / 2, self.floor)
-            s[_SINCE] = 0
+        if ready and self._ratio(v) > self.threshold:
+            v[_FACTOR] = max(v[_FACTOR] / 2, self.floor)
+            v[_SINCE] = 0
             self.backoffs[stage] = self.backoffs.get(stage, 0) + 1
-        elif since >= self.recovery and s[_FACTOR] < 1.0:
-            s[_FACTOR] = min(float(s[_FACTOR]) * 2, 1.0)
-            s[_SINCE] = 0
+        elif since >= self.recovery and v[_FACTOR] < 1.0:
+            v[_FACTOR] = min(v[_FACTOR] * 2, 1.0)
+            v[_SINCE] = 0
+        s.copy_(torch.tensor(v, dtype=torch.float64))
+        self._factors[id(s)] = (s, s._version, v[_FACTOR])
 
     def lr_factor(self, stage: int, step: int) -> float:
         """The stage's current factor, between ``floor`` and 1."""
@@ -150,3 +164,4 @@ class StabilityGuard(Correction):
     def load_buffers(self, buffers: Mapping[nn.Parameter, torch.Tensor]) -> None:
         """Restore the per-stage averages and factors from a checkpoint."""
         self.state = {p: b.detach().to(torch.float64).cpu().clone() for p, b in buffers.items()}
+        self._factors.clear()
