@@ -57,6 +57,34 @@ from pipemare.schedule.delay import StageDelay, derive_delays
 __all__ = ["PipelineOptions", "PipelineRunner", "Placement", "stepped"]
 
 
+#: The engine's own seconds per action (forward, backward, update) that advice and a flushing
+#: schedule's N are replayed with, by (schedule, device, corrections, kind of optimiser): they
+#: do not depend on the model (a pipeline of trivial layers is timed), so the runs of a sweep,
+#: or fit then test, measure them once per process (about 0.1 s a schedule on the CPU).
+OVERHEADS: dict[tuple[str, ...], tuple[float, float, float]] = {}
+
+
+def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+    """What of ``optimizer`` the engine's per-action cost depends on: each optimiser's type
+    and its groups' settings but their rates (the timing runs at rate 0)."""
+    parts = optimizer.optimizers if isinstance(optimizer, ChainedOptimizer) else [optimizer]
+    return repr(
+        [
+            (
+                type(o).__qualname__,
+                [
+                    sorted((k, repr(v)) for k, v in g.items() if k not in _NOT_KIND)
+                    for g in o.param_groups
+                ],
+            )
+            for o in parts
+        ]
+    )
+
+
+_NOT_KIND = ("params", "lr", "initial_lr")
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where this process sits in the run, as the strategy's setup decided it.
@@ -446,18 +474,25 @@ class PipelineRunner:
         self, seq: nn.Sequential, schedules: tuple[str, ...]
     ) -> dict[str, tuple[float, float, float]]:
         """The engine's own seconds per action under each of ``schedules`` with the run's
-        optimiser, on this device (:func:`~pipemare.planner.engine_overhead`)."""
+        optimiser, on this device (:func:`~pipemare.planner.engine_overhead`): measured once
+        per process for each schedule, kind of optimiser, corrections and device
+        (:data:`OVERHEADS`)."""
         from pipemare.planner import engine_overhead
 
         device = next((p.device for p in seq.parameters()), torch.device("cpu"))
-        factory = copies_of(self._user_optimizer(seq), seq.parameters())
+        optimizer = self._user_optimizer(seq)
+        factory = copies_of(optimizer, seq.parameters())
+        kind = (str(device), repr(self.options.config), _optimizer_kind(optimizer))
         out = {}
         with self.steps.discarding_logs():
             for schedule in schedules:
-                fixed = engine_overhead(
-                    schedule, factory, config=self.options.config, device=device
-                )
-                out[schedule] = (fixed.forward_s, fixed.backward_s, fixed.update_s)
+                key = (schedule, *kind)
+                if key not in OVERHEADS:
+                    fixed = engine_overhead(
+                        schedule, factory, config=self.options.config, device=device
+                    )
+                    OVERHEADS[key] = (fixed.forward_s, fixed.backward_s, fixed.update_s)
+                out[schedule] = OVERHEADS[key]
         return out
 
     def _measure(

@@ -553,6 +553,46 @@ def test_the_run_says_which_schedule_steps_sooner_on_its_own_model(caplog):
     assert strategy.advice is not None and sorted(strategy.advice.baseline_by_n) == [1, 2, 3, 4, 6]
 
 
+def test_the_engines_own_times_are_measured_once_per_process_for_each_kind_of_optimiser(
+    monkeypatch,
+):
+    """The engine's seconds per action (a pipeline of trivial layers, not the model) are
+    measured at a process's first run of each schedule, optimiser kind, corrections and
+    device; the next run with another rate reuses them; another optimiser measures its own."""
+    from pipemare import planner
+    from pipemare.lightning import runner
+
+    measured: list[str] = []
+    real = planner.engine_overhead
+
+    def counted(schedule, *args, **kwargs):
+        measured.append(schedule)
+        return real(schedule, *args, **kwargs)
+
+    monkeypatch.setattr(planner, "engine_overhead", counted)
+    monkeypatch.setattr(runner, "OVERHEADS", {})
+
+    def advised(module):
+        strategy = PipeMareStrategy(stages=2)
+        trainer(strategy, max_steps=2).fit(module, tiny_data())
+        assert strategy.advice is not None
+        return strategy.advice
+
+    first = advised(Tiny(lr=0.05))
+    schedules = sorted(measured)
+    assert schedules and len(set(schedules)) == len(schedules)  # one measurement a schedule
+    again = advised(Tiny(lr=0.01))  # another rate: the same kind of optimiser
+    assert sorted(measured) == schedules
+    assert again.baseline_by_n.keys() == first.baseline_by_n.keys()
+
+    class WithAdam(Tiny):
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=self.lr)
+
+    advised(WithAdam())
+    assert sorted(measured) == sorted(schedules * 2)
+
+
 def test_balance_auto_takes_the_planners_cut():
     """balance="auto" profiles the layers (time, memory, the engine's costs) and cuts where
     the planner says; the cut is used, logged and kept for later rebuilds."""
