@@ -61,7 +61,8 @@ def run_benchmarks(args: argparse.Namespace) -> list[dict]:
 
 
 def _forward(args: argparse.Namespace) -> list[str]:
-    names = ("out", "width", "depth", "batch", "microbatches", "steps", "warmup", "lr", "schedules")
+    names = ("out", "width", "depth", "batch", "microbatches", "steps", "memory_steps")
+    names += ("warmup", "lr", "schedules")
     return flags(args, *names) + (["--compile"] if args.compile else [])
 
 
@@ -198,6 +199,13 @@ def _parser() -> argparse.ArgumentParser:
     add_model_options(parser, width=1024, depth=8, batch=256)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--memory-steps",
+        type=int,
+        default=100,
+        help="report resident memory's growth per 1,000 steps when --steps is at least this "
+        "(fewer steps make one late allocation read as hundreds of MB per 1,000)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)

@@ -18,11 +18,15 @@ def add_model_options(
 
 
 def flags(args: argparse.Namespace, *names: str) -> list[str]:
-    """``--NAME VALUE`` for each of ``names`` (each item of a list value), to hand ``args`` on."""
+    """``--NAME VALUE`` for each of ``names`` (each item of a list value; ``_`` in a name
+    written ``-``, as the option is spelt), to hand ``args`` on."""
     out: list[str] = []
     for name in names:
         value = getattr(args, name)
-        out += [f"--{name}", *(map(str, value) if isinstance(value, list) else [str(value)])]
+        out += [
+            f"--{name.replace('_', '-')}",
+            *(map(str, value) if isinstance(value, list) else [str(value)]),
+        ]
     return out
 
 

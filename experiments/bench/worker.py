@@ -28,8 +28,6 @@ from pipemare.experiments.bench.memory import (
 )
 from pipemare.model import partition
 
-MEMORY_STEPS = 100  # timed steps from which memory growth is reported
-
 
 def _timed(step: Any, warmup: int, steps: int) -> float:
     for _ in range(warmup):
@@ -302,7 +300,7 @@ def _row(
     row["memory"] = [part["memory"] for part in parts]
     # per rank, MB gained per 1,000 steps over the timed steps, where there are enough of them
     # for a slope (over 20 steps, one late allocation reads as hundreds of MB per 1,000)
-    if "growth" in parts[0] and args.steps >= MEMORY_STEPS:
+    if "growth" in parts[0] and args.steps >= args.memory_steps:
         for key in parts[0]["growth"]:
             row[key] = [part["growth"][key] for part in parts]
     if "warmup_s" in parts[0]:  # the untimed first steps (compiling included, where asked)
