@@ -105,8 +105,8 @@ def test_a_stage_hung_in_a_native_call_is_named_when_its_heartbeat_stops(tmp_pat
 
 
 def test_a_healthy_stage_slower_than_the_heartbeat_timeout_is_never_reported(tmp_path):
-    """One forward of stage 1 takes 8 s, with heartbeat_timeout=4 s: the run ends normally."""
-    proc = _start(tmp_path, "--mode", "slow", "--slow", "8", "--heartbeat-timeout", "4",
+    """One forward of stage 1 takes 6 s, with heartbeat_timeout=4 s: the run ends normally."""
+    proc = _start(tmp_path, "--mode", "slow", "--slow", "6", "--heartbeat-timeout", "4",
                   "--max-steps", "8")  # fmt: skip
     try:
         out, _ = proc.communicate(timeout=240)
