@@ -111,9 +111,11 @@ def test_torchrun_on_two_nodes_keeps_each_pipeline_inside_a_node(gpipe_runs, tmp
 @pytest.mark.distributed
 def test_two_copies_of_pipemare_train_the_cnn_as_one_pipeline(tmp_path):
     """The digits CNN, schedule pipemare, N = 2, global batch 32: two copies of a 2-stage
-    pipeline (4 processes, 16 samples each) against one 2-stage pipeline (2 processes)."""
+    pipeline (4 processes, 16 samples each) against one 2-stage pipeline (2 processes), for 3
+    epochs: measured 0.943 validation accuracy both (at 6 epochs, as this test ran before,
+    0.970 both)."""
     copies, one = tmp_path / "copies", tmp_path / "one"
-    common = ["--model", "cnn", "--schedule", "pipemare", "--epochs", "6", "--stages", "2"]
+    common = ["--model", "cnn", "--schedule", "pipemare", "--epochs", "3", "--stages", "2"]
     common += ["--balance", "5,4"]  # the same cut in both (timing the layers could differ)
     run_all(
         [
@@ -123,7 +125,7 @@ def test_two_copies_of_pipemare_train_the_cnn_as_one_pipeline(tmp_path):
         timeout=900,
     )
     four, two = reports(copies, 4), reports(one, 2)
-    assert four[0]["global_step"] == two[0]["global_step"] == 6 * 46
+    assert four[0]["global_step"] == two[0]["global_step"] == 3 * 46
     assert all(r["metrics"] == four[0]["metrics"] for r in four)
     acc4, acc2 = four[0]["metrics"]["val_acc"], two[0]["metrics"]["val_acc"]
     print(f"\nval_acc: 2 copies x 2 stages {acc4:.4f}, one 2-stage pipeline {acc2:.4f}")
