@@ -5,6 +5,7 @@ signals sent by PID."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -31,24 +32,38 @@ def _alive(pid: int) -> bool:
 
 
 def _start(tmp_path: Path, *flags: str) -> subprocess.Popen:
+    """The run, in a process group of its own: Lightning's launcher starts rank 1 in it."""
     return subprocess.Popen(
         [sys.executable, str(SUPPORT / "stall_worker.py"), "--out", str(tmp_path), *flags],
         env=environment(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=True,
     )
 
 
+def _kill_run(proc: subprocess.Popen) -> None:
+    """End the run this test started, both ranks (its process group), if still there."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
 def _ready(proc: subprocess.Popen, tmp_path: Path) -> list[int]:
-    """Wait until rank 1 reached step 5; the two ranks' PIDs."""
-    deadline = time.monotonic() + 240
-    while not (tmp_path / "ready").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
-        time.sleep(0.2)
-    pids = [int((tmp_path / f"pid-rank{r}").read_text()) for r in range(2)]
-    assert int((tmp_path / "ready").read_text()) == pids[1]
-    return pids
+    """Wait until rank 1 reached step 5; the two ranks' PIDs. A run that fails to get there
+    is ended, both ranks: left alone, it would train on for the rest of the suite."""
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the run did not start"
+            time.sleep(0.2)
+        pids = [int((tmp_path / f"pid-rank{r}").read_text()) for r in range(2)]
+        assert int((tmp_path / "ready").read_text()) == pids[1]
+        return pids
+    except BaseException:
+        _kill_run(proc)
+        raise
 
 
 def _end(proc: subprocess.Popen, pids: list[int], start: float) -> tuple[int, str, float, list]:
@@ -63,7 +78,7 @@ def _end(proc: subprocess.Popen, pids: list[int], start: float) -> tuple[int, st
         for pid in [proc.pid, *pids]:  # only processes this test started
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+        _kill_run(proc)
 
 
 def _names_stage_1(out: str, pid: int) -> bool:
@@ -111,9 +126,7 @@ def test_a_healthy_stage_slower_than_the_heartbeat_timeout_is_never_reported(tmp
     try:
         out, _ = proc.communicate(timeout=240)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _kill_run(proc)
     assert proc.returncode == 0, out[-4000:]
     assert "pipemare: stage" not in out, out[-4000:]
     assert all((tmp_path / f"finished-rank{r}").exists() for r in range(2)), out[-4000:]

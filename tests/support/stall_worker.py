@@ -57,16 +57,24 @@ class Small(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
+def _write(path: Path, text: str) -> None:
+    """Write ``text`` whole or not at all: the test polls for the file and reads it at once
+    (it once read a file created but not yet written)."""
+    part = path.with_name(path.name + ".part")
+    part.write_text(text)
+    os.replace(part, path)
+
+
 class Pids(pl.Callback):
     def __init__(self, out: Path, mode: str) -> None:
         self.out, self.mode = out, mode
 
     def on_train_start(self, trainer, pl_module):
-        (self.out / f"pid-rank{trainer.global_rank}").write_text(str(os.getpid()))
+        _write(self.out / f"pid-rank{trainer.global_rank}", str(os.getpid()))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_rank == 1 and trainer.global_step == 5:
-            (self.out / "ready").write_text(str(os.getpid()))
+            _write(self.out / "ready", str(os.getpid()))
             if self.mode == "native":
                 ctypes.PyDLL(None).sleep(600)  # holds the interpreter lock throughout
             if self.mode == "raise":
