@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
+import logging
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -213,33 +212,35 @@ def test_compare_refuses_an_empty_directory(tmp_path):
         dashboard.write_dashboard([tmp_path], tmp_path / "dash")
 
 
-def test_the_pipemare_command(tmp_path, capsys):
+def test_the_pipemare_command(tmp_path, capsys, caplog, monkeypatch):
+    """Its help, and a run from a config with the logger and callbacks switched off from the
+    command line, in this process (tests/experiments/test_console.py starts the command in a
+    process of its own, as a user does, for every packaged config)."""
     from pipemare.__main__ import main
 
-    with pytest.raises(SystemExit) as exit_:  # its help, in this process
+    with pytest.raises(SystemExit) as exit_:
         main(["--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "study" in out and "compare" in out
-    # a run from a config, as a user starts one: a process of its own
-    env = dict(os.environ, WANDB_MODE="offline", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "pipemare",
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "char_gpt.yaml"),  # a GPT with a tied head, cut unchanged
-        "--trainer.max_steps=4",
-        "--trainer.val_check_interval=2",
-        "--trainer.limit_val_batches=1",
-        f"--trainer.default_root_dir={tmp_path}",
-        "--trainer.logger=false",
-        "--trainer.callbacks=[]",
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "pipemare: 4 stages (in one process)" in proc.stdout + proc.stderr
-    assert "schedule 'pipemare'" in proc.stdout + proc.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["pipemare"])  # the arguments are main's, not pytest's
+    caplog.set_level(logging.INFO)
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "char_gpt.yaml"),  # a GPT with a tied head, cut unchanged
+            "--trainer.max_steps=4",
+            "--trainer.val_check_interval=2",
+            "--trainer.limit_val_batches=1",
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.logger=false",
+            "--trainer.callbacks=[]",
+        ]
+    )
+    assert "pipemare: 4 stages (in one process)" in caplog.text, caplog.text[-500:]
+    assert "schedule 'pipemare'" in caplog.text
+    assert not (tmp_path / "runs").exists()  # no logger: nothing written under runs/
 
 
 def test_translation_transformer_trains_through_an_async_pipeline():
