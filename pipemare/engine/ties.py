@@ -106,7 +106,7 @@ def untie(stage_modules: Sequence[nn.Sequential]) -> list[Tie]:
         if not mine:
             continue
         # one copy per tied parameter on this stage, every other tensor shared
-        memo: dict[int, object] = {id(t): t for t in _tensors(stage) if id(t) not in shared}
+        memo: dict[int, object] = {id(t): t for t in _module_tensors(stage) if id(t) not in shared}
         layers = {layer for where, _ in mine for layer, _ in where[s]}
         copied = {}
         for layer_name in layers:
@@ -122,7 +122,7 @@ def untie(stage_modules: Sequence[nn.Sequential]) -> list[Tie]:
     return ties
 
 
-def _tensors(module: nn.Module) -> list[torch.Tensor]:
+def _module_tensors(module: nn.Module) -> list[torch.Tensor]:
     named = [*module.named_parameters(remove_duplicate=False)]
     return [t for _, t in [*named, *module.named_buffers(remove_duplicate=False)]]
 

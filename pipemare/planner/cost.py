@@ -310,7 +310,7 @@ def evaluate(
     _check_whole("replicas", replicas)
     layers, input_bytes = profile.at(microbatch_size)
     costs = _Costs(layers, input_bytes, profile, microbatches, replicas, bandwidth_bytes_per_s)
-    return _layout(costs, schedule, list(balance), replicas, microbatch_size)
+    return _modelled_layout(costs, schedule, list(balance), replicas, microbatch_size)
 
 
 def _check_whole(name: str, value: int) -> None:
@@ -323,7 +323,7 @@ def _bounds(balance: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip([0, *ends[:-1]], ends, strict=True))
 
 
-def _layout(
+def _modelled_layout(
     costs: _Costs, schedule: str, balance: list[int], replicas: int, microbatch_size: int
 ) -> Layout:
     stages, n = len(balance), costs.microbatches

@@ -13,7 +13,14 @@ from torch import nn
 
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
-from pipemare.planner.cost import Layout, _bounds, _check_schedule, _check_whole, _Costs, _layout
+from pipemare.planner.cost import (
+    Layout,
+    _bounds,
+    _check_schedule,
+    _check_whole,
+    _Costs,
+    _modelled_layout,
+)
 from pipemare.planner.measurements import ForwardContext, OptimizerFactory, Profile
 from pipemare.planner.profile import profile
 from pipemare.planner.report import Plan, _size
@@ -85,7 +92,9 @@ def _best_layout(
         cuts.append(near or fastest)
     if spec(schedule).flushes:
         cuts.append(_cut(costs.n, stages, pace) or fastest)
-    layouts = {tuple(c): _layout(costs, schedule, c, replicas, microbatch_size) for c in cuts}
+    layouts = {
+        tuple(c): _modelled_layout(costs, schedule, c, replicas, microbatch_size) for c in cuts
+    }
     quickest = min(lay.step_s for lay in layouts.values())
     ties = [lay for lay in layouts.values() if lay.step_s <= quickest * (1 + tolerance)]
     ideal = costs.n / stages
