@@ -75,10 +75,7 @@ def _end(proc: subprocess.Popen, pids: list[int], start: float) -> tuple[int, st
             time.sleep(0.5)
         return proc.returncode, out, time.monotonic() - start, [p for p in pids if _alive(p)]
     finally:
-        for pid in [proc.pid, *pids]:  # only processes this test started
-            if _alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        _kill_run(proc)
+        _kill_run(proc)  # both ranks, whatever the test did to them
 
 
 def _names_stage_1(out: str, pid: int) -> bool:
