@@ -18,7 +18,8 @@ import torch
 from pipemare.engine.lagged import LocalResults, result_lag
 from pipemare.engine.microbatch import combine, scatter
 from pipemare.schedule.actions import SCHEDULES, spec
-from support.launch import environment, reports, run_all
+from support import lag_worker
+from support.launch import environment, reports, run_all, run_here
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 WORKER = str(SUPPORT / "lag_worker.py")
@@ -81,15 +82,9 @@ def test_lagged_reports_match_on_every_rank_and_in_the_simulator(tmp_path):
     dist, sim = tmp_path / "dist", tmp_path / "sim"
     dist.mkdir()
     sim.mkdir()
-    run_all(
-        [
-            ([sys.executable, WORKER, "--out", str(dist), "--devices", "3"], environment()),
-            (
-                [sys.executable, WORKER, "--out", str(sim), "--devices", "1", "--stages", "3"],
-                environment(),
-            ),
-        ]
-    )
+    run_all([([sys.executable, WORKER, "--out", str(dist), "--devices", "3"], environment())])
+    # the simulator: the same script, the three stages in this process
+    run_here(lag_worker.main, "--out", str(sim), "--devices", "1", "--stages", "3")
     ranks = reports(dist, 3)
     (simulated,) = reports(sim, 1)
     for r in ranks:

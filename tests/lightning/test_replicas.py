@@ -14,7 +14,8 @@ import torch
 
 from pipemare.engine.replicas import _buckets
 from pipemare.lightning.steps import Record, merge_published
-from support.launch import environment, free_port, reports, run_all
+from support import replica_worker
+from support.launch import environment, free_port, reports, run_all, run_here
 
 # one worker runs the module: its tests share module-scoped fixtures
 pytestmark = pytest.mark.xdist_group("replicas")
@@ -30,18 +31,14 @@ def launch(out: Path, *args: str) -> list[str]:
 @pytest.fixture(scope="module")
 def gpipe_runs(tmp_path_factory):
     """Two copies of a 2-stage gpipe pipeline (4 processes, 16 samples per copy and step)
-    and one plain device with the combined batch of 32."""
+    and one plain device with the combined batch of 32 (the same script, in this process)."""
     copies, single = tmp_path_factory.mktemp("copies"), tmp_path_factory.mktemp("single")
     run_all(
-        [
-            (launch(copies, "--devices", "4", "--stages", "2", "--batch", "16"), environment()),
-            (
-                launch(single, "--strategy", "single", "--devices", "1", "--batch", "32"),
-                environment(),
-            ),
-        ],
+        [(launch(copies, "--devices", "4", "--stages", "2", "--batch", "16"), environment())],
         timeout=600,
     )
+    one_device = ("--strategy", "single", "--devices", "1", "--batch", "32")
+    run_here(replica_worker.main, "--out", str(single), *one_device)
     return reports(copies, 4), reports(single, 1)[0], copies, single
 
 

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from support import lightning_worker
 from support.data import DigitsDataModule
-from support.launch import environment, free_port, reports, run_all
+from support.launch import environment, free_port, reports, run_all, run_here
 from support.models import DigitsCNN, quiet_trainer
 
 # one worker runs the module: its tests share a module-scoped launch
@@ -58,23 +59,8 @@ def test_every_rank_sees_the_same_metrics_and_decisions(lightning_run):
 
 
 def test_two_processes_train_close_to_one_device(lightning_run, tmp_path):
-    run_all(
-        [
-            (
-                [
-                    sys.executable,
-                    WORKER,
-                    "--out",
-                    str(tmp_path),
-                    "--devices",
-                    "1",
-                    "--strategy",
-                    "auto",
-                ],
-                environment(),
-            )
-        ]
-    )
+    # the same script on one device, Lightning's own strategy, run in this process
+    run_here(lightning_worker.main, "--out", str(tmp_path), "--devices", "1", "--strategy", "auto")
     single = reports(tmp_path, 1)[0]["metrics"]["val_acc"]
     piped = reports(lightning_run, 2)[0]["metrics"]["val_acc"]
     print(f"\nval_acc: one device {single:.3f}, pipemare on 2 processes {piped:.3f}")

@@ -1,8 +1,9 @@
-"""A user's GPT run, launched by the tests in a subprocess: the byte-level GPT written as people
-write one (tests/support/gpt.py: blocks in a ModuleList, the head tied to the token
-embedding) on Python's standard-library source, AdamW at the rate tuned on one device, on one
-device (Lightning's own strategy) or through ``Trainer(strategy="pipemare", devices=2)`` with
-nothing else set. Rank 0 writes the final validation loss and the layout the strategy chose."""
+"""A user's GPT run: the byte-level GPT written as people write one (tests/support/gpt.py:
+blocks in a ModuleList, the head tied to the token embedding) on Python's standard-library
+source, AdamW at the rate tuned on one device, on one device (Lightning's own strategy; a test
+runs ``main(argv)`` in its own process) or through ``Trainer(strategy="pipemare", devices=2)``
+with nothing else set (launched in a subprocess). Rank 0 writes the final validation loss and
+the layout the strategy chose."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ def _strategy(devices: int, microbatches: int | None) -> Any:
     return pipemare.PipeMareStrategy(microbatches=microbatches)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -73,7 +74,8 @@ def main() -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--microbatches", type=int, help="N (default: the strategy's)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # as every launched process runs (OMP_NUM_THREADS=1), or a test's
     for recipe in args.recipes:
         train(args, recipe)
 

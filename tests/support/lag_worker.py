@@ -3,7 +3,7 @@
 Each sample carries its index; the module logs the smallest index of the minibatch, a copy of
 its loss, and epoch sums of the indices, and a callback records, per step and on every rank,
 what Lightning saw. Launched by tests/test_lagged.py in a subprocess (Lightning's launcher
-re-runs it per rank), or in one process with every stage simulated.
+re-runs it per rank), or, every stage simulated, run in the test's own process (``main(argv)``).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Record(pl.Callback):
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=3)
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--schedule", default="pipemare")
     parser.add_argument("--microbatches", type=int, default=1)
     parser.add_argument("--nan-at", type=int, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pl.seed_everything(0)
     record = Record()

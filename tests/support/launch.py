@@ -7,7 +7,10 @@ import json
 import os
 import socket
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 
 def free_port() -> int:
@@ -49,6 +52,17 @@ def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 9
                 p.wait()
     for p, out in zip(procs, outputs, strict=False):
         assert p.returncode == 0, f"launch failed ({p.returncode}):\n{out[-6000:]}"
+
+
+def run_here(main: Callable[[list[str]], None], *args: str) -> None:
+    """Run a worker script's ``main(args)`` in this process: a one-device reference needs no
+    process of its own (a launch costs seconds of imports). The worker sets one intra-op thread,
+    as its launched processes have; this process's count is put back after."""
+    threads = torch.get_num_threads()
+    try:
+        main(list(args))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def reports(out: Path, world: int) -> list[dict]:

@@ -1,5 +1,6 @@
 """A Lightning training script, launched by the tests in a subprocess (Lightning's own launcher
-re-runs it per rank, or torchrun starts it). Each rank writes what it saw to --out."""
+re-runs it per rank, or torchrun starts it); on one device a test runs ``main(argv)`` in its own
+process. Each rank writes what it saw to --out."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class ScheduledCNN(DigitsCNN):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -39,7 +40,7 @@ def main() -> None:
     parser.add_argument(
         "--strategy", default="pipemare", help="'auto' for the single-device reference"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pl.seed_everything(0)
     model = ScheduledCNN(lr=2e-3)

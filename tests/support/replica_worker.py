@@ -2,7 +2,8 @@
 
 ``--devices 4 --stages 2`` runs two copies of a 2-stage pipeline (Lightning's launcher
 re-runs this script per rank); ``--strategy single`` trains the same model on one device
-with the copies' combined batch, the reference. Each rank writes what it saw to --out.
+with the copies' combined batch, the reference (run in the test's process: ``main(argv)``).
+Each rank writes what it saw to --out.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class Record(pl.Callback):
             self.first_labels.append(batch[1].tolist())
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--model", choices=["mlp", "cnn"], default="mlp")
@@ -97,7 +98,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--balance", default="time", help='"time" or layer counts, e.g. 5,4')
     parser.add_argument("--strategy", default="pipemare", help="'single': one plain device")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     pl.seed_everything(args.seed)
     if args.model == "mlp":
