@@ -15,6 +15,7 @@ the default's run, on a copy of the same model, reuses the gpipe run's cut."""
 from __future__ import annotations
 
 import copy
+import json
 import time
 
 import pytest
@@ -23,7 +24,12 @@ import pytorch_lightning as pl
 from pipemare import PipeMareStrategy
 from pipemare.model.traces import TRACES
 from support.models import quiet_trainer
-from support.real_runs import two_process_workflow, two_processes_equal_one_device, val_loss
+from support.real_runs import (
+    launch_two_processes,
+    two_process_workflow,
+    two_processes_equal_one_device,
+    val_loss,
+)
 from support.zoo import FAMILIES, GPT2Module, ZooModule, data, has_batchnorm
 
 pytestmark = pytest.mark.zoo
@@ -88,11 +94,24 @@ def test_gpipe_equals_one_device_and_the_default_trains_it(family, record_proper
     )
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("model", ["zoo-t5", "zoo-mixtral"])
-def test_two_gloo_processes_train_zoo_models_as_one_device(model, tmp_path):
+TWO_PROCESS_MODELS = ["zoo-t5", "zoo-mixtral"]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """One two-process launch that trains both models in turn (one start of the processes and
+    their imports, not one per model); each test checks its own model's results."""
     pytest.importorskip("transformers")
-    two_processes_equal_one_device(model, tmp_path, weights=False)
+    out = tmp_path_factory.mktemp("zoo-two-processes")
+    launch_two_processes(TWO_PROCESS_MODELS, out)
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.xdist_group("zoo_two_processes")  # the tests sharing the launch: one worker
+@pytest.mark.parametrize("model", TWO_PROCESS_MODELS)
+def test_two_gloo_processes_train_zoo_models_as_one_device(model, two_process_runs):
+    two_processes_equal_one_device(model, two_process_runs, weights=False)
 
 
 @pytest.mark.distributed
@@ -104,8 +123,11 @@ def test_gpt2_from_its_config_defaults_through_the_strategy_by_name(tmp_path):
     reads +6.5% after 120 steps at AdamW 1e-2 (printed), eight seeds +7.9% (docs/results.md:
     dropout makes one seed's figure vary by about 4%), so that bar is missed and reported."""
     pytest.importorskip("transformers")
+    steps = 3 * TRAIN_STEPS
     gpipe = ["--strategy", "pipemare_gpipe", "--no-dropout", "--steps", str(EQUAL_STEPS)]
-    reports = two_process_workflow(tmp_path / "gpipe", "--task", "gpt2", *gpipe)
+    # one launch: gpipe, then a second Trainer in the same processes through "pipemare"
+    then = ["--then-default-steps", str(steps)]
+    reports = two_process_workflow(tmp_path, "--task", "gpt2", *gpipe, *then)
     plain = GPT2Module(dropout=False)
     quiet_trainer("auto", max_steps=EQUAL_STEPS).fit(plain, data("causal", n=8 * EQUAL_STEPS))
     want = val_loss(plain, data("causal", n=64, seed=1))
@@ -113,8 +135,7 @@ def test_gpt2_from_its_config_defaults_through_the_strategy_by_name(tmp_path):
         assert report["val_loss"] == pytest.approx(want, rel=1e-4)
         assert report["schedule"] == "gpipe" and report["global_step"] == EQUAL_STEPS
 
-    steps = 3 * TRAIN_STEPS
-    reports = two_process_workflow(tmp_path / "default", "--task", "gpt2", "--steps", str(steps))
+    reports = [json.loads((tmp_path / "default" / f"report-{r}.json").read_text()) for r in (0, 1)]
     one = GPT2Module()
     quiet_trainer("auto", max_steps=steps).fit(one, data("causal", n=8 * steps))
     want = val_loss(one, data("causal", n=64, seed=1))

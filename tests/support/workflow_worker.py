@@ -10,6 +10,8 @@ Lightning's launcher (``devices=2``, one stage per process, gloo):
   written at another P (``--ckpt``) and trained on to ``--steps``.
 
 ``--compile``: the Hugging Face model passed through ``torch.compile`` as on one device.
+``--then-default-steps``: after a ``gpt2`` run, a second Trainer in the same processes trains
+the config as it ships through ``strategy="pipemare"`` (one launch for both runs).
 
 Every rank writes ``report-<rank>.json``: the validation losses, the step reached, the
 schedule and N the strategy chose.
@@ -37,18 +39,30 @@ def main() -> None:
     parser.add_argument("--no-dropout", action="store_true")
     parser.add_argument("--ckpt")
     parser.add_argument("--compile", action="store_true")
-    args = parser.parse_args()
-    out = Path(args.out)
-    # the loader as it is, so that one device sees the same batches
-    trainer = quiet_trainer(
-        args.strategy, devices=2, max_steps=args.steps, use_distributed_sampler=False
+    parser.add_argument(
+        "--then-default-steps",
+        type=int,
+        help="gpt2: then, in the same processes, the config as it ships (dropout on) through "
+        "strategy='pipemare' for this many steps; its reports in OUT/default",
     )
+    args = parser.parse_args()
+    run(args, Path(args.out), args.strategy, args.steps, dropout=not args.no_dropout)
+    if args.then_default_steps:
+        (Path(args.out) / "default").mkdir(exist_ok=True)
+        run(args, Path(args.out) / "default", "pipemare", args.then_default_steps, dropout=True)
+
+
+def run(args: argparse.Namespace, out: Path, strategy: str, steps: int, dropout: bool) -> None:
+    """One Trainer through ``strategy`` (a registered name) for ``steps``; the report in
+    ``out``."""
+    # the loader as it is, so that one device sees the same batches
+    trainer = quiet_trainer(strategy, devices=2, max_steps=steps, use_distributed_sampler=False)
     report: dict = {}
     if args.task == "gpt2":
-        model = GPT2Module(dropout=not args.no_dropout)
+        model = GPT2Module(dropout=dropout)
         if args.compile:
             model.model = torch.compile(model.model)
-        trainer.fit(model, data("causal", n=8 * args.steps))
+        trainer.fit(model, data("causal", n=8 * steps))
         (val,) = trainer.validate(model, data("causal", n=64, seed=1), verbose=False)
     elif args.task == "padded":
         model = ZooModule("gpt2")
@@ -60,13 +74,13 @@ def main() -> None:
         report["val_before_fit"] = before["val_loss"]
         trainer.fit(model, tokens(n=256), ckpt_path=args.ckpt)
         (val,) = trainer.validate(model, tokens(), verbose=False)
-    strategy = trainer.strategy
+    pipeline = trainer.strategy
     report.update(
         val_loss=val["val_loss"],
         global_step=trainer.global_step,
-        schedule=strategy.schedule,
-        microbatches=strategy.microbatches,
-        stages=strategy.num_stages,
+        schedule=pipeline.schedule,
+        microbatches=pipeline.microbatches,
+        stages=pipeline.num_stages,
     )
     (out / f"report-{trainer.global_rank}.json").write_text(json.dumps(report))
 
