@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         if command in ("fit", "validate", "test", "predict"):
             from pipemare.cli import lightning_cli
 
-            lightning_cli.main([command, *rest])
+            lightning_cli.run_cli([command, *rest])
         else:  # the experiments' commands
             _experiment(command)(rest)
     except ModuleNotFoundError as err:

@@ -23,7 +23,7 @@ from pytorch_lightning.cli import LightningArgumentParser, LightningCLI
 
 import pipemare  # noqa: F401 - registers the strategy names
 
-__all__ = ["DEFAULT_LOGGERS", "PipeMareCLI", "main"]
+__all__ = ["DEFAULT_LOGGERS", "PipeMareCLI", "run_cli"]
 
 _CSV = "pytorch_lightning.loggers.CSVLogger"
 _WANDB = "pipemare.callbacks.OfflineSafeWandbLogger"
@@ -138,7 +138,7 @@ def _layout_name(strategy: Any) -> str | None:
     return f"{args.get('schedule', 'pipemare')}-P{stages or 'auto'}-N{n}"
 
 
-def main(argv: list[str] | None = None) -> PipeMareCLI:
+def run_cli(argv: list[str] | None = None) -> PipeMareCLI:
     """Run the CLI on ``argv`` (default: the command line)."""
     if argv is not None and argv == sys.argv[1:]:
         # the command line itself: LightningCLI reads it (given both, it warns), and the
