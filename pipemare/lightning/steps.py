@@ -269,11 +269,11 @@ class ModuleAdapter:
             label_shift=label_shift,
             user_compiled=self.user_compiled,
             layer_params=tuple(sum(p.numel() for p in layer.parameters()) for layer in seq),
-            # the user's module too: a traced one's segments hold plain modules in BatchNorm's
-            # place, and the run would take its N from timing where N = 1 keeps the statistics
+            # the user's module, not the cut: a traced one's segments hold plain modules in
+            # BatchNorm's place, and the run would take its N from timing where N = 1 keeps
+            # the statistics
             batch_statistics=any(
-                isinstance(m, nn.modules.batchnorm._BatchNorm)
-                for m in (*seq.modules(), *model.modules())
+                isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()
             ),
             # Hugging Face's gradient_checkpointing_enable() marks the layers it checkpoints
             gradient_checkpointing=any(

@@ -104,8 +104,8 @@ class ModelFacts:
         user_compiled: how the user compiled it (``"torch.compile"``, ``"compile()"``), or None.
         layer_params: parameters of each layer, for ``balance="params"``.
         batch_statistics: it normalises over its batch (BatchNorm), so microbatches change
-            what it computes (read from the user's module as well as the cut: a traced
-            model's segments hold plain modules where its BatchNorms were).
+            what it computes (read from the user's module, not the cut: a traced model's
+            segments hold plain modules where its BatchNorms were).
         gradient_checkpointing: a module in it has Hugging Face's gradient checkpointing on
             (``model.gradient_checkpointing_enable()``).
     """

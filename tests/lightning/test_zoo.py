@@ -15,7 +15,6 @@ the default's run, on a copy of the same model, reuses the gpipe run's cut."""
 from __future__ import annotations
 
 import copy
-import json
 import time
 
 import pytest
@@ -29,6 +28,7 @@ from support.real_runs import (
     two_process_workflow,
     two_processes_equal_one_device,
     val_loss,
+    workflow_reports,
 )
 from support.zoo import FAMILIES, GPT2Module, ZooModule, data, has_batchnorm
 
@@ -135,7 +135,7 @@ def test_gpt2_from_its_config_defaults_through_the_strategy_by_name(tmp_path):
         assert report["val_loss"] == pytest.approx(want, rel=1e-4)
         assert report["schedule"] == "gpipe" and report["global_step"] == EQUAL_STEPS
 
-    reports = [json.loads((tmp_path / "default" / f"report-{r}.json").read_text()) for r in (0, 1)]
+    reports = workflow_reports(tmp_path / "default")
     one = GPT2Module()
     quiet_trainer("auto", max_steps=steps).fit(one, data("causal", n=8 * steps))
     want = val_loss(one, data("causal", n=64, seed=1))

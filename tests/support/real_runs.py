@@ -82,4 +82,9 @@ def two_process_workflow(out: Path, *args: str) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(WORKFLOWS), "--out", str(out), *args]
     run_all([(cmd, environment())])
+    return workflow_reports(out)
+
+
+def workflow_reports(out: Path) -> list[dict]:
+    """The two ranks' reports a workflow run wrote into ``out``."""
     return [json.loads((out / f"report-{rank}.json").read_text()) for rank in (0, 1)]
