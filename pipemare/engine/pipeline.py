@@ -18,6 +18,7 @@ from pipemare.engine.telemetry import Probe
 from pipemare.engine.ties import TiedWeights, untie
 from pipemare.engine.transport import ACT, DistributedTransport, Transport
 from pipemare.model import partition
+from pipemare.model.materialize import to_meta
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.optimizer import PipeMareOptimizer
 from pipemare.optim.settings import RunSettings, resolve
@@ -164,7 +165,10 @@ class Pipeline:
 
         local = transport.local_stages
         for i, module in enumerate(self.stage_modules):
-            module.to(self.device if i in local else "meta")
+            if i in local:
+                module.to(self.device)
+            else:  # freed; the user's model keeps its ties
+                to_meta(module, model)
         #: tied parameters on several stages, kept in step (see :mod:`pipemare.engine.ties`)
         self.ties = TiedWeights(ties, local, transport, microbatches)
         self.optimizer = PipeMareOptimizer(

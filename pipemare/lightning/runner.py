@@ -41,8 +41,16 @@ from pipemare.lightning.steps import (
     short_last_batches,
 )
 from pipemare.model import cuts, partition
+from pipemare.model.materialize import (
+    has_meta,
+    init_method,
+    load_stage_weights,
+    materialize,
+    replace_parameters,
+)
 from pipemare.optim.chain import ChainedOptimizer, copies_of
 from pipemare.planner.decide import (
+    LeanBuild,
     PipelineOptions,
     RunFacts,
     RunPlan,
@@ -265,6 +273,9 @@ class PipelineRunner:
         self.microbatches: int | None = None
         #: the run's plan, decided at the first batch (later rebuilds keep its layout)
         self.plan: RunPlan | None = None
+        #: a model built on the meta device, cut at setup with this process's stage made real
+        self.built: LeanBuild | None = None
+        self._weights_read = False  # ``options.weights`` read into this process's stage
 
     # -- what the runner reads of the run ---------------------------------------------------
 
@@ -345,6 +356,59 @@ class PipelineRunner:
         """The optimisers Lightning made from ``configure_optimizers`` (none outside fit)."""
         self._optimizers = list(optimizers)
 
+    def place_model(self, device: torch.device) -> None:
+        """Before Lightning builds the optimisers: move what lies outside the pipelined module
+        to ``device``; the pipelined module's layers move when the pipeline is built, each
+        process its own stage's only (the others go to the meta device).
+
+        A model built on the meta device (``configure_model``, or
+        ``trainer.init_module(empty_init=True)``) is cut now and this process's stage given
+        real storage, initialised, or left for ``weights`` to fill at the build: the
+        optimisers must hold the real parameters.
+        """
+        adapter = self.adapter
+        assert adapter is not None
+        _move_outside(self.module, adapter.pipelined, device)
+        if self.built is not None or not has_meta(adapter.pipelined):
+            return  # not lean, or made real by an earlier run of this Trainer
+        seq = adapter.sequential
+        if seq is None:
+            raise ValueError(
+                f"{adapter.what} was built on the meta device, and it is not an nn.Sequential: "
+                "pipemare cuts a model of any other kind by tracing it at the first batch, "
+                "which needs its weights real. Build it as an nn.Sequential of its layers (a "
+                "GPT: embedding, blocks, head), or build it in __init__"
+            )
+        stages = self.stages
+        assert stages is not None
+        balance, what = self.options.balance, adapter.what
+        if balance == "auto":
+            raise ValueError(
+                f"balance='auto' profiles every layer of {what} in one process, and it was built "
+                "on the meta device; pass balance='params', 'even' or a list of layer counts"
+            )
+        if isinstance(balance, list):
+            cut, why = list(balance), "as given"
+        elif balance == "even":
+            cut, why = partition.even_balance(len(seq), stages), "balance='even'"
+        else:
+            cut = partition.balance_by_cost(
+                [sum(p.numel() for p in layer.parameters()) for layer in seq], stages
+            )
+            why = "by parameter counts" + (
+                ": balance='time' needs every layer timed in one process, and no process holds "
+                "every layer of a model built on the meta device"
+                if balance == "time"
+                else ""
+            )
+        place = self.place
+        local = [place.layout.position(place.global_rank)[1]] if place.layout else range(stages)
+        starts = [sum(cut[:i]) for i in range(len(cut) + 1)]
+        layers = [seq[j] for i in local for j in range(starts[i], starts[i + 1])]
+        init = "none" if self.options.weights else init_method(adapter.pipelined)
+        materialize(adapter.pipelined, layers, device, init)
+        self.built = LeanBuild(tuple(cut), why, "file" if init == "none" else init)
+
     def check_optimizer(self) -> None:
         """Refuse at setup an optimiser the pipeline cannot step at any N the run may take
         (given, or each ``"auto"`` may choose:
@@ -411,6 +475,9 @@ class PipelineRunner:
             self.plan = plan = decide(self.options, self._facts(batch, step, args))
             self.microbatches, self.cut = plan.microbatches, list(plan.balance)
             self.pipeline = pipe = self._build(plan)
+            self._read_weights(pipe)
+            if self.built is not None:  # the holders of tied weights take their owner's
+                pipe.ties.restart(pipe.minibatches_fed)
             self.checkpoints.load_pending(pipe)
             self.announce()
             self.reports.start(self.results(pipe.minibatches_fed), adapter.path)
@@ -420,6 +487,28 @@ class PipelineRunner:
         if adapter.segmented and adapter.sequential is not None:
             adapter.sequential.train(adapter.pipelined.training)  # the graph traced in its mode
         return self.pipeline
+
+    def _read_weights(self, pipe: Pipeline) -> None:
+        """At the first build, fill this process's stages from ``options.weights``, reading
+        only their tensors (:func:`~pipemare.model.materialize.load_stage_weights`)."""
+        path = self.options.weights
+        if path is None or self._weights_read:
+            return
+        wanted = {
+            self.state_names(key): tensor
+            for i in pipe.local_stages
+            for key, tensor in pipe.stage_modules[i].state_dict(keep_vars=True).items()
+        }
+        assert self.adapter is not None
+        missing = load_stage_weights(path, wanted, strip=(f"{self.adapter.path}.",))
+        if missing:
+            shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
+            raise ValueError(
+                f"weights={path!r} holds no value for {len(missing)} tensor(s) of this "
+                f"process's stage ({shown}); save the LightningModule's state_dict() (or the "
+                "pipelined module's) from the model you start from"
+            )
+        self._weights_read = True
 
     def _facts(self, batch: Any, step: str, args: tuple) -> RunFacts:
         """What :func:`~pipemare.planner.decide.decide` needs: the module cut into segments
@@ -451,6 +540,7 @@ class PipelineRunner:
             previous=None
             if previous is None
             else (previous.stages, previous.microbatches, previous.balance),
+            built=self.built,
         )
         wanted = measurements_needed(self.options, facts)
         if wanted is None:
@@ -714,11 +804,39 @@ class PipelineRunner:
         self.reports.check_unreported(self.pipeline)
 
     def consolidate(self) -> None:
-        """Give every process the whole model again (as DDP leaves it): each held one stage."""
+        """At the end of a run: give every process the whole model again (as DDP leaves it),
+        where it was built whole in every process; a model built on the meta device stays a
+        stage per process (:meth:`gather` on request)."""
+        self.drain()
+        if self.built is not None:
+            if self.pipeline is not None:
+                self._keep_ties(self.pipeline)
+            return
+        self.gather()
+
+    def gather(self) -> None:
+        """Give this process the whole model: every stage's weights (collective: every
+        process calls it). Needs the whole model to fit in each process."""
         self.drain()
         if self.place.distributed and self.pipeline is not None:
             checkpoint.consolidate(self.module, self.pipeline, self.state_names, self.place.device)
             self.pipeline = None  # its stages are no longer split; the next run rebuilds it
+            self.built = None
+
+    def _keep_ties(self, pipe: Pipeline) -> None:
+        """Where this process holds a copy of a tied weight whose owner's stage runs
+        elsewhere, the user's module takes the copy's values in every place it holds the
+        weight: the next run's cut finds the tie again, with real values on this process."""
+        seq = self.adapter.sequential if self.adapter else None
+        assert seq is not None
+        for tie in pipe.ties.ties:
+            mine = [s for s in tie.copies if s in pipe.local_stages]
+            if tie.owner in pipe.local_stages or not mine:
+                continue
+            key, twin = tie.copies[mine[0]]  # a stage's layers keep the Sequential's names
+            held = seq.get_parameter(key)
+            kept = type(held)(twin.detach(), requires_grad=held.requires_grad)
+            replace_parameters(seq, {id(held): kept})
 
     # -- checkpoints: :class:`~pipemare.lightning.checkpoint.Checkpoints`, given this run --
 
@@ -749,3 +867,11 @@ class PipelineRunner:
             results = self.reports.results
             if results is not None:  # the next minibatch to report moved with it
                 results.start = results.next = self.pipeline.minibatches_fed
+
+
+def _move_outside(module: nn.Module, pipelined: nn.Module, device: torch.device) -> None:
+    """Move ``module``'s parameters and buffers outside ``pipelined`` to ``device``."""
+    inside = {id(m) for m in pipelined.modules()}
+    for m in module.modules():
+        if id(m) not in inside:
+            m._apply(lambda t: t.to(device), recurse=False)

@@ -17,10 +17,12 @@ whole model, written without draining (:mod:`~pipemare.lightning.checkpoint`).
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib.util
+import os
 import signal
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import pytorch_lightning as pl
@@ -45,6 +47,7 @@ from pipemare.lightning import checks
 from pipemare.lightning.launching import SigtermRelay, restarts_share_the_store
 from pipemare.lightning.packages import LIGHTNING, PYTORCH_LIGHTNING, LightningPackage
 from pipemare.lightning.runner import PipelineOptions, PipelineRunner, Placement
+from pipemare.model.materialize import has_meta, meta_parameters
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import RunSettings
 from pipemare.planner.decide import Advice
@@ -130,6 +133,20 @@ class PipeMareStrategyMixin(_StrategyBase):
             both schedules and says in the run's first lines (and its stored settings) which
             steps sooner and by how much, beside the quality the protocol measured for the
             optimiser's family and P (default True; False skips the measurement).
+        weights: a file of one device's weights to start from (``torch.save`` of the
+            LightningModule's or the pipelined module's ``state_dict()``, a Lightning
+            checkpoint, or a ``.safetensors`` file): each process reads only its own stage's
+            tensors, at the first batch. With a model built on the meta device it replaces
+            the initialisation.
+
+    A model built in ``configure_model`` (or under ``trainer.init_module(empty_init=True)``)
+    is built on the meta device, its buffers real: at setup it is cut by parameter counts and
+    each process gives real storage only to its own stage's layers, initialised by each
+    module's ``reset_parameters()`` (or the model's ``init_weights()``), or read from
+    ``weights``. After the run each process still holds its stage only; :meth:`gather` gives
+    it the whole model where that fits. A model built in ``__init__`` is cut at the first
+    batch as before, each process moving only its own stage to its device, and gathered
+    whole after each run.
 
     With ``stages`` below the process count (``devices * num_nodes``), the processes run
     ``devices * num_nodes / stages`` data-parallel copies of the pipeline
@@ -178,6 +195,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         compile: bool | dict[str, Any] = False,
         microbatch_weights: str | Callable[[list[Any]], list[float]] = "auto",
         advise: bool = True,
+        weights: str | os.PathLike[str] | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -213,6 +231,11 @@ class PipeMareStrategyMixin(_StrategyBase):
         )
         if not isinstance(advise, bool):
             raise ValueError(f"advise must be True or False, got {advise!r}")
+        if weights is not None and not os.path.isfile(weights):
+            raise ValueError(
+                f"weights={weights!r} is not a file; pass the path of a torch.save of the model's "
+                "state_dict(), a Lightning checkpoint or a .safetensors file"
+            )
         self._options = PipelineOptions(
             stages=stages,
             microbatches=microbatches,
@@ -228,6 +251,7 @@ class PipeMareStrategyMixin(_StrategyBase):
             stall_timeout=float(stall_timeout),
             heartbeat_timeout=None if heartbeat_timeout is None else float(heartbeat_timeout),
             advise=advise,
+            weights=None if weights is None else os.fspath(weights),
         )
         self._start_method, self._timeout = start_method, timeout
         self._num_nodes = 1
@@ -487,10 +511,45 @@ class PipeMareStrategyMixin(_StrategyBase):
             broadcast=self.broadcast,
         )
 
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)``: parameters on the meta device, buffers
+        real; each process makes its own stage real at setup. Otherwise Lightning's."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with meta_parameters(), self.precision_plugin.tensor_init_context():
+            yield
+
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Around ``configure_model``: parameters on the meta device, buffers real (see
+        :meth:`tensor_init_context`)."""
+        with meta_parameters():
+            yield
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """A model built on the meta device takes a checkpoint's weights after setup, once its
+        stage is real."""
+        module = self.lightning_module
+        return module is not None and has_meta(module)
+
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
+        """Only what lies outside the pipelined module moves now; each process moves (or, built
+        on the meta device, makes real) its own stage's layers only."""
+        self._runner.place_model(self.root_device)
+
+    def gather(self) -> None:
+        """Give this process the whole model, every stage's weights (collective: call it on
+        every process). After a run, a model built on the meta device holds only this
+        process's stage; call this where the whole model fits, e.g. to save it whole."""
+        self._runner.gather()
 
     def request_probe(self, **settings: Any) -> None:
         """Ask for telemetry (:class:`pipemare.engine.telemetry.Probe`); monitors call this in

@@ -47,6 +47,7 @@ from pipemare.schedule.actions import spec
 __all__ = [
     "MEASURED_QUALITY",
     "Advice",
+    "LeanBuild",
     "ModelFacts",
     "PipelineOptions",
     "RunFacts",
@@ -86,6 +87,8 @@ class PipelineOptions:
     heartbeat_timeout: float | None = 30.0
     #: time the user's layers at every N 1F1B could run and say which schedule steps sooner
     advise: bool = True
+    #: a file of one device's weights each process reads its own stage's tensors from
+    weights: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,6 +153,9 @@ class RunFacts:
             action whatever the layers (:func:`~pipemare.planner.engine_overhead`),
             added to each stage's layers in a replay; a schedule without one replays the
             layers alone.
+        built: the model was built on the meta device and each process made only its own
+            stage real at setup (:class:`LeanBuild`): the cut was taken then, and no process
+            holds every layer to time.
     """
 
     model: ModelFacts
@@ -170,6 +176,48 @@ class RunFacts:
     action_overhead: Mapping[str, tuple[float, float, float]] = dataclasses.field(
         default_factory=dict
     )
+    built: LeanBuild | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LeanBuild:
+    """A model built on the meta device, cut at setup, each process's stage made real there.
+
+    Attributes:
+        balance: layers per stage, as cut at setup.
+        why: how the cut was chosen.
+        init: how this process's stage got its values: ``"reset_parameters"`` (each module's
+            own), ``"init_weights"`` (the model's hook) or ``"file"`` (one device's weights,
+            read a stage at a time).
+    """
+
+    balance: tuple[int, ...]
+    why: str
+    init: str
+
+    def decisions(self) -> list[Decision]:
+        """What the lean build decided, for the run's first lines."""
+        how = {
+            "reset_parameters": "each module's reset_parameters()",
+            "init_weights": "the model's init_weights(), run over every stage's layers (the "
+            "other stages' on the meta device, where it does nothing)",
+            "file": "read from the weights file, this stage's tensors only",
+        }[self.init]
+        return [
+            Decision(
+                "build",
+                "each process holds only its own stage",
+                "the model was built on the meta device (configure_model or "
+                "init_module(empty_init=True)); this process gave real storage to its own "
+                f"stage's layers only, initialised by {how}",
+            ),
+            Decision(
+                "advice",
+                "not measured",
+                "timing every layer needs the whole model in one process, which a model built "
+                "on the meta device never has",
+            ),
+        ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,6 +355,8 @@ def _microbatches(
         return options.microbatches, []
     if _replays(options, facts, stages):
         return _fastest_microbatches(options, facts, stages)
+    if spec(options.schedule).flushes and stages > 1 and facts.built is not None:
+        return _unmeasured_flushing(facts.rows, stages)
     n, decision = auto_microbatches(options.schedule, stages, facts.rows)
     if spec(options.schedule).flushes and stages > 1 and facts.model.batch_statistics:
         why = (
@@ -315,6 +365,23 @@ def _microbatches(
         )
         decision = Decision("microbatches", "N=1", why)
     return n, [decision]
+
+
+def _unmeasured_flushing(rows: int, stages: int) -> tuple[int, list[Decision]]:
+    """A flushing schedule's N where no process can time every layer (a lean build): the
+    largest divisor of the batch up to 2P, whose bubble (P-1)/(N+P-1) is then at most a third.
+
+    Example:
+        >>> _unmeasured_flushing(32, 4)[0], _unmeasured_flushing(6, 4)[0]
+        (8, 6)
+    """
+    n = max(d for d in divisors(rows) if d <= 2 * stages)
+    why = (
+        "not timed: no process holds every layer of a model built on the meta device; the "
+        f"largest divisor of the batch up to 2P, a bubble of (P-1)/(N+P-1) = "
+        f"{(stages - 1) / (n + stages - 1):.0%} (pass microbatches=N to choose)"
+    )
+    return n, [Decision("microbatches", f"N={n}", why)]
 
 
 def _replays(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
@@ -328,6 +395,7 @@ def _replays(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
         and not facts.model.batch_statistics
         and options.balance != "auto"
         and facts.previous is None
+        and facts.built is None
     )
 
 
@@ -425,6 +493,7 @@ def _advises(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
         and stages > 1
         and options.balance != "auto"
         and facts.previous is None
+        and facts.built is None
     )
 
 
@@ -553,7 +622,7 @@ def measurements_needed(
         # N, or the advice, is chosen from the passes, whatever the cut
         return "time", microbatches_to_measure(options, facts)
     balance, saved = options.balance, facts.checkpointed
-    if facts.previous is not None or not isinstance(balance, str):
+    if facts.previous is not None or facts.built is not None or not isinstance(balance, str):
         return None
     if (saved and saved["stages"] == stages) or stages == facts.model.layers:
         return None
@@ -575,6 +644,11 @@ def _layers_per_stage(
     balance, layers = options.balance, facts.model.layers
     if facts.previous is not None:  # a rebuild (after fit, for test) cuts as the first build
         return list(facts.previous[2]), []
+    if facts.built is not None:  # cut at setup, where each process made its stage real
+        return list(facts.built.balance), [
+            _cut_said(facts.built.balance, facts.built.why),
+            *facts.built.decisions(),
+        ]
     saved = facts.checkpointed
     if isinstance(balance, str) and saved and saved["stages"] == stages:
         return list(saved["balance"]), [

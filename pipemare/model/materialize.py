@@ -1,0 +1,233 @@
+"""A model built without its weights: parameters on the meta device, one stage made real.
+
+A model too big for one device is built the way Lightning's ``ModelParallelStrategy`` and
+torchtitan build it: every parameter on the meta device (shapes, no storage), the model cut
+there, and each process then gives real storage only to the layers of its own stage, which it
+initialises (each module's ``reset_parameters()``, or the model's own init hook) or reads from
+a file of one device's weights, tensor by tensor.
+
+Buffers stay real while the model is built (:func:`meta_parameters`): a rotary embedding's
+``inv_freq`` or a causal mask is computed in ``__init__`` and has no ``reset_parameters()`` to
+compute it again, so it must never pass through the meta device. They are small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "INIT_HOOKS",
+    "has_meta",
+    "init_method",
+    "load_stage_weights",
+    "materialize",
+    "meta_parameters",
+    "replace_parameters",
+    "to_meta",
+]
+
+#: model-level init hooks, looked for in this order on the pipelined module: torchtitan's
+#: models define ``init_weights()``; it runs over the whole model, whose other stages' tensors
+#: are on the meta device, where initialising does nothing
+INIT_HOOKS = ("init_weights",)
+
+
+@contextlib.contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Inside: every parameter a module registers goes to the meta device; buffers stay real.
+
+    Example:
+        >>> with meta_parameters():
+        ...     layer = nn.BatchNorm1d(4)
+        >>> layer.weight.device.type, layer.running_mean.device.type
+        ('meta', 'cpu')
+    """
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(self, name, param)
+        if param is not None and not param.is_meta:
+            moved = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
+            moved.__dict__.update(param.__dict__)  # a subclass's attributes (peft's, ...)
+            self._parameters[name] = moved
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def has_meta(module: nn.Module) -> bool:
+    """Whether any parameter of ``module`` is on the meta device."""
+    return any(p.is_meta for p in module.parameters())
+
+
+def replace_parameters(root: nn.Module, new: Mapping[int, nn.Parameter]) -> None:
+    """Put ``new[id(p)]`` in every place of ``root`` that holds ``p``: a parameter two layers
+    share (a tied embedding and head) stays shared."""
+    for module in root.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and id(p) in new:
+                module._parameters[name] = new[id(p)]
+
+
+def to_meta(layers: nn.Module, root: nn.Module) -> None:
+    """Send ``layers`` (another process's stage) to the meta device, freeing their storage;
+    a parameter they share with a layer elsewhere in ``root`` is replaced there too, so that
+    ``root`` keeps its ties (``module.to("meta")`` gives each holder a parameter of its own)."""
+    moved: dict[int, nn.Parameter] = {}
+    for p in layers.parameters():
+        if id(p) not in moved and not p.is_meta:
+            meta = type(p)(p.detach().to("meta"), requires_grad=p.requires_grad)
+            meta.__dict__.update(p.__dict__)
+            moved[id(p)] = meta
+    replace_parameters(root, moved)
+    replace_parameters(layers, moved)
+    for m in layers.modules():
+        for name, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[name] = b.to("meta")
+
+
+def materialize(
+    root: nn.Module,
+    layers: Iterable[nn.Module],
+    device: torch.device,
+    init: str = "reset_parameters",
+) -> list[nn.Parameter]:
+    """Give the meta parameters of ``layers`` (this process's stage, inside ``root``) real,
+    initialised storage on ``device``; move their real buffers there.
+
+    Args:
+        root: the whole pipelined model: where a parameter is shared with a layer of another
+            stage, that layer gets the real one too (so a later cut still sees the tie).
+        layers: the layers this process runs.
+        device: where they run.
+        init: ``"reset_parameters"``: each module that holds a parameter calls its own
+            ``reset_parameters()``; ``"init_weights"`` (:data:`INIT_HOOKS`): ``root``'s hook
+            runs once over the whole model; ``"none"``: storage only (weights loaded after).
+
+    Returns:
+        The parameters made real.
+
+    Raises:
+        TypeError: a module holds a parameter of its own but has no ``reset_parameters()``
+            and ``root`` no init hook, named with the fixes.
+    """
+    modules = list({id(m): m for layer in layers for m in layer.modules()}.values())
+    meta = {id(p): p for m in modules for p in m.parameters(recurse=False) if p.is_meta}
+    owners = [m for m in modules if any(p.is_meta for p in m.parameters(recurse=False))]
+    if init == "reset_parameters":
+        _check_resettable(owners)
+    made = {}
+    for pid, p in meta.items():
+        real = type(p)(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+        real.__dict__.update(p.__dict__)
+        made[pid] = real
+    replace_parameters(root, made)
+    for m in modules:
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                raise TypeError(
+                    f"buffer {name!r} of {type(m).__name__} is on the meta device: it cannot be "
+                    "computed again; build the model with its buffers real (pipemare's "
+                    "configure_model and init_module(empty_init=True) keep them real)"
+                )
+            if b is not None:
+                m._buffers[name] = b.to(device)
+    with torch.no_grad():
+        if init == "reset_parameters":
+            for m in owners:
+                m.reset_parameters()  # type: ignore[operator]
+        elif init in INIT_HOOKS:
+            getattr(root, init)()
+    return list(made.values())
+
+
+def _check_resettable(modules: list[nn.Module]) -> None:
+    missing: dict[str, list[str]] = {}
+    for m in modules:
+        own = [n for n, p in m.named_parameters(recurse=False) if p.is_meta]
+        if own and not callable(getattr(m, "reset_parameters", None)):
+            missing.setdefault(type(m).__name__, own)
+    if missing:
+        shown = "; ".join(f"{k} ({', '.join(v)})" for k, v in missing.items())
+        raise TypeError(
+            f"the model was built on the meta device, and these modules hold parameters of "
+            f"their own but have no reset_parameters() to initialise them: {shown}. Give each "
+            "a reset_parameters() method, give the pipelined model an init_weights() method "
+            "that initialises all of it, or start from saved weights "
+            "(PipeMareStrategy(weights='one_device.pt'))"
+        )
+
+
+def init_method(root: nn.Module) -> str:
+    """How a meta-built ``root`` is initialised: its own hook (:data:`INIT_HOOKS`) where it
+    has one, else each module's ``reset_parameters()``."""
+    for hook in INIT_HOOKS:
+        if callable(getattr(root, hook, None)):
+            return hook
+    return "reset_parameters"
+
+
+def load_stage_weights(
+    path: str | os.PathLike[str],
+    wanted: Mapping[str, torch.Tensor],
+    strip: tuple[str, ...] = (),
+) -> list[str]:
+    """Copy into each tensor of ``wanted`` (name -> this process's tensor) its value from
+    ``path``, reading only those tensors: a safetensors file tensor by tensor, a ``torch.save``
+    file memory-mapped (``mmap=True``), so the other stages' bytes are never read.
+
+    Args:
+        path: a ``.safetensors`` file, or a ``torch.save`` of a state dict (a Lightning
+            checkpoint's ``state_dict`` entry is found too).
+        wanted: the names (as the pipelined model names them) and tensors to fill.
+        strip: prefixes that the file may leave off a name (the pipelined module's path in
+            the LightningModule, for a file of that module's own state dict).
+
+    Returns:
+        The names that were not in the file (their tensors are left as they are).
+    """
+    path = os.fspath(path)
+    source: Callable[[str], torch.Tensor | None]
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+
+        handle = safe_open(path, framework="pt")
+        keys = set(handle.keys())
+
+        def source(key: str) -> torch.Tensor | None:
+            return handle.get_tensor(key) if key in keys else None
+
+    else:
+        state: Any = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
+            state = state["state_dict"]
+
+        def source(key: str) -> torch.Tensor | None:
+            value = state.get(key)
+            return value if isinstance(value, torch.Tensor) else None
+
+    missing = []
+    with torch.no_grad():
+        for name, tensor in wanted.items():
+            names = [name, *(name[len(p) :] for p in strip if name.startswith(p))]
+            value = next((v for v in map(source, names) if v is not None), None)
+            if value is None:
+                missing.append(name)
+                continue
+            if tuple(value.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"{path}: {name} has shape {tuple(value.shape)}, the model's is "
+                    f"{tuple(tensor.shape)}; the file holds another model's weights"
+                )
+            tensor.copy_(value)
+    return missing

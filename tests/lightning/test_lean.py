@@ -1,0 +1,190 @@
+"""A model built on the meta device: each process builds, holds and runs only its own stage.
+
+The model is the benchmark's GPT (:mod:`pipemare.experiments.bench.lean`): rotary attention
+(a non-persistent ``inv_freq`` buffer computed in ``__init__``), its head tied to the token
+embedding, written as an ``nn.Sequential`` and built in ``configure_model``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+
+from pipemare import PipeMareStrategy
+from pipemare.experiments.bench.lean import LeanGPT, byte_loaders, gpt_layers
+from pipemare.model.materialize import (
+    load_stage_weights,
+    materialize,
+    meta_parameters,
+    to_meta,
+)
+from support.launch import environment, free_port, run_all
+
+WORKER = str(Path(__file__).resolve().parents[1] / "support" / "lean_worker.py")
+
+
+def _trainer(strategy, steps: int = 4) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=steps,
+        limit_val_batches=1,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+class _Losses(pl.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+# -- the parts, in one process ---------------------------------------------------------------
+
+
+def test_meta_parameters_keep_buffers_real_and_ties():
+    with meta_parameters():
+        seq = gpt_layers(32, 2, vocab=16, heads=4)
+    assert all(p.is_meta for p in seq.parameters())
+    inv_freq = seq[1].rotary.inv_freq
+    assert not inv_freq.is_meta
+    assert torch.equal(inv_freq, gpt_layers(32, 2, vocab=16, heads=4)[1].rotary.inv_freq)
+    assert seq[-1].lm_head.weight is seq[0].weight
+
+
+def test_materialize_makes_only_the_given_layers_real_and_keeps_ties():
+    with meta_parameters():
+        seq = gpt_layers(32, 2, vocab=16, heads=4)
+    made = materialize(seq, [seq[-1]], torch.device("cpu"))
+    assert not seq[-1].lm_head.weight.is_meta and not seq[-1].ln_f.weight.is_meta
+    assert seq[0].weight is seq[-1].lm_head.weight  # the tie holds in the whole model
+    assert all(p.is_meta for p in seq[1].parameters())
+    assert torch.equal(seq[-1].ln_f.weight, torch.ones(32))  # LayerNorm's reset_parameters
+    assert len(made) == 3  # ln_f weight and bias, the tied head
+    to_meta(seq[-1], seq)
+    assert seq[-1].lm_head.weight.is_meta and seq[0].weight is seq[-1].lm_head.weight
+
+
+class _Learned(nn.Module):
+    """A learned position embedding as a bare parameter, no reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wpe = nn.Parameter(torch.zeros(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.wpe
+
+
+def test_a_bare_parameter_without_an_init_is_refused_by_name():
+    with meta_parameters():
+        seq = nn.Sequential(nn.Linear(4, 4), _Learned())
+    with pytest.raises(TypeError, match=r"_Learned \(wpe\).*init_weights\(\).*weights="):
+        materialize(seq, list(seq), torch.device("cpu"))
+
+
+def test_stage_weights_are_read_tensor_by_tensor(tmp_path):
+    from safetensors.torch import save_file
+
+    whole = {"net.a": torch.arange(4.0), "net.b": torch.ones(2, 2)}
+    torch.save(whole, tmp_path / "w.pt")
+    save_file({"a": whole["net.a"], "b": whole["net.b"]}, tmp_path / "w.safetensors")
+    for name, strip in (("w.pt", ()), ("w.safetensors", ("net.",))):
+        mine = {"net.a": torch.zeros(4), "net.c": torch.zeros(1)}
+        missing = load_stage_weights(tmp_path / name, mine, strip=strip)
+        assert missing == ["net.c"] and torch.equal(mine["net.a"], whole["net.a"])
+    with pytest.raises(ValueError, match=r"net.b has shape \(2, 2\).*another model"):
+        load_stage_weights(tmp_path / "w.pt", {"net.b": torch.zeros(3)})
+
+
+# -- through the strategy, stages simulated in one process -----------------------------------
+
+
+def test_gpipe_on_a_meta_built_gpt_equals_one_device_from_its_weights(tmp_path):
+    """P = 4, gpipe, the GPT built in configure_model and its weights read stage by stage from
+    one device's file: the same losses as plain Lightning on one device (rel 1e-4)."""
+    train, _ = byte_loaders(context=16, batch=4, rows=16)
+    pl.seed_everything(0)
+    one = LeanGPT(64, 4, heads=4, build_in_init=True)
+    torch.save(one.state_dict(), tmp_path / "one.pt")
+    reference = _Losses()
+    trainer = _trainer("auto")
+    trainer.callbacks.append(reference)
+    trainer.fit(one, train)
+
+    pl.seed_everything(1)  # another initialisation: the file decides the weights
+    lean = LeanGPT(64, 4, heads=4)
+    strategy = PipeMareStrategy(
+        stages=4, schedule="gpipe", microbatches=2, weights=str(tmp_path / "one.pt")
+    )
+    piped = _Losses()
+    trainer = _trainer(strategy)
+    trainer.callbacks.append(piped)
+    trainer.fit(lean, train)
+    assert piped.losses == pytest.approx(reference.losses, rel=1e-4)
+    decisions = {d.subject: d for d in strategy.settings.decisions}
+    assert "read from the weights file" in decisions["build"].reason
+    assert decisions["advice"].choice == "not measured"
+    assert "parameter counts" in decisions["layers per stage"].reason
+
+
+def test_a_meta_built_gpt_initialises_its_stages_and_its_tied_copies_agree():
+    """Built on meta, initialised by reset_parameters(), pipemare at P = 4: the head's copy of
+    the tied embedding equals its owner's once the first step ran, and the run trains."""
+    train, val = byte_loaders(context=16, batch=4, rows=32)
+    pl.seed_everything(0)
+    lean = LeanGPT(64, 4, heads=4)
+    strategy = PipeMareStrategy(stages=4)
+    losses = _Losses()
+    trainer = _trainer(strategy, steps=8)
+    trainer.callbacks.append(losses)
+    trainer.fit(lean, train, val)
+    pipe = strategy.pipeline
+    assert pipe is not None  # a lean run keeps its stages after fit (nothing gathered)
+    (tie,) = pipe.ties.ties
+    (copy,) = (param for _, param in tie.copies.values())
+    assert torch.equal(copy, tie.param)
+    assert "reset_parameters" in {d.subject: d for d in strategy.settings.decisions}["build"].reason
+    assert losses.losses[-1] < losses.losses[0]
+    trainer.test(lean, val, verbose=False)  # a rebuild for evaluation keeps the tie
+    assert torch.isfinite(torch.tensor(float(trainer.callback_metrics["test_loss"])))
+
+
+# -- two processes -------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+def test_a_process_holds_only_its_own_stage(tmp_path):
+    """Stage 1 holds every block and the head (about 200 MB at width 1024), stage 0 the
+    embedding alone (1 MB): through the sanity check, fit, validate and test, rank 0's peak
+    resident growth stays below half of stage 1's bytes, and each holds its stage only."""
+    width, blocks = 1024, 4
+    whole = LeanGPT(width, blocks, build_in_init=True)
+    torch.save(whole.state_dict(), tmp_path / "one.pt")
+    stage1_mb = sum(p.numel() * 4 for p in whole.gpt[1:].parameters()) / 2**20
+    del whole
+    assert stage1_mb > 100
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
+        f"--master-port={free_port()}", WORKER, "--out", str(tmp_path),
+        "--weights", str(tmp_path / "one.pt"), "--width", str(width), "--blocks", str(blocks),
+    ]  # fmt: skip
+    run_all([(cmd, environment())], timeout=600)
+    rank0, rank1 = (json.loads((tmp_path / f"lean-rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["growth_mb"] < stage1_mb / 2, (rank0, stage1_mb)
+    assert rank0["held_mb"] < 2 and rank1["held_mb"] > stage1_mb * 0.99
+    assert any("holds only its own stage" in d for d in rank0["decisions"])
+    assert rank0["test_loss"] == rank1["test_loss"]
