@@ -165,12 +165,10 @@ def _mb(tensors: Any) -> float:
 
 
 def held(trainer: pl.Trainer, module: LeanGPT) -> dict[str, float]:
-    """MB this process holds at the end, by component."""
+    """MB this process holds after fit, by component (a gradient per trained weight counts:
+    it lives through every step, zeroed between them)."""
     params = [p for p in module.parameters() if not p.is_meta]
-    out = {
-        "weights_mb": _mb(params),
-        "gradients_mb": _mb(p.grad for p in params if p.grad is not None),
-    }
+    out = {"weights_mb": _mb(params), "gradients_mb": _mb(p for p in params if p.requires_grad)}
     optimizer_mb = 0.0
     for opt in trainer.optimizers:
         optimizer_mb += _mb(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))
