@@ -196,7 +196,7 @@ def _tensors_in(obj: Any, depth: int = 0) -> list[torch.Tensor]:
     return []
 
 
-def run(args: argparse.Namespace) -> None:
+def _run(args: argparse.Namespace) -> None:
     """One configuration, in this process (and, for ``pipemare`` and ``gpipe``, the processes
     Lightning's launcher starts running this same command)."""
     torch.set_num_threads(1)
@@ -264,11 +264,11 @@ def compare(args: argparse.Namespace) -> list[dict]:
             reports.append(
                 json.loads((Path(args.out) / f"{mode}-{devices}-rank{rank}.json").read_text())
             )
-    Path(args.out, "results.md").write_text(table(reports, args))
+    Path(args.out, "results.md").write_text(_table(reports, args))
     return reports
 
 
-def table(reports: list[dict], args: argparse.Namespace) -> str:
+def _table(reports: list[dict], args: argparse.Namespace) -> str:
     """The results as markdown: growth per process against plain Lightning's."""
     plain = next(r for r in reports if r["mode"] == "plain")["fit_growth_mb"]
     lines = [
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     elif args.mode is None:
         parser.error("pass --mode or --compare")
     else:
-        run(args)
+        _run(args)
 
 
 if __name__ == "__main__":
