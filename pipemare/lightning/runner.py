@@ -870,8 +870,22 @@ class PipelineRunner:
 
 
 def _move_outside(module: nn.Module, pipelined: nn.Module, device: torch.device) -> None:
-    """Move ``module``'s parameters and buffers outside ``pipelined`` to ``device``."""
-    inside = {id(m) for m in pipelined.modules()}
-    for m in module.modules():
-        if id(m) not in inside:
-            m._apply(lambda t: t.to(device), recurse=False)
+    """Move ``module``'s parameters and buffers outside ``pipelined`` to ``device``: a subtree
+    without it by its own ``to`` (a torchmetrics metric moves its states so), the modules
+    above it by their own tensors only."""
+    if module is pipelined:
+        return
+    if not any(m is pipelined for m in module.modules()):
+        module.to(device)
+        return
+    with torch.no_grad():
+        for p in module._parameters.values():
+            if p is not None:
+                p.data = p.data.to(device)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = b.to(device)
+    if hasattr(module, "_device"):  # Lightning's device mixin: what ``module.device`` says
+        module._device = device
+    for child in module.children():
+        _move_outside(child, pipelined, device)
