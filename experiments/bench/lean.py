@@ -226,6 +226,8 @@ def _run(args: argparse.Namespace) -> None:
     trainer.fit(module, train, val)
     fit_peak = _peak_mb() - start
     settings = getattr(trainer.strategy, "settings", None)
+    memory = getattr(trainer.strategy, "memory", None)
+    predicted = next((m for m in memory or [] if m.stage == trainer.global_rank), None)
     report = {
         "mode": args.mode,
         "devices": devices,
@@ -233,6 +235,8 @@ def _run(args: argparse.Namespace) -> None:
         "start_mb": start,
         "fit_growth_mb": fit_peak,
         **held(trainer, module),  # after fit, before the evaluation runs rebuild the pipeline
+        "predicted_mb": None if predicted is None else predicted.total / 2**20,
+        "predicted": None if predicted is None else predicted.describe(),
         "decisions": [str(d) for d in settings.decisions] if settings is not None else [],
     }
     trainer.validate(module, val, verbose=False)
@@ -277,15 +281,18 @@ def _table(reports: list[dict], args: argparse.Namespace) -> str:
         "above each process's start (after imports and data, before the Trainer).",
         "",
         "| run | rank | growth through fit (MB) | × plain | growth to exit (MB) | weights | "
-        "gradients | optimiser state | correction buffers |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "gradients | optimiser state | correction buffers | predicted before the first step "
+        "(MB) | growth / predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         name, fit = f"{r['mode']}, devices={r['devices']}", r["fit_growth_mb"]
         lines.append(
             f"| {name} | {r['rank']} | {fit:.0f} | {fit / plain:.2f} | "
             f"{r['exit_growth_mb']:.0f} | {r['weights_mb']:.0f} | {r['gradients_mb']:.0f} | "
-            f"{r['optimizer_state_mb']:.0f} | {r.get('correction_buffers_mb', math.nan):.0f} |"
+            f"{r['optimizer_state_mb']:.0f} | {r.get('correction_buffers_mb', math.nan):.0f} | "
+            f"{r.get('predicted_mb') or math.nan:.0f} | "
+            f"{fit / (r.get('predicted_mb') or math.nan):.2f} |"
         )
     lines.append("")
     for mode, devices in CONFIGS[1:]:

@@ -60,6 +60,13 @@ from pipemare.planner.decide import (
     overheads_to_measure,
 )
 from pipemare.planner.measurements import ForwardContext
+from pipemare.planner.stage_memory import (
+    StageMemory,
+    check_fits,
+    most_in_flight,
+    saved_bytes_per_microbatch,
+    state_bytes_per_byte,
+)
 from pipemare.schedule.delay import StageDelay, derive_delays
 
 __all__ = ["PipelineOptions", "PipelineRunner", "Placement", "stepped"]
@@ -275,6 +282,9 @@ class PipelineRunner:
         self.plan: RunPlan | None = None
         #: a model built on the meta device, cut at setup with this process's stage made real
         self.built: LeanBuild | None = None
+        #: every stage's memory as predicted at the first build of a fit (None before)
+        self.memory: list[StageMemory] | None = None
+        self._memory_said = False
         self._weights_read = False  # ``options.weights`` read into this process's stage
 
     # -- what the runner reads of the run ---------------------------------------------------
@@ -476,6 +486,9 @@ class PipelineRunner:
             self.microbatches, self.cut = plan.microbatches, list(plan.balance)
             self.pipeline = pipe = self._build(plan)
             self._read_weights(pipe)
+            if self.fitting and not self._memory_said:
+                self._memory_said = True
+                self.memory = self._predict_memory(pipe, batch, step, args)
             if self.built is not None:  # the holders of tied weights take their owner's
                 pipe.ties.restart(pipe.minibatches_fed)
             self.checkpoints.load_pending(pipe)
@@ -487,6 +500,98 @@ class PipelineRunner:
         if adapter.segmented and adapter.sequential is not None:
             adapter.sequential.train(adapter.pipelined.training)  # the graph traced in its mode
         return self.pipeline
+
+    def _predict_memory(
+        self, pipe: Pipeline, batch: Any, step: str, args: tuple
+    ) -> list[StageMemory] | None:
+        """Every stage's memory, predicted before the first step; printed on rank 0, and the
+        run refused where a stage would not fit its device (:mod:`~pipemare.planner.stage_memory`).
+        None where a stage could not be measured (a warning says why)."""
+        adapter, place = self.adapter, self.place
+        assert adapter is not None and adapter.sequential is not None
+        seq = adapter.sequential
+        layers = list(seq)
+        with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
+            x = adapter.capture_input(step, scatter(batch, pipe.microbatches)[0], *args)
+        ratio = state_bytes_per_byte(copies_of(self._user_optimizer(seq), seq.parameters()))
+        starts = [sum(pipe.balance[:i]) for i in range(pipe.num_stages + 1)]
+        mine: list[StageMemory] | None = []
+        try:
+            mine = self._stage_memory(pipe, layers, starts, x, ratio)
+        except Exception as err:  # a layer the measurement cannot run: the run goes on
+            self.package.rank_zero_warn(f"pipemare: memory not predicted ({err})")
+            mine = None
+        every = mine or []
+        if place.distributed and dist.is_initialized():
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, mine)
+            if any(part is None for part in gathered):
+                return None
+            every = sorted({m.stage: m for part in gathered for m in part}.values(), key=_stage)
+        if mine is None:
+            return None
+        for m in every:
+            self.package.rank_zero_info(f"pipemare: memory, predicted, {m.describe()}")
+        limit, where = self._memory_limit()
+        check_fits(every, limit, where)
+        return every
+
+    def _stage_memory(
+        self, pipe: Pipeline, layers: list[nn.Module], starts: list[int], x: Any, ratio: float
+    ) -> list[StageMemory]:
+        """This process's stages' memory (see :meth:`_predict_memory`). The one microbatch run
+        through each stage leaves no trace: the random streams and the stage's buffers (a
+        BatchNorm's statistics) are as they were."""
+        mine = []
+        for i in pipe.local_stages:
+            params = list(pipe.stage_modules[i].parameters())
+            copies = {id(p) for p in pipe.ties.copies_on(i)}
+            trained = sum(_nbytes(p) for p in params if p.requires_grad and id(p) not in copies)
+            grads = sum(_nbytes(p) for p in params if p.requires_grad)
+            module = pipe.stage_modules[i]
+            kept = {k: b.clone() for k, b in module.named_buffers()}
+            with torch.random.fork_rng(devices=[] if pipe.device.type == "cpu" else [pipe.device]):
+                per_microbatch = saved_bytes_per_microbatch(
+                    layers[: starts[i]],
+                    list(module),
+                    x,
+                    self._forward_context,
+                    inputs_only=pipe.stages[pipe.local_stages.index(i)].recompute,
+                )
+            with torch.no_grad():
+                for k, b in module.named_buffers():
+                    b.copy_(kept[k])
+            flight = most_in_flight(
+                self.options.schedule,
+                pipe.num_stages,
+                pipe.microbatches,
+                i,
+                pipe.settings.warmup_steps,
+            )
+            mine.append(
+                StageMemory(
+                    i,
+                    sum(_nbytes(p) for p in params),
+                    grads,
+                    round(ratio * trained),
+                    sum(c.keeps_copy(i) for c in pipe.optimizer.corrections) * trained,
+                    flight * per_microbatch,
+                    flight,
+                )
+            )
+        return mine
+
+    def _memory_limit(self) -> tuple[int | None, str]:
+        """The bytes a stage may hold on this process's device: what CUDA has free plus what
+        this process already holds there, or on a CPU the ``memory_limit`` given (none: no
+        check)."""
+        device = self.place.device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            held = torch.cuda.memory_allocated(device)
+            return free + held, f"{device} has for this process (free plus what it holds)"
+        limit = self.options.memory_limit
+        return limit, f"given as memory_limit={limit}"
 
     def _read_weights(self, pipe: Pipeline) -> None:
         """At the first build, fill this process's stages from ``options.weights``, reading
@@ -869,6 +974,14 @@ class PipelineRunner:
                 results.start = results.next = self.pipeline.minibatches_fed
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _stage(m: StageMemory) -> int:
+    return m.stage
+
+
 def _move_outside(module: nn.Module, pipelined: nn.Module, device: torch.device) -> None:
     """Move ``module``'s parameters and buffers outside ``pipelined`` to ``device``: a subtree
     without it by its own ``to`` (a torchmetrics metric moves its states so), the modules
@@ -886,6 +999,6 @@ def _move_outside(module: nn.Module, pipelined: nn.Module, device: torch.device)
             if b is not None:
                 module._buffers[name] = b.to(device)
     if hasattr(module, "_device"):  # Lightning's device mixin: what ``module.device`` says
-        module._device = device
+        object.__setattr__(module, "_device", device)
     for child in module.children():
         _move_outside(child, pipelined, device)

@@ -51,6 +51,8 @@ from pipemare.model.materialize import has_meta, meta_parameters
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import RunSettings
 from pipemare.planner.decide import Advice
+from pipemare.planner.report import parse_bytes
+from pipemare.planner.stage_memory import StageMemory
 from pipemare.schedule.actions import SCHEDULES
 from pipemare.schedule.delay import StageDelay
 
@@ -138,6 +140,11 @@ class PipeMareStrategyMixin(_StrategyBase):
             checkpoint, or a ``.safetensors`` file): each process reads only its own stage's
             tensors, at the first batch. With a model built on the meta device it replaces
             the initialisation.
+        memory_limit: the bytes one stage may hold on a CPU (an int, or ``"8GiB"``); on CUDA
+            the device's free memory is read instead. At the first batch of a fit every stage's
+            memory is predicted (weights, gradients, optimiser state, correction buffers and
+            the activations of its microbatches in flight), printed, and a stage that would
+            not fit is refused before the first step, with the fixes.
 
     A model built in ``configure_model`` (or under ``trainer.init_module(empty_init=True)``)
     is built on the meta device, its buffers real: at setup it is cut by parameter counts and
@@ -196,6 +203,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         microbatch_weights: str | Callable[[list[Any]], list[float]] = "auto",
         advise: bool = True,
         weights: str | os.PathLike[str] | None = None,
+        memory_limit: int | str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -252,6 +260,7 @@ class PipeMareStrategyMixin(_StrategyBase):
             heartbeat_timeout=None if heartbeat_timeout is None else float(heartbeat_timeout),
             advise=advise,
             weights=None if weights is None else os.fspath(weights),
+            memory_limit=None if memory_limit is None else _bytes(memory_limit),
         )
         self._start_method, self._timeout = start_method, timeout
         self._num_nodes = 1
@@ -392,6 +401,12 @@ class PipeMareStrategyMixin(_StrategyBase):
         lines print it; None before the first batch built the pipeline."""
         pipe = self._runner.pipeline
         return None if pipe is None else pipe.settings
+
+    @property
+    def memory(self) -> list[StageMemory] | None:
+        """Every stage's memory as predicted before the first step of a fit
+        (:class:`~pipemare.planner.stage_memory.StageMemory`); None before."""
+        return self._runner.memory
 
     @property
     def advice(self) -> Advice | None:
@@ -785,6 +800,20 @@ if importlib.util.find_spec("lightning") is not None:
         "LightningPipeMareStrategy"
     )
     LightningPipeMareStrategy = _LightningPipeMareStrategy
+
+
+def _bytes(value: int | str) -> int:
+    """``memory_limit`` in bytes: an int as it is, a string such as ``"8GiB"`` read."""
+    if isinstance(value, bool) or (isinstance(value, int) and value <= 0):
+        raise ValueError(
+            f"memory_limit must be a positive number of bytes or e.g. '8GiB', got {value!r}"
+        )
+    if isinstance(value, int):
+        return value
+    try:
+        return parse_bytes(value)
+    except Exception as err:  # argparse's error type: said as a ValueError here
+        raise ValueError(f"memory_limit: {err}") from None
 
 
 def register() -> None:

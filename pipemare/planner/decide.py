@@ -89,6 +89,8 @@ class PipelineOptions:
     advise: bool = True
     #: a file of one device's weights each process reads its own stage's tensors from
     weights: str | None = None
+    #: bytes a stage may hold on a CPU (a CUDA device's are read from it); None: unchecked
+    memory_limit: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -188,3 +188,66 @@ def test_a_process_holds_only_its_own_stage(tmp_path):
     assert rank0["held_mb"] < 2 and rank1["held_mb"] > stage1_mb * 0.99
     assert any("holds only its own stage" in d for d in rank0["decisions"])
     assert rank0["test_loss"] == rank1["test_loss"]
+
+
+# -- memory per stage, predicted before the first step --------------------------------------
+
+
+def test_optimizer_state_is_measured_per_trained_byte():
+    from pipemare.planner.stage_memory import state_bytes_per_byte
+
+    assert state_bytes_per_byte(lambda ps: torch.optim.AdamW(ps, lr=1e-3)) == 2.0
+    assert state_bytes_per_byte(lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)) == 1.0
+    assert state_bytes_per_byte(lambda ps: torch.optim.SGD(ps, lr=0.1)) == 0.0
+
+
+def _predicted_and_held(schedule: str, stages: int):
+    train, _ = byte_loaders(context=16, batch=8, rows=64)
+    pl.seed_everything(0)
+    strategy = PipeMareStrategy(stages=stages, schedule=schedule, microbatches=4)
+    _trainer(strategy, steps=6).fit(LeanGPT(64, 4, heads=4), train)
+    assert strategy.pipeline is not None and strategy.memory is not None
+    return strategy.memory, strategy.pipeline
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_each_stage_s_memory_is_predicted_within_a_fifth_of_what_it_holds(stages):
+    """The prediction's optimiser state, correction buffers and activations in flight against
+    what the run holds at its peak: the optimiser's state, the corrections' buffers and each
+    stage's own count of the bytes its in-flight microbatches keep (pipemare); gpipe keeps N
+    microbatches of the same size in flight on every stage."""
+    memory, pipe = _predicted_and_held("pipemare", stages)
+    state = pipe.optimizer.optimizer.state
+    for predicted, stage in zip(memory, pipe.stages, strict=True):
+        i = stage.index
+        trained = [p for p in pipe.stage_modules[i].parameters() if p.requires_grad]
+        held_state = sum(
+            t.numel() * t.element_size()
+            for p in trained
+            if p in state
+            for t in state[p].values()
+            if t.numel() > 1
+        )
+        buffers = sum(pipe.optimizer.buffer_bytes(i).values())
+        assert predicted.optimizer_state == pytest.approx(held_state, rel=0.01), i
+        assert predicted.corrections == pytest.approx(buffers, rel=0.01, abs=1024), i
+        assert predicted.in_flight == stages - i
+        assert predicted.activations == pytest.approx(stage.peak_saved_bytes, rel=0.2), (
+            stages,
+            predicted,
+            stage.peak_saved_bytes,
+        )
+    flushing, _ = _predicted_and_held("gpipe", stages)
+    for sync, asynchronous in zip(flushing, memory, strict=True):
+        assert sync.in_flight == 4 and sync.corrections == 0
+        per_microbatch = asynchronous.activations / asynchronous.in_flight
+        assert sync.activations == pytest.approx(4 * per_microbatch)
+
+
+def test_a_stage_that_cannot_fit_is_refused_before_the_first_step():
+    train, _ = byte_loaders(context=16, batch=4, rows=16)
+    model = LeanGPT(64, 4, heads=4)
+    strategy = PipeMareStrategy(stages=2, memory_limit="200kB")
+    with pytest.raises(MemoryError, match=r"stage 0: .* MB = weights .*more than the .*recompute"):
+        _trainer(strategy).fit(model, train)
+    assert model.trainer.global_step == 0

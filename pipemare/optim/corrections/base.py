@@ -192,6 +192,11 @@ class Correction:
         """Restore buffers that :meth:`buffers` returned (a checkpoint's)."""
         return None
 
+    def keeps_copy(self, stage: int) -> bool:
+        """Whether this correction keeps a buffer the size of ``stage``'s trained weights (the
+        memory a stage's prediction counts before its first step)."""
+        return False
+
     def buffer_bytes(self, stage: int) -> int:
         """The bytes of the buffers this correction keeps for ``stage``'s parameters."""
         mine = {id(p) for p in self.view.params.get(stage, ())}
@@ -269,6 +274,9 @@ class StepAveraged(Correction):
     def _step_decay(self, stage: int) -> float | None:
         """γ of ``stage``'s step average; None: the stage keeps none."""
         raise NotImplementedError
+
+    def keeps_copy(self, stage: int) -> bool:
+        return self._step_decay(stage) is not None
 
     def before_step(self, stage: int, params: Params) -> None:
         gamma = self._step_decay(stage)

@@ -84,6 +84,10 @@ class ErrorFeedback(Correction):
         self.previous: dict[nn.Parameter, torch.Tensor] = {}  # d_{t-1}, one per weight
         self._before: dict[int, list[torch.Tensor]] = {}  # the stage's weights before its step
 
+    def keeps_copy(self, stage: int) -> bool:
+        """A delayed stage keeps its previous step (a copy of its trained weights' size)."""
+        return self.view.delays[stage].forward > 0
+
     def stage_coefficient(self, stage: int) -> float:
         """``c`` of ``stage`` now (0 on a stage without delay; the guard's strength on it)."""
         delay = self.view.delays[stage].forward
