@@ -47,6 +47,7 @@ from pipemare.model.materialize import (
     load_stage_weights,
     materialize,
     replace_parameters,
+    with_data,
 )
 from pipemare.optim.chain import ChainedOptimizer, copies_of
 from pipemare.planner.decide import (
@@ -940,8 +941,7 @@ class PipelineRunner:
                 continue
             key, twin = tie.copies[mine[0]]  # a stage's layers keep the Sequential's names
             held = seq.get_parameter(key)
-            kept = type(held)(twin.detach(), requires_grad=held.requires_grad)
-            replace_parameters(seq, {id(held): kept})
+            replace_parameters(seq, {id(held): with_data(held, twin.detach())})
 
     # -- checkpoints: :class:`~pipemare.lightning.checkpoint.Checkpoints`, given this run --
 

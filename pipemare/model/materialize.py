@@ -30,6 +30,7 @@ __all__ = [
     "meta_parameters",
     "replace_parameters",
     "to_meta",
+    "with_data",
 ]
 
 #: model-level init hooks, looked for in this order on the pipelined module: torchtitan's
@@ -53,15 +54,22 @@ def meta_parameters() -> Iterator[None]:
     def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         original(self, name, param)
         if param is not None and not param.is_meta:
-            moved = type(param)(param.detach().to("meta"), requires_grad=param.requires_grad)
-            moved.__dict__.update(param.__dict__)  # a subclass's attributes (peft's, ...)
-            self._parameters[name] = moved
+            self._parameters[name] = with_data(param, param.detach().to("meta"))
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def with_data(param: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter like ``param`` (its class, ``requires_grad`` and attributes: peft's, ...)
+    over ``data``: where ``param.data = data`` cannot go (between the meta device and a real
+    one)."""
+    new = type(param)(data, requires_grad=param.requires_grad)
+    new.__dict__.update(param.__dict__)
+    return new
 
 
 def has_meta(module: nn.Module) -> bool:
@@ -85,9 +93,7 @@ def to_meta(layers: nn.Module, root: nn.Module) -> None:
     moved: dict[int, nn.Parameter] = {}
     for p in layers.parameters():
         if id(p) not in moved and not p.is_meta:
-            meta = type(p)(p.detach().to("meta"), requires_grad=p.requires_grad)
-            meta.__dict__.update(p.__dict__)
-            moved[id(p)] = meta
+            moved[id(p)] = with_data(p, p.detach().to("meta"))
     replace_parameters(root, moved)
     replace_parameters(layers, moved)
     for m in layers.modules():
@@ -126,11 +132,7 @@ def materialize(
     owners = [m for m in modules if any(p.is_meta for p in m.parameters(recurse=False))]
     if init == "reset_parameters":
         _check_resettable(owners)
-    made = {}
-    for pid, p in meta.items():
-        real = type(p)(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
-        real.__dict__.update(p.__dict__)
-        made[pid] = real
+    made = {pid: with_data(p, torch.empty_like(p, device=device)) for pid, p in meta.items()}
     replace_parameters(root, made)
     for m in modules:
         for name, b in list(m._buffers.items()):

@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-from collections.abc import Callable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -126,7 +127,34 @@ def saved_bytes_per_microbatch(
         forward_context: the precision plugin's context around each forward.
         inputs_only: the stage recomputes: it keeps only its input per microbatch.
     """
-    context = forward_context or contextlib.nullcontext
+    with _without_hooks([*before, *stage]):
+        return _held_by_one(
+            before, stage, sample, forward_context or contextlib.nullcontext, inputs_only
+        )
+
+
+@contextlib.contextmanager
+def _without_hooks(layers: Sequence[nn.Module]) -> Iterator[None]:
+    """The user's forward hooks (logging, metrics) do not see the measurement's microbatch."""
+    kept = []
+    for layer in layers:
+        for m in layer.modules():
+            kept.append((m, m._forward_hooks, m._forward_pre_hooks))
+            m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
+    try:
+        yield
+    finally:
+        for m, hooks, pre_hooks in kept:
+            m._forward_hooks, m._forward_pre_hooks = hooks, pre_hooks
+
+
+def _held_by_one(
+    before: Sequence[nn.Module],
+    stage: Sequence[nn.Module],
+    sample: Any,
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+    inputs_only: bool,
+) -> int:
     x = sample
     if before:
         x = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, sample)
