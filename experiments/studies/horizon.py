@@ -1,0 +1,177 @@
+"""Issue 61's horizon runs: ``gpt_c64s`` at ten times the main job's length, quality only.
+
+One run per call, through the protocol's own engine
+(:func:`~pipemare.experiments.studies.fair.execute` with one worker): every stage simulated in
+this process with the staleness of one process per stage, the task's nanoGPT recipe with
+warm-up and cosine over the whole run, the validation loss every ``eval_every`` steps on the
+live weights. Step times are not measured here.
+
+- ``python experiments/studies/horizon.py run --variant pipemare --stages 4 --seed 0``: trains
+  one run into ``OUT/runs/KEY.json`` (the protocol's format) and writes its curve to
+  ``OUT/gpt_c64s-VARIANT-P{P}-N{N}-s{SEED}-{STEPS}steps.json`` with the command that made it.
+- ``python experiments/studies/horizon.py table``: ``OUT/README.md`` from the curves written
+  so far (final validation loss per (schedule, P, N, seed), mean, spread, gap to one device).
+
+"One device" is gpipe (P = 2, N = 1, as the user protocol runs it): it computes what one device
+computes for the minibatch, and so does 1F1B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+_ROOT = Path(__file__).resolve().parents[2]
+_OUT = _ROOT / "experiments" / "results" / "horizon"
+_TASK = "gpt_c64s"
+_RATE = 1e-3
+_STEPS = 2400
+
+
+def _commit() -> str:
+    """The commit the imported code was archived from (the queue sets it), and where it is."""
+    code = Path(sys.modules["pipemare"].__file__ or "").resolve().parents[1]
+    return f"{os.environ.get('HORIZON_CODE_COMMIT', 'unknown')} (imported from {code})"
+
+
+def _name(variant: str, stages: int, n: int, seed: int, steps: int) -> str:
+    return f"{_TASK}-{variant}-P{stages}-N{n}-s{seed}-{steps}steps"
+
+
+def _run(args: argparse.Namespace) -> None:
+    import torch
+
+    import pipemare
+    from pipemare.experiments.studies.fair import execute
+    from pipemare.experiments.studies.grid import Job, load_result
+    from pipemare.experiments.studies.protocol import TASKS
+    from pipemare.experiments.studies.user_protocol import auto_n
+
+    torch.set_num_threads(1)
+    task = TASKS[_TASK]
+    stages, n = args.stages, args.microbatches
+    if args.variant == "gpipe":
+        stages, n = 2, 1  # one device's computation, as the user protocol runs it
+    elif n is None:
+        n = auto_n(task, stages)
+    job = Job(_TASK, args.variant, stages, n, args.lr, args.seed, args.steps)
+    out = Path(args.out)
+    execute([job], out, 1, job.key)
+    result = load_result(out, job)
+    final = result.metric[-1] if result.metric else math.nan
+    record: dict[str, Any] = {
+        "task": _TASK,
+        "schedule": args.variant,
+        "label": "one device (gpipe; 1F1B computes the same)"
+        if args.variant == "gpipe"
+        else (f"{args.variant} at P = {stages}, N = {n}"),
+        "stages": stages,
+        "microbatches": n,
+        "default_n": auto_n(task, stages),
+        "seed": args.seed,
+        "steps": args.steps,
+        "lr": args.lr,
+        "recipe": "nanoGPT: AdamW 0.9/0.95, weight decay 0.1, warm-up over the first tenth, "
+        "cosine to 0 over the whole run",
+        "batch": task.batch,
+        "eval_every": task.eval_every,
+        "curve": [[s, m] for s, m in zip(result.steps, result.metric, strict=True)],
+        "final_val_loss": final,
+        "best_val_loss": result.best(False),
+        "train_loss": result.train_loss,
+        "diverged": result.diverged,
+        "refused": result.refused,
+        "setup": result.setup,
+        "wall_seconds_shared_machine": result.seconds,
+        "command": os.environ.get("HORIZON_COMMAND")
+        or " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+        "code": _commit(),
+        "pipemare_file": pipemare.__file__,
+        "protocol_run": str(out / "runs" / f"{job.key}.json"),
+    }
+    path = out / f"{_name(args.variant, stages, n, args.seed, args.steps)}.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"{path.name}: final validation loss {final:.4f} ({result.seconds:.0f} s)", flush=True)
+
+
+def _fmt(values: list[float]) -> str:
+    return " / ".join(f"{v:.3f}" for v in values)
+
+
+def _reach(curve: list[list[float]], target: float) -> str:
+    """The first evaluated step whose loss is within 1% of ``target``, or ``never``."""
+    return next((f"{s:.0f}" for s, m in curve if m <= 1.01 * target), "never")
+
+
+def _table(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    records = [json.loads(p.read_text()) for p in sorted(out.glob(f"{_TASK}-*steps.json"))]
+    cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]] = {}
+    for r in records:
+        key = (r["schedule"], r["stages"], r["microbatches"], r["steps"])
+        cells.setdefault(key, {})[r["seed"]] = r
+    order = {"gpipe": 0, "pipemare": 1, "async": 2}
+    rows = [
+        "| schedule | P | N | steps | seeds | final validation loss per seed | mean | spread "
+        "(half-range) | gap to one device (mean) | step within 1% of one device's final: "
+        "seed-mean curve (per seed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    base: dict[int, float] = {}
+    for (v, _, _, steps), seeds in cells.items():
+        if v == "gpipe":
+            base[steps] = statistics.fmean(r["final_val_loss"] for r in seeds.values())
+    for (v, p, n, steps), seeds in sorted(
+        cells.items(), key=lambda c: (order.get(c[0][0], 9), *c[0][1:])
+    ):
+        runs = [seeds[s] for s in sorted(seeds)]
+        values = [r["final_val_loss"] for r in runs]
+        mean = statistics.fmean(values)
+        half = (max(values) - min(values)) / 2
+        gap = "" if v == "gpipe" or steps not in base else f"{100 * (mean / base[steps] - 1):+.1f}%"
+        reach = ""
+        if steps in base and all(len(r["curve"]) == len(runs[0]["curve"]) for r in runs):
+            curve = [
+                [point[0], statistics.fmean(r["curve"][i][1] for r in runs)]
+                for i, point in enumerate(runs[0]["curve"])
+            ]
+            each = ", ".join(_reach(r["curve"], base[steps]) for r in runs)
+            reach = f"{_reach(curve, base[steps])} ({each})"
+        where = "one device" if v == "gpipe" else f"{p}"
+        rows.append(
+            f"| {v} | {where} | {'' if v == 'gpipe' else n} | {steps} | "
+            f"{', '.join(map(str, sorted(seeds)))} | {_fmt(values)} | {mean:.3f} | "
+            f"±{half:.3f} | {gap} | {reach} |"
+        )
+    template = (out / "README.template.md").read_text()
+    (out / "README.md").write_text(
+        template.replace("{{TABLE}}", "\n".join(rows)).replace("{{COUNT}}", str(len(records)))
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    run = sub.add_parser("run", help="train one run and write its curve")
+    run.add_argument("--variant", required=True, choices=("gpipe", "pipemare", "async"))
+    run.add_argument("--stages", type=int, default=2)
+    run.add_argument("--microbatches", type=int, help="N (default: the strategy's default N)")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--steps", type=int, default=_STEPS)
+    run.add_argument("--lr", type=float, default=_RATE)
+    run.add_argument("--out", default=str(_OUT))
+    table = sub.add_parser("table", help="write OUT/README.md from the curves so far")
+    table.add_argument("--out", default=str(_OUT))
+    args = parser.parse_args(argv)
+    (_run if args.what == "run" else _table)(args)
+
+
+if __name__ == "__main__":
+    main()
