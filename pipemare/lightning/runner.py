@@ -547,8 +547,8 @@ class PipelineRunner:
         for i in pipe.local_stages:
             params = list(pipe.stage_modules[i].parameters())
             copies = {id(p) for p in pipe.ties.copies_on(i)}
-            trained = sum(_nbytes(p) for p in params if p.requires_grad and id(p) not in copies)
-            grads = sum(_nbytes(p) for p in params if p.requires_grad)
+            trained = sum(p.nbytes for p in params if p.requires_grad and id(p) not in copies)
+            grads = sum(p.nbytes for p in params if p.requires_grad)
             module = pipe.stage_modules[i]
             kept = {k: b.clone() for k, b in module.named_buffers()}
             with torch.random.fork_rng(devices=[] if pipe.device.type == "cpu" else [pipe.device]):
@@ -572,7 +572,7 @@ class PipelineRunner:
             mine.append(
                 StageMemory(
                     i,
-                    sum(_nbytes(p) for p in params),
+                    sum(p.nbytes for p in params),
                     grads,
                     round(ratio * trained),
                     sum(c.keeps_copy(i) for c in pipe.optimizer.corrections) * trained,
@@ -972,10 +972,6 @@ class PipelineRunner:
             results = self.reports.results
             if results is not None:  # the next minibatch to report moved with it
                 results.start = results.next = self.pipeline.minibatches_fed
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 def _stage(m: StageMemory) -> int:

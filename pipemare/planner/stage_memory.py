@@ -205,11 +205,6 @@ def _like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.zeros(t.shape, dtype=t.dtype, device=device)
 
 
-def _nbytes(value: Any) -> int:
-    leaves, _ = tree_flatten(value)
-    return sum(t.numel() * t.element_size() for t in leaves if torch.is_tensor(t))
-
-
 def check_fits(stages: Sequence[StageMemory], limit: int | None, where: str) -> None:
     """Refuse, before the first step, a stage predicted to need more than ``limit`` bytes.
 
