@@ -41,6 +41,7 @@ from pipemare.engine.lagged import snapshot_lag
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.snapshot import Snapshot
 from pipemare.engine.transport import DistributedTransport
+from pipemare.model.materialize import whole_state_collected
 from pipemare.optim.chain import ChainedOptimizer
 
 __all__ = [
@@ -90,6 +91,17 @@ def module_state(
         all_ranks: gather on every rank (else rank 0 only; other ranks get ``{}``).
         snapshot: take the stages' state from it (default: the stages as they are now).
     """
+    with whole_state_collected():
+        return _module_state(module, pipe, names, all_ranks, snapshot)
+
+
+def _module_state(
+    module: nn.Module,
+    pipe: Pipeline,
+    names: StateNames,
+    all_ranks: bool,
+    snapshot: Snapshot | None,
+) -> dict[str, Any]:
     if snapshot is not None:
         stage_states = snapshot.module_state()
     else:

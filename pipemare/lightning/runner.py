@@ -37,6 +37,7 @@ from pipemare.lightning.steps import (
     UserSteps,
     closes_epoch,
     merge_published,
+    read_first_training_batch,
     run_length,
     short_last_batches,
 )
@@ -47,6 +48,7 @@ from pipemare.model.materialize import (
     load_stage_weights,
     materialize,
     replace_parameters,
+    warn_on_meta_state,
     with_data,
 )
 from pipemare.optim.chain import ChainedOptimizer, copies_of
@@ -287,6 +289,9 @@ class PipelineRunner:
         self.memory: list[StageMemory] | None = None
         self._memory_said = False
         self._weights_read = False  # ``options.weights`` read into this process's stage
+        self._meta_warnings: list[Any] = []  # hooks warning of a state dict with meta tensors
+        #: what the pipeline is planned from, and why not the first training batch (fit)
+        self._sample = "the first training batch"
 
     # -- what the runner reads of the run ---------------------------------------------------
 
@@ -478,6 +483,33 @@ class PipelineRunner:
 
     # -- the pipeline, built at the first batch ----------------------------------------------
 
+    def build_before_sanity_check(self) -> None:
+        """At the start of fit's sanity check: plan and build the pipeline from the first
+        training batch, which the training loop still feeds first
+        (:func:`~pipemare.lightning.steps.read_first_training_batch`), so that no validation
+        batch decides N, the cut or the corrections. Where the training data cannot be read
+        ahead, the sanity check's first batch builds it, and the run's decisions say so."""
+        if self.pipeline is not None or not self.fitting:
+            return
+        module = self.module
+        modes = [(m, m.training) for m in module.modules()]
+        # the sanity check runs under no_grad or inference mode, with the model in eval mode
+        with torch.inference_mode(False), torch.enable_grad():
+            first, why_not = read_first_training_batch(module.trainer)
+            if first is None:
+                self._sample = f"the sanity check's first validation batch: {why_not}"
+                return
+            batch = module._apply_batch_transfer_handler(
+                first, device=self.place.device, dataloader_idx=0
+            )
+            module.train()
+            try:
+                with self.steps.manual.pipelined():
+                    self.pipeline_for(batch, "training_step", (0,))
+            finally:
+                for m, training in modes:
+                    m.training = training
+
     def pipeline_for(self, batch: Any, step: str, args: tuple) -> Pipeline:
         """The pipeline, built now from ``batch`` if there is none yet."""
         adapter = self.adapter
@@ -492,6 +524,11 @@ class PipelineRunner:
                 self.memory = self._predict_memory(pipe, batch, step, args)
             if self.built is not None:  # the holders of tied weights take their owner's
                 pipe.ties.restart(pipe.minibatches_fed)
+            if not self._meta_warnings and has_meta(self.module):
+                self._meta_warnings = [
+                    warn_on_meta_state(m, "trainer.strategy.gather()")
+                    for m in {id(m): m for m in (self.module, adapter.pipelined)}.values()
+                ]
             self.checkpoints.load_pending(pipe)
             self.announce()
             self.reports.start(self.results(pipe.minibatches_fed), adapter.path)
@@ -600,11 +637,11 @@ class PipelineRunner:
         path = self.options.weights
         if path is None or self._weights_read:
             return
-        wanted = {
-            self.state_names(key): tensor
+        wanted = [  # a list: a tied weight's owner and its copy on another stage share a name
+            (self.state_names(key), tensor)
             for i in pipe.local_stages
             for key, tensor in pipe.stage_modules[i].state_dict(keep_vars=True).items()
-        }
+        ]
         assert self.adapter is not None
         missing = load_stage_weights(path, wanted, strip=(f"{self.adapter.path}.",))
         if missing:
@@ -647,6 +684,7 @@ class PipelineRunner:
             if previous is None
             else (previous.stages, previous.microbatches, previous.balance),
             built=self.built,
+            sample=self._sample if self.fitting else None,
         )
         wanted = measurements_needed(self.options, facts)
         if wanted is None:
@@ -928,6 +966,9 @@ class PipelineRunner:
             checkpoint.consolidate(self.module, self.pipeline, self.state_names, self.place.device)
             self.pipeline = None  # its stages are no longer split; the next run rebuilds it
             self.built = None
+            for hook in self._meta_warnings:
+                hook.remove()
+            self._meta_warnings = []
 
     def _keep_ties(self, pipe: Pipeline) -> None:
         """Where this process holds a copy of a tied weight whose owner's stage runs

@@ -597,3 +597,38 @@ def run_length(trainer: pl.Trainer) -> tuple[int | None, int | None]:
         return int(value) if isinstance(value, (int, float)) and math.isfinite(value) else None
 
     return whole(total), whole(per_epoch)
+
+
+def read_first_training_batch(trainer: pl.Trainer) -> tuple[Any, str | None]:
+    """The batch the training loop will feed first, read now and handed back to the loop,
+    which then feeds it as if it had never been read; or ``(None, why)`` where the loop's
+    data cannot be read ahead.
+
+    The fit loop's data is set up here (Lightning does so when the run's length is first
+    asked), and its fetcher (``fit_loop._data_fetcher``, the same in both Lightning packages)
+    takes the batch back as a prefetched one: Lightning's ``_PrefetchDataFetcher`` returns
+    prefetched batches first, and ``fetched`` and ``done`` are set as if the batch had been
+    prefetched. A loop fed through ``dataloader_iter`` cannot be read ahead.
+    """
+    if trainer.limit_train_batches == 0:
+        return None, "the Trainer trains on no batches (limit_train_batches=0)"
+    loop = trainer.fit_loop
+    loop.setup_data()
+    fetcher = getattr(loop, "_data_fetcher", None)
+    held = getattr(fetcher, "batches", None)
+    if (
+        fetcher is None
+        or not isinstance(held, list)
+        or type(fetcher).__name__ != ("_PrefetchDataFetcher")
+    ):
+        return None, "its training_step reads its own batches (dataloader_iter)"
+    prefetched = bool(held)
+    try:
+        item = next(fetcher)  # (batch, batch_idx, dataloader_idx)
+    except StopIteration:
+        return None, "the training data is empty"
+    fetcher.batches.insert(0, item)
+    fetcher.done = False
+    if not prefetched:  # a sized loader is not prefetched: count the batch as not yet read
+        fetcher.fetched -= 1
+    return item[0], None

@@ -622,6 +622,9 @@ class PipeMareStrategyMixin(_StrategyBase):
     @override
     def on_validation_start(self) -> None:
         super().on_validation_start()
+        module = self.lightning_module
+        if module is not None and module.trainer.sanity_checking:
+            self._runner.build_before_sanity_check()  # from the first training batch
         self._runner.drain()
 
     @override

@@ -14,7 +14,9 @@ compute it again, so it must never pass through the meta device. They are small.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -30,6 +32,8 @@ __all__ = [
     "meta_parameters",
     "replace_parameters",
     "to_meta",
+    "warn_on_meta_state",
+    "whole_state_collected",
     "with_data",
 ]
 
@@ -181,12 +185,14 @@ def init_method(root: nn.Module) -> str:
 
 def load_stage_weights(
     path: str | os.PathLike[str],
-    wanted: Mapping[str, torch.Tensor],
+    wanted: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     strip: tuple[str, ...] = (),
 ) -> list[str]:
-    """Copy into each tensor of ``wanted`` (name -> this process's tensor) its value from
-    ``path``, reading only those tensors: a safetensors file tensor by tensor, a ``torch.save``
-    file memory-mapped (``mmap=True``), so the other stages' bytes are never read.
+    """Copy into each tensor of ``wanted`` (name -> this process's tensor, or pairs of them
+    where one name fills several tensors: a tied weight and its copy on another stage) its
+    value from ``path``, reading only those tensors: a safetensors file tensor by tensor, a
+    ``torch.save`` file memory-mapped (``mmap=True``), so the other stages' bytes are never
+    read.
 
     Args:
         path: a ``.safetensors`` file, or a ``torch.save`` of a state dict (a Lightning
@@ -219,12 +225,14 @@ def load_stage_weights(
             return value if isinstance(value, torch.Tensor) else None
 
     missing = []
+    pairs = wanted.items() if isinstance(wanted, Mapping) else wanted
     with torch.no_grad():
-        for name, tensor in wanted.items():
+        for name, tensor in pairs:
             names = [name, *(name[len(p) :] for p in strip if name.startswith(p))]
             value = next((v for v in map(source, names) if v is not None), None)
             if value is None:
-                missing.append(name)
+                if name not in missing:
+                    missing.append(name)
                 continue
             if tuple(value.shape) != tuple(tensor.shape):
                 raise ValueError(
@@ -233,3 +241,47 @@ def load_stage_weights(
                 )
             tensor.copy_(value)
     return missing
+
+
+#: set while pipemare itself reads a module's state dict, filling the other stages' tensors
+_COLLECTING = contextvars.ContextVar("pipemare_collecting_state", default=False)
+
+
+@contextlib.contextmanager
+def whole_state_collected() -> Iterator[None]:
+    """Around pipemare's own reading of a module whose other stages are on the meta device (a
+    checkpoint gathers their values): :func:`warn_on_meta_state` stays quiet."""
+    token = _COLLECTING.set(True)
+    try:
+        yield
+    finally:
+        _COLLECTING.reset(token)
+
+
+def warn_on_meta_state(module: nn.Module, gather: str) -> Any:
+    """Warn when ``module.state_dict()`` is taken while tensors of it are on the meta device:
+    they hold no values, and ``torch.save`` would write them without a word.
+
+    Args:
+        module: a module this process holds only a stage of.
+        gather: the call that gives the process the whole model, named in the warning.
+
+    Returns:
+        the hook's handle (``.remove()`` it once the module is whole again).
+    """
+
+    def warn(mod: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+        if prefix or _COLLECTING.get():
+            return  # a submodule of the module asked, or pipemare collecting the whole model
+        empty = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
+        if empty:
+            warnings.warn(
+                f"{type(mod).__name__}.state_dict(): {len(empty)} of its {len(state)} tensors "
+                f"({empty[0]}, ...) belong to stages other processes hold and are on the meta "
+                "device, without values; torch.save would write them empty. Save with "
+                f"trainer.save_checkpoint(path), which gathers every stage, or call {gather} on "
+                "every process first where the whole model fits in one",
+                stacklevel=3,
+            )
+
+    return module.register_state_dict_post_hook(warn)

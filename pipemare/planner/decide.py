@@ -158,6 +158,8 @@ class RunFacts:
         built: the model was built on the meta device and each process made only its own
             stage real at setup (:class:`LeanBuild`): the cut was taken then, and no process
             holds every layer to time.
+        sample: in a fit, the batch the plan was made from (the first training batch, read
+            before the sanity check), with why where it is another; None outside fit.
     """
 
     model: ModelFacts
@@ -179,6 +181,7 @@ class RunFacts:
         default_factory=dict
     )
     built: LeanBuild | None = None
+    sample: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -785,6 +788,20 @@ def _stand_in() -> torch.optim.Optimizer:
     return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
 
 
+def _planned_from(facts: RunFacts) -> list[Decision]:
+    """In a fit, the batch N, the cut and the measurements were taken from."""
+    if facts.sample is None:
+        return []
+    what, _, why = facts.sample.partition(": ")
+    return [
+        Decision(
+            "planned from",
+            what,
+            why or "read before the sanity check and still fed first to training_step",
+        )
+    ]
+
+
 def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
     """The whole run's plan from what was asked and what was measured (see the module).
 
@@ -812,6 +829,7 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
     short = _short_batches(facts, microbatches) if facts.fitting else []
     advice, advised = _advice(options, facts, stages, microbatches)
     layout = [
+        *_planned_from(facts),
         *_segments(facts.model),
         *recompute_decided,
         *compile_decided,

@@ -170,7 +170,8 @@ def test_a_meta_built_gpt_initialises_its_stages_and_its_tied_copies_agree():
 def test_a_process_holds_only_its_own_stage(tmp_path):
     """Stage 1 holds every block and the head (about 200 MB at width 1024), stage 0 the
     embedding alone (1 MB): through the sanity check, fit, validate and test, rank 0's peak
-    resident growth stays below half of stage 1's bytes, and each holds its stage only."""
+    resident growth stays below half of stage 1's bytes, and each holds its stage only; the plan
+    comes from the first training batch, and ``state_dict()`` of a stage alone warns."""
     width, blocks = 1024, 4
     whole = LeanGPT(width, blocks, build_in_init=True)
     torch.save(whole.state_dict(), tmp_path / "one.pt")
@@ -188,6 +189,12 @@ def test_a_process_holds_only_its_own_stage(tmp_path):
     assert rank0["held_mb"] < 2 and rank1["held_mb"] > stage1_mb * 0.99
     assert any("holds only its own stage" in d for d in rank0["decisions"])
     assert rank0["test_loss"] == rank1["test_loss"]
+    assert "planned from: the first training batch" in "\n".join(rank0["decisions"])
+    # state_dict() of a stage alone warns, naming the fix; rank 1 holds every tensor (the
+    # embedding's tied copy included), so its state dict is whole
+    (said,) = rank0["state_dict_warnings"]
+    assert "on the meta device" in said and "trainer.strategy.gather()" in said
+    assert rank1["state_dict_warnings"] == []
 
 
 # -- memory per stage, predicted before the first step --------------------------------------

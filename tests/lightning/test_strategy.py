@@ -478,6 +478,55 @@ def test_default_microbatches_bound_the_delay_and_fit_the_last_batch(caplog):
         PipeMareStrategy(microbatches="max")
 
 
+class _Stream(torch.utils.data.IterableDataset):
+    """The points of ``loader`` as a stream of unknown length (Lightning prefetches it)."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def __iter__(self):
+        return iter(self.loader)
+
+
+class _Fed(pl.Callback):
+    def __init__(self) -> None:
+        self.fed: list[tuple[int, float]] = []
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self.fed.append((batch_idx, float(batch[0][0, 0])))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["sized", "stream"])
+def test_the_plan_comes_from_the_first_training_batch_read_before_the_sanity_check(stream):
+    """Validation batches of 3 rows, training batches of 12, P = 4: with a sanity check the
+    plan is made from the first training batch (N = 4, where a validation batch allows 3), and
+    training is fed the same batches and ends on the same weights as without one."""
+    pl.seed_everything(0)
+    base = Tiny()
+    val = tiny_data(n=9, batch=3)
+    runs = {}
+    for sanity in (0, 2):
+        model, fed = copy.deepcopy(base), _Fed()
+        strategy = PipeMareStrategy(stages=4, balance=[2, 1, 1, 1])  # a cut timed may differ
+        data = tiny_data(n=60)
+        t = trainer(
+            strategy,
+            max_epochs=2,
+            num_sanity_val_steps=sanity,
+            callbacks=[fed],
+            **({"limit_train_batches": 5} if stream else {}),
+        )
+        loader = torch.utils.data.DataLoader(_Stream(data), batch_size=None) if stream else data
+        t.fit(model, loader, val)
+        decisions = {d.subject: d for d in strategy.settings.decisions}
+        assert decisions["planned from"].choice == "the first training batch"
+        assert strategy.microbatches == 4
+        runs[sanity] = (fed.fed, weights(model), t.global_step)
+    assert runs[2][0] == runs[0][0] and len(runs[0][0]) == 10 and runs[0][2] == 10
+    for a, b in zip(runs[2][1], runs[0][1], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_bad_options():
     with pytest.raises(ValueError, match="unknown schedule 'zero_bubble'"):
         PipeMareStrategy(schedule="zero_bubble")

@@ -146,3 +146,26 @@ def test_gpt2_from_its_config_defaults_through_the_strategy_by_name(tmp_path):
         assert (report["schedule"], report["microbatches"], report["stages"]) == ("pipemare", 2, 2)
         assert report["val_loss"] == pytest.approx(got, rel=1e-6)  # one result, every rank
     assert got <= 1.1 * want
+
+
+def test_gpipe_at_p4_equals_one_device_from_its_weights_read_per_stage(tmp_path):
+    """Gemma (rotary attention, its head tied to the embedding), built as its users build it,
+    weights set to other values, then read stage by stage from one device's file: gpipe at
+    P = 4 ends with one device's held-out loss (rel 1e-4)."""
+    pytest.importorskip("transformers")
+    import torch
+
+    base = ZooModule("gemma")
+    torch.save(base.state_dict(), tmp_path / "one.pt")
+    plain, piped = copy.deepcopy(base), copy.deepcopy(base)
+    with torch.no_grad():
+        for p in piped.parameters():
+            p.mul_(0.5)  # the file, not the copy, decides the weights
+    assert _val(piped) != pytest.approx(_val(base), rel=1e-3)
+    _fit(plain, "auto", EQUAL_STEPS)
+    strategy = PipeMareStrategy(
+        stages=4, microbatches=2, schedule="gpipe", weights=str(tmp_path / "one.pt")
+    )
+    _fit(piped, strategy, EQUAL_STEPS)
+    assert strategy.pipeline is not None and strategy.pipeline.num_stages == 4
+    assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import warnings
 from pathlib import Path
 
 import pytorch_lightning as pl
@@ -54,11 +55,15 @@ def main(argv: list[str] | None = None) -> None:
     trainer.validate(module, val, verbose=False)
     trainer.test(module, val, verbose=False)
     real = [p for p in module.parameters() if not p.is_meta]
+    with warnings.catch_warnings(record=True) as caught:  # torch.save would write it empty
+        warnings.simplefilter("always")
+        module.state_dict()
     report = {
         "growth_mb": _peak_mb() - start,
         "held_mb": sum(p.numel() * p.element_size() for p in real) / 2**20,
         "decisions": decisions,
         "test_loss": float(trainer.callback_metrics["test_loss"]),
+        "state_dict_warnings": [str(w.message) for w in caught],
     }
     Path(args.out, f"lean-rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
