@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -290,6 +290,7 @@ class PipelineRunner:
         self._memory_said = False
         self._weights_read = False  # ``options.weights`` read into this process's stage
         self._meta_warnings: list[Any] = []  # hooks warning of a state dict with meta tensors
+        self._pending_state: Mapping[str, Any] | None = None  # see keep_state_for_build
         #: what the pipeline is planned from, and why not the first training batch (fit)
         self._sample = "the first training batch"
 
@@ -378,31 +379,33 @@ class PipelineRunner:
         process its own stage's only (the others go to the meta device).
 
         A model built on the meta device (``configure_model``, or
-        ``trainer.init_module(empty_init=True)``) is cut now and this process's stage given
-        real storage, initialised, or left for ``weights`` to fill at the build: the
-        optimisers must hold the real parameters.
+        ``trainer.init_module(empty_init=True)``) is cut and this process's stage given real
+        storage, initialised, or left for ``weights`` to fill at the build: an
+        ``nn.Sequential`` now, so that the optimisers hold the real parameters; a model of any
+        other kind at the first batch, once traced on the meta device
+        (:meth:`_make_stage_real`), its optimisers then given the real parameters.
         """
         adapter = self.adapter
         assert adapter is not None
         _move_outside(self.module, adapter.pipelined, device)
         if self.built is not None or not has_meta(adapter.pipelined):
             return  # not lean, or made real by an earlier run of this Trainer
-        seq = adapter.sequential
-        if seq is None:
+        if self.options.balance == "auto":
             raise ValueError(
-                f"{adapter.what} was built on the meta device, and it is not an nn.Sequential: "
-                "pipemare cuts a model of any other kind by tracing it at the first batch, "
-                "which needs its weights real. Build it as an nn.Sequential of its layers (a "
-                "GPT: embedding, blocks, head), or build it in __init__"
+                f"balance='auto' profiles every layer of {adapter.what} in one process, and it "
+                "was built on the meta device; pass balance='params', 'even' or a list of layer "
+                "counts"
             )
-        stages = self.stages
-        assert stages is not None
-        balance, what = self.options.balance, adapter.what
-        if balance == "auto":
-            raise ValueError(
-                f"balance='auto' profiles every layer of {what} in one process, and it was built "
-                "on the meta device; pass balance='params', 'even' or a list of layer counts"
-            )
+        if adapter.sequential is not None:
+            self._make_stage_real(adapter.sequential, device)
+
+    def _make_stage_real(self, seq: nn.Sequential, device: torch.device) -> None:
+        """Cut ``seq`` (the pipelined module built on the meta device, or its segments) by
+        parameter counts unless told otherwise, and give this process's stage real,
+        initialised storage; the optimisers built already take the real parameters."""
+        adapter, stages = self.adapter, self.stages
+        assert adapter is not None and stages is not None
+        balance = self.options.balance
         if isinstance(balance, list):
             cut, why = list(balance), "as given"
         elif balance == "even":
@@ -422,8 +425,44 @@ class PipelineRunner:
         starts = [sum(cut[:i]) for i in range(len(cut) + 1)]
         layers = [seq[j] for i in local for j in range(starts[i], starts[i + 1])]
         init = "none" if self.options.weights else init_method(adapter.pipelined)
-        materialize(adapter.pipelined, layers, device, init)
+        if seq is adapter.pipelined:
+            made = materialize(adapter.pipelined, layers, device, init)
+        else:  # segments: the user's modules that own the stage's parameters are made real
+            mine = {id(p): p for layer in layers for p in layer.parameters()}
+            owners = [
+                m
+                for m in adapter.pipelined.modules()
+                if any(id(p) in mine for p in m.parameters(recurse=False))
+            ]
+            made = materialize(adapter.pipelined, owners, device, init, only=mine.values())
+            replace_parameters(seq, made)
+        for optimizer in self._optimizers:  # built over the meta parameters
+            for group in optimizer.param_groups:
+                group["params"] = [made.get(id(p), p) for p in group["params"]]
+        self._fill_pending_state(made)
         self.built = LeanBuild(tuple(cut), why, "file" if init == "none" else init)
+
+    def keep_state_for_build(self, state: Mapping[str, Any]) -> None:
+        """A checkpoint's weights, loaded before this process's stage is real (a model traced
+        on the meta device is made real at the first batch): filled in then."""
+        self._pending_state = state
+
+    def _fill_pending_state(self, made: Mapping[int, nn.Parameter]) -> None:
+        state, self._pending_state = self._pending_state, None
+        if state is None:
+            return
+        real = {id(p) for p in made.values()}
+        mine = [
+            (name, p)
+            for name, p in self.module.named_parameters(remove_duplicate=False)
+            if id(p) in real
+        ]
+        missing = load_stage_weights(state, mine)
+        if missing:
+            raise ValueError(
+                f"the checkpoint holds no value for {len(missing)} tensor(s) of this "
+                f"process's stage ({', '.join(missing[:4])}); it was saved from another model"
+            )
 
     def check_optimizer(self) -> None:
         """Refuse at setup an optimiser the pipeline cannot step at any N the run may take
@@ -643,7 +682,13 @@ class PipelineRunner:
             for key, tensor in pipe.stage_modules[i].state_dict(keep_vars=True).items()
         ]
         assert self.adapter is not None
-        missing = load_stage_weights(path, wanted, strip=(f"{self.adapter.path}.",))
+        tied: dict[int, list[str]] = {}  # a tie's names in the user's module
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(p), []).append(name)
+        aliases = {name: names for names in tied.values() if len(names) > 1 for name in names}
+        missing = load_stage_weights(
+            path, wanted, strip=(f"{self.adapter.path}.",), aliases=aliases
+        )
         if missing:
             shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
             raise ValueError(
@@ -665,6 +710,8 @@ class PipelineRunner:
             self._check_cut()
         seq = adapter.sequential
         assert seq is not None
+        if self.built is None and has_meta(seq):  # traced on the meta device: cut it now
+            self._make_stage_real(seq, place.device)
         previous = self.plan
         total, per_epoch = run_length(self.module.trainer) if self.fitting else (None, None)
         facts = RunFacts(

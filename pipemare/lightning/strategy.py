@@ -22,6 +22,7 @@ import datetime
 import importlib.util
 import os
 import signal
+import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -694,7 +695,15 @@ class PipeMareStrategyMixin(_StrategyBase):
         """Lightning's, noting how the checkpoint's run was laid out and corrected, which
         validate, test and predict report (they restore no optimiser state)."""
         self._runner.checkpoints.note_trained(checkpoint)
-        super().load_model_state_dict(checkpoint, strict=strict)
+        module = self.lightning_module
+        if module is None or not has_meta(module):
+            super().load_model_state_dict(checkpoint, strict=strict)
+            return
+        if self._runner.built is None:  # no stage real yet: filled in once this one is
+            self._runner.keep_state_for_build(checkpoint["state_dict"])
+        with warnings.catch_warnings():  # other stages' tensors stay on the meta device
+            warnings.filterwarnings("ignore", message=".*to a meta parameter.*is a no-op")
+            super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -17,7 +17,7 @@ import contextlib
 import contextvars
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,7 +111,8 @@ def materialize(
     layers: Iterable[nn.Module],
     device: torch.device,
     init: str = "reset_parameters",
-) -> list[nn.Parameter]:
+    only: Iterable[nn.Parameter] | None = None,
+) -> dict[int, nn.Parameter]:
     """Give the meta parameters of ``layers`` (this process's stage, inside ``root``) real,
     initialised storage on ``device``; move their real buffers there.
 
@@ -123,20 +124,32 @@ def materialize(
         init: ``"reset_parameters"``: each module that holds a parameter calls its own
             ``reset_parameters()``; ``"init_weights"`` (:data:`INIT_HOOKS`): ``root``'s hook
             runs once over the whole model; ``"none"``: storage only (weights loaded after).
+        only: the parameters to make real, where ``layers`` hold others too (a traced
+            model's segments: ``layers`` are then the modules that own these parameters).
 
     Returns:
-        The parameters made real.
+        The parameters made real: ``id`` of the meta one -> the real one.
 
     Raises:
         TypeError: a module holds a parameter of its own but has no ``reset_parameters()``
             and ``root`` no init hook, named with the fixes.
     """
     modules = list({id(m): m for layer in layers for m in layer.modules()}.values())
-    meta = {id(p): p for m in modules for p in m.parameters(recurse=False) if p.is_meta}
-    owners = [m for m in modules if any(p.is_meta for p in m.parameters(recurse=False))]
+    wanted = None if only is None else {id(p) for p in only}
+    meta = {
+        id(p): p
+        for m in modules
+        for p in m.parameters(recurse=False)
+        if p.is_meta and (wanted is None or id(p) in wanted)
+    }
+    owners = [m for m in modules if any(id(p) in meta for p in m.parameters(recurse=False))]
     if init == "reset_parameters":
-        _check_resettable(owners)
+        _check_resettable(owners, meta)
     made = {pid: with_data(p, torch.empty_like(p, device=device)) for pid, p in meta.items()}
+    for m in owners:  # Hugging Face skips a module flagged as initialised (at its meta build)
+        m.__dict__.pop(_HF_DONE, None)
+    for p in made.values():
+        p.__dict__.pop(_HF_DONE, None)
     replace_parameters(root, made)
     for m in modules:
         for name, b in list(m._buffers.items()):
@@ -154,13 +167,18 @@ def materialize(
                 m.reset_parameters()  # type: ignore[operator]
         elif init in INIT_HOOKS:
             getattr(root, init)()
-    return list(made.values())
+    return made
 
 
-def _check_resettable(modules: list[nn.Module]) -> None:
+#: the flag Hugging Face's ``initialize_weights`` sets on a module (and a parameter) it has
+#: initialised, and skips thereafter: set at a meta build, where nothing was initialised
+_HF_DONE = "_is_hf_initialized"
+
+
+def _check_resettable(modules: list[nn.Module], meta: Mapping[int, nn.Parameter]) -> None:
     missing: dict[str, list[str]] = {}
     for m in modules:
-        own = [n for n, p in m.named_parameters(recurse=False) if p.is_meta]
+        own = [n for n, p in m.named_parameters(recurse=False) if id(p) in meta]
         if own and not callable(getattr(m, "reset_parameters", None)):
             missing.setdefault(type(m).__name__, own)
     if missing:
@@ -184,9 +202,10 @@ def init_method(root: nn.Module) -> str:
 
 
 def load_stage_weights(
-    path: str | os.PathLike[str],
+    path: str | os.PathLike[str] | Mapping[str, torch.Tensor],
     wanted: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     strip: tuple[str, ...] = (),
+    aliases: Mapping[str, Sequence[str]] | None = None,
 ) -> list[str]:
     """Copy into each tensor of ``wanted`` (name -> this process's tensor, or pairs of them
     where one name fills several tensors: a tied weight and its copy on another stage) its
@@ -196,17 +215,26 @@ def load_stage_weights(
 
     Args:
         path: a ``.safetensors`` file, or a ``torch.save`` of a state dict (a Lightning
-            checkpoint's ``state_dict`` entry is found too).
+            checkpoint's ``state_dict`` entry is found too), or a state dict in memory.
         wanted: the names (as the pipelined model names them) and tensors to fill.
         strip: prefixes that the file may leave off a name (the pipelined module's path in
             the LightningModule, for a file of that module's own state dict).
+        aliases: other names of the same tensor, tried where the file lacks a name (a head
+            tied to the embedding, which Hugging Face's ``save_pretrained`` leaves out).
 
     Returns:
         The names that were not in the file (their tensors are left as they are).
     """
-    path = os.fspath(path)
     source: Callable[[str], torch.Tensor | None]
-    if path.endswith(".safetensors"):
+    if isinstance(path, Mapping):  # a state dict in memory (a checkpoint Lightning loaded)
+        held = path
+        path = "the checkpoint's state_dict"
+
+        def source(key: str) -> torch.Tensor | None:
+            value = held.get(key)
+            return value if isinstance(value, torch.Tensor) else None
+
+    elif (path := os.fspath(path)).endswith(".safetensors"):
         from safetensors import safe_open
 
         handle = safe_open(path, framework="pt")
@@ -228,7 +256,11 @@ def load_stage_weights(
     pairs = wanted.items() if isinstance(wanted, Mapping) else wanted
     with torch.no_grad():
         for name, tensor in pairs:
-            names = [name, *(name[len(p) :] for p in strip if name.startswith(p))]
+            names = [
+                form
+                for known in (name, *(aliases or {}).get(name, ()))
+                for form in (known, *(known[len(p) :] for p in strip if known.startswith(p)))
+            ]
             value = next((v for v in map(source, names) if v is not None), None)
             if value is None:
                 if name not in missing:

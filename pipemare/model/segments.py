@@ -553,6 +553,9 @@ def _segment(
     if dynamic not in DYNAMIC_SHAPES:
         raise ValueError(f"dynamic must be one of {DYNAMIC_SHAPES}, got {dynamic!r}")
     options = (tuple(cuts), dynamic, tuple(sorted(defaults.items())))
+    if any(p.is_meta for p in module.parameters()):
+        # built on the meta device: traced there, not kept (the graphs name this run's device)
+        return _trace_on_meta(module, args, kwargs, cuts, dynamic, defaults).bind(module)
     key = trace_key(module, args, kwargs, options, lambda x: _varying(x, dynamic == "all"))
     kept = TRACES.get(key) if key is not None else None
     if kept is not None:
@@ -567,6 +570,75 @@ def _segment(
         TRACES.misses += 1
         TRACES.put(key, traced)
     return traced.bind(module)
+
+
+def _trace_on_meta(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    cuts: list[Cut],
+    dynamic: str,
+    defaults: dict[str, Any],
+) -> _Traced:
+    """Trace a module whose parameters are on the meta device (built in ``configure_model``):
+    the inputs and, for the trace only, the buffers go to the meta device too, so that no
+    weight is needed; the graphs then make the tensors they create (``torch.arange(...,
+    device=x.device)``) on the device the real inputs came on, and read the module's real
+    buffers when called."""
+    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    device = inputs[0].device if inputs else torch.device("cpu")
+    args, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs)
+    )
+    # every tensor of the module on meta for the trace (a rebuild after a run finds this
+    # process's stage real and the others on meta); a tensor held in two places stays one
+    held: list[tuple[nn.Module, dict[str, Any], str, torch.Tensor]] = [
+        (m, store, name, t)
+        for m in module.modules()
+        for store in (m._parameters, m._buffers)
+        for name, t in store.items()
+        if t is not None and not t.is_meta
+    ]
+    stand_ins: dict[int, torch.Tensor] = {}
+    for _, store, name, t in held:
+        if id(t) not in stand_ins:
+            meta = t.detach().to("meta")
+            is_param = isinstance(t, nn.Parameter)
+            stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if is_param else meta
+        store[name] = stand_ins[id(t)]
+    try:
+        traced = _trace(module, args, kwargs, cuts, dynamic, defaults)
+    finally:
+        for _, store, name, t in held:
+            store[name] = t
+    made = [name for kind, name, tensor in traced.state if tensor is not None and tensor.is_meta]
+    if made:
+        raise UncuttableModelError(
+            f"{type(module).__name__} was built on the meta device, and its forward makes "
+            f"tensor constant(s) {', '.join(made)} that a trace there cannot give values to; "
+            "build the model in __init__ (each process then moves only its own stage), or "
+            "register them as buffers in __init__"
+        )
+    for programs in traced.programs.values():
+        for program in programs:
+            _move_created(program.graph_module, torch.device("meta"), device)
+    return traced
+
+
+def _move_created(gm: torch.fx.GraphModule, old: torch.device, new: torch.device) -> None:
+    """Make the tensors ``gm`` creates on ``old`` (a ``device=`` argument) on ``new``."""
+    changed = False
+    for node in gm.graph.nodes:
+        if node.kwargs.get("device") == old:
+            node.kwargs = {**node.kwargs, "device": new}
+            changed = True
+        if any(isinstance(a, torch.device) and a == old for a in node.args):
+            node.args = tuple(
+                new if isinstance(a, torch.device) and a == old else a for a in node.args
+            )
+            changed = True
+    if changed:
+        gm.recompile()
 
 
 @dataclasses.dataclass(frozen=True)

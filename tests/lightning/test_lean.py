@@ -106,6 +106,10 @@ def test_stage_weights_are_read_tensor_by_tensor(tmp_path):
         mine = {"net.a": torch.zeros(4), "net.c": torch.zeros(1)}
         missing = load_stage_weights(tmp_path / name, mine, strip=strip)
         assert missing == ["net.c"] and torch.equal(mine["net.a"], whole["net.a"])
+    head = torch.zeros(4)  # a tied head the file leaves out is found under its tie's name
+    aliases = {"net.head": ["net.a", "net.head"]}
+    assert load_stage_weights(tmp_path / "w.pt", [("net.head", head)], aliases=aliases) == []
+    assert torch.equal(head, whole["net.a"])
     with pytest.raises(ValueError, match=r"net.b has shape \(2, 2\).*another model"):
         load_stage_weights(tmp_path / "w.pt", {"net.b": torch.zeros(3)})
 
@@ -161,6 +165,66 @@ def test_a_meta_built_gpt_initialises_its_stages_and_its_tied_copies_agree():
     assert losses.losses[-1] < losses.losses[0]
     trainer.test(lean, val, verbose=False)  # a rebuild for evaluation keeps the tie
     assert torch.isfinite(torch.tensor(float(trainer.callback_metrics["test_loss"])))
+
+
+class _Looped(nn.Module):
+    """The GPT's layers as a model that is not an nn.Sequential: blocks in a ModuleList, looped
+    over in forward (as Hugging Face models are written): cut by tracing it."""
+
+    def __init__(self, layers: nn.Sequential) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.head = layers[0], nn.ModuleList(layers[1:-1]), layers[-1]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class _LoopedGPT(LeanGPT):
+    def configure_model(self) -> None:
+        if self.gpt is None:
+            self.gpt = _Looped(gpt_layers(*self.shape))  # type: ignore[assignment]
+
+
+def test_a_traced_model_built_on_meta_equals_one_device_and_restores_from_its_checkpoint(
+    tmp_path,
+):
+    """A model that is not an nn.Sequential, built in configure_model: traced on the meta
+    device, cut by parameter counts, each stage read from one device's file; gpipe at P = 4
+    gives one device's losses (rel 1e-4). Its checkpoint's weights, loaded before any stage is
+    real (validate with ckpt_path), reach the stages once they are: the same held-out loss."""
+    train, val = byte_loaders(context=16, batch=4, rows=16)
+    pl.seed_everything(0)
+    one = LeanGPT(64, 4, heads=4, build_in_init=True)
+    torch.save(
+        {f"gpt.{k}": v for k, v in _Looped(one.gpt).state_dict().items()}, tmp_path / "one.pt"
+    )
+    reference = _Losses()
+    trainer = _trainer("auto")
+    trainer.callbacks.append(reference)
+    trainer.fit(one, train)
+
+    looped = _LoopedGPT(64, 4, heads=4)
+    strategy = PipeMareStrategy(
+        stages=4, schedule="gpipe", microbatches=2, weights=str(tmp_path / "one.pt")
+    )
+    piped = _Losses()
+    trainer = _trainer(strategy)
+    trainer.callbacks.append(piped)
+    trainer.fit(looped, train)
+    assert piped.losses == pytest.approx(reference.losses, rel=1e-4)
+    decisions = {d.subject: d for d in strategy.settings.decisions}
+    assert "parameter counts" in decisions["layers per stage"].reason
+    assert "segments" in decisions
+    trainer.save_checkpoint(tmp_path / "looped.ckpt")
+    (want,) = trainer.validate(looped, val, verbose=False)
+
+    again = _LoopedGPT(64, 4, heads=4)
+    trainer = _trainer(PipeMareStrategy(stages=4, schedule="gpipe", microbatches=2))
+    (got,) = trainer.validate(again, val, ckpt_path=tmp_path / "looped.ckpt", verbose=False)
+    assert got["val_loss"] == pytest.approx(want["val_loss"], rel=1e-6)
 
 
 # -- two processes -------------------------------------------------------------------------
