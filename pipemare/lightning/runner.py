@@ -322,7 +322,10 @@ class PipelineRunner:
 
     @property
     def stages(self) -> int | None:
-        """P, where known: given, one per process, or one per layer of the Sequential."""
+        """P: the plan's once there is one (its only source from then on); before, where
+        known: given, one per process, or one per layer of the Sequential."""
+        if self.plan is not None:
+            return self.plan.stages
         if self._place is not None and self._place.stages is not None:
             return self._place.stages
         if self.options.stages is not None:

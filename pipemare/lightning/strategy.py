@@ -349,7 +349,11 @@ class PipeMareStrategyMixin(_StrategyBase):
     @property
     def num_stages(self) -> int | None:
         """P: given, or one per process; in one process without ``stages``, the Sequential's
-        layer count once the model is cut (None before)."""
+        layer count once the model is cut (None before). The run's plan, once made, is the
+        only source."""
+        plan = self._runner.plan
+        if plan is not None:
+            return plan.stages
         if self.distributed:
             world = self.num_processes * self.num_nodes
             return self.stages if self.stages is not None else world

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from pipemare.schedule.actions import Op, stream
@@ -156,13 +157,15 @@ def _held_by_one(
     inputs_only: bool,
 ) -> int:
     x = sample
+    device = next((t.device for m in stage for t in m.parameters()), torch.device("cpu"))
     if before:
-        x = tree_map(lambda t: t.to("meta") if torch.is_tensor(t) else t, sample)
-        with torch.no_grad():
+        # fake tensors on the stage's device: shapes and dtypes, no storage (a traced graph
+        # makes its positions and masks on the device it was traced for)
+        with FakeTensorMode(), torch.no_grad():
+            x = tree_map(lambda t: _empty(t, device) if torch.is_tensor(t) else t, sample)
             for layer in before:
                 with context():
-                    x = torch.func.functional_call(layer, _on_meta(layer), (x,))
-    device = next((t.device for m in stage for t in m.parameters()), torch.device("cpu"))
+                    x = torch.func.functional_call(layer, _shapes_of(layer, device), (x,))
     x = tree_map(lambda t: _like(t, device) if torch.is_tensor(t) else t, x)
     own = {t.untyped_storage().data_ptr() for m in stage for t in (*m.parameters(), *m.buffers())}
     held: dict[int, int] = {}
@@ -191,10 +194,15 @@ def _held_by_one(
     return sum(held.values())
 
 
-def _on_meta(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """The layer's parameters and buffers as meta tensors, for a shapes-only forward."""
+def _empty(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=device)
+
+
+def _shapes_of(layer: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """The layer's parameters and buffers as empty tensors of their shapes on ``device`` (fake,
+    under the caller's FakeTensorMode), for a shapes-only forward."""
     named = [*layer.named_parameters(), *layer.named_buffers()]
-    return {k: v.to("meta") for k, v in named}
+    return {k: _empty(v, device) for k, v in named}
 
 
 def _like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
