@@ -692,6 +692,8 @@ class PipelineRunner:
         missing = load_stage_weights(
             path, wanted, strip=(f"{self.adapter.path}.",), aliases=aliases
         )
+        adapters = _adapter_names(self.module)
+        missing = [k for k in missing if not any(f".{a}." in k for a in adapters)]
         if missing:
             shown = ", ".join(missing[:4]) + (", ..." if len(missing) > 4 else "")
             raise ValueError(
@@ -1063,6 +1065,18 @@ class PipelineRunner:
             results = self.reports.results
             if results is not None:  # the next minibatch to report moved with it
                 results.start = results.next = self.pipeline.minibatches_fed
+
+
+def _adapter_names(module: nn.Module) -> set[str]:
+    """The attribute names under which ``peft``'s layers keep their adapters (``lora_A``,
+    ``lora_B``, ...): a base model's file has none of their tensors, which keep the values
+    ``peft`` gave them."""
+    return {
+        name
+        for m in module.modules()
+        for name in getattr(m, "adapter_layer_names", ())
+        if isinstance(name, str)
+    }
 
 
 def _stage(m: StageMemory) -> int:

@@ -138,9 +138,13 @@ class PipeMareStrategyMixin(_StrategyBase):
             optimiser's family and P (default True; False skips the measurement).
         weights: a file of one device's weights to start from (``torch.save`` of the
             LightningModule's or the pipelined module's ``state_dict()``, a Lightning
-            checkpoint, or a ``.safetensors`` file): each process reads only its own stage's
-            tensors, at the first batch. With a model built on the meta device it replaces
-            the initialisation.
+            checkpoint, a ``.safetensors`` file, or a Hugging Face ``save_pretrained``
+            directory, sharded or not): each process reads only its own stage's tensors, at
+            the first batch, cast to its parameters' dtype. A head tied to the embedding that
+            the file leaves out is read under the embedding's name; ``peft``'s wrapped names
+            (``base_model.model.``, ``.base_layer``) under the base model's, and its adapters
+            keep the values ``peft`` gave them. With a model built on the meta device it
+            replaces the initialisation.
         memory_limit: the bytes one stage may hold on a CPU (an int, or ``"8GiB"``); on CUDA
             the device's free memory is read instead. At the first batch of a fit every stage's
             memory is predicted (weights, gradients, optimiser state, correction buffers and
@@ -240,10 +244,11 @@ class PipeMareStrategyMixin(_StrategyBase):
         )
         if not isinstance(advise, bool):
             raise ValueError(f"advise must be True or False, got {advise!r}")
-        if weights is not None and not os.path.isfile(weights):
+        if weights is not None and not os.path.exists(weights):
             raise ValueError(
-                f"weights={weights!r} is not a file; pass the path of a torch.save of the model's "
-                "state_dict(), a Lightning checkpoint or a .safetensors file"
+                f"weights={weights!r} does not exist; pass the path of a torch.save of the "
+                "model's state_dict(), a Lightning checkpoint, a .safetensors file or a "
+                "save_pretrained directory"
             )
         self._options = PipelineOptions(
             stages=stages,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import json
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -234,15 +235,8 @@ def load_stage_weights(
             value = held.get(key)
             return value if isinstance(value, torch.Tensor) else None
 
-    elif (path := os.fspath(path)).endswith(".safetensors"):
-        from safetensors import safe_open
-
-        handle = safe_open(path, framework="pt")
-        keys = set(handle.keys())
-
-        def source(key: str) -> torch.Tensor | None:
-            return handle.get_tensor(key) if key in keys else None
-
+    elif (path := _weights_file(os.fspath(path))).endswith((".safetensors", ".index.json")):
+        source = _safetensors_source(path)
     else:
         state: Any = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         if isinstance(state, dict) and isinstance(state.get("state_dict"), dict):
@@ -259,7 +253,8 @@ def load_stage_weights(
             names = [
                 form
                 for known in (name, *(aliases or {}).get(name, ()))
-                for form in (known, *(known[len(p) :] for p in strip if known.startswith(p)))
+                for stripped in (known, *(known[len(p) :] for p in strip if known.startswith(p)))
+                for form in dict.fromkeys((stripped, _base_name(stripped)))
             ]
             value = next((v for v in map(source, names) if v is not None), None)
             if value is None:
@@ -273,6 +268,55 @@ def load_stage_weights(
                 )
             tensor.copy_(value)
     return missing
+
+
+def _weights_file(path: str) -> str:
+    """A ``save_pretrained`` directory's weights: its sharded index, else its one file."""
+    if not os.path.isdir(path):
+        return path
+    for name in ("model.safetensors.index.json", "model.safetensors"):
+        if os.path.exists(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise ValueError(
+        f"weights={path!r} is a directory without model.safetensors or "
+        "model.safetensors.index.json; give a save_pretrained directory, a .safetensors file or "
+        "a torch.save of a state dict"
+    )
+
+
+def _safetensors_source(path: str) -> Callable[[str], torch.Tensor | None]:
+    """A tensor by name from a safetensors file, or from the shards a Hugging Face index
+    (``model.safetensors.index.json``) maps names to: each shard opened on first use, and only
+    the tensors asked for read from it."""
+    from safetensors import safe_open
+
+    if path.endswith(".index.json"):
+        with open(path) as f:
+            where = json.load(f)["weight_map"]
+        folder = os.path.dirname(path)
+    else:
+        where = None
+    handles: dict[str, tuple[Any, set[str]]] = {}
+
+    def source(key: str) -> torch.Tensor | None:
+        file = path if where is None else where.get(key)
+        if file is None:
+            return None
+        if file not in handles:
+            handle = safe_open(os.path.join(folder, file) if where else file, "pt")
+            handles[file] = handle, set(handle.keys())
+        handle, keys = handles[file]
+        return handle.get_tensor(key) if key in keys else None
+
+    return source
+
+
+def _base_name(name: str) -> str:
+    """The name a Hugging Face base model's file gives a tensor that ``peft`` wrapped:
+    ``base_model.model.`` before it and ``.base_layer`` inside it left out."""
+    if name.startswith("base_model.model."):
+        name = name[len("base_model.model.") :]
+    return name.replace(".base_layer.", ".")
 
 
 #: set while pipemare itself reads a module's state dict, filling the other stages' tensors

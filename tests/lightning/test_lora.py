@@ -118,6 +118,30 @@ def test_every_schedule_fine_tunes_it_as_one_device_and_the_adapter_reloads(
     assert _val(loaded) == pytest.approx(got["pipemare"], rel=1e-5)
 
 
+def test_lora_reads_its_base_a_stage_at_a_time_from_sharded_bf16_files(pretrained, tmp_path):
+    """The pretrained Llama saved in bf16, in shards (``model.safetensors.index.json``): a LoRA
+    fine-tune whose base is built from the config (other values) and read per stage from those
+    files, upcast to fp32 under peft's renamed keys (``base_layer``), the adapters keeping
+    peft's initialisation, runs gpipe at P = 2 as one device does from the same values."""
+    import torch
+    import transformers
+
+    bf16 = transformers.AutoModelForCausalLM.from_pretrained(pretrained["llama"])
+    bf16 = bf16.to(torch.bfloat16)
+    bf16.save_pretrained(tmp_path / "bf16", max_shard_size="8KB")
+    assert len(json.loads((tmp_path / "bf16/model.safetensors.index.json").read_text())) > 0
+    assert len(list((tmp_path / "bf16").glob("model-*.safetensors"))) > 1
+    bf16.to(torch.float32).save_pretrained(tmp_path / "rounded")  # the same values in fp32
+
+    plain = FineTune("lora-llama", pretrained=str(tmp_path / "rounded"))
+    piped = FineTune("lora-llama")  # its base from the config: the file decides its values
+    assert _val(piped) != pytest.approx(_val(plain), rel=1e-3)
+    _fit(plain, "auto", EQUAL_STEPS)
+    strategy = PipeMareStrategy(stages=2, schedule="gpipe", weights=str(tmp_path / "bf16"))
+    _fit(piped, strategy, EQUAL_STEPS)
+    assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)
+
+
 @pytest.mark.parametrize("microbatches", [1, 2, 4])
 def test_use_cache_false_in_the_call_keeps_the_trace_dynamic(microbatches, pretrained):
     """``use_cache=False`` (and other keywords) written into every call: each microbatch

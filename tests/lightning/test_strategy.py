@@ -534,6 +534,8 @@ def test_bad_options():
         PipeMareStrategy(balance="flops")
     with pytest.raises(ValueError, match="microbatches must be an integer >= 1"):
         PipeMareStrategy(microbatches=0)
+    with pytest.raises(ValueError, match=r"does not exist.*save_pretrained directory"):
+        PipeMareStrategy(weights="no/such/weights.safetensors")
     assert pipemare.PipeMareStrategy is PipeMareStrategy
 
 
