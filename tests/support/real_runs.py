@@ -39,10 +39,11 @@ def val_loss(module: pl.LightningModule, data: DataLoader) -> float:
     return out["val_loss"]
 
 
-def launch_two_processes(models: list[str], out: Path) -> None:
+def launch_two_processes(models: list[str], out: Path, *options: str) -> None:
     """One launch of support/real_model_worker.py on two gloo processes training each of
-    ``models`` in turn through gpipe, a stage each, into ``out/MODEL``."""
-    cmd = [sys.executable, str(WORKER), "--out", str(out), "--models", *models]
+    ``models`` in turn through gpipe, a stage each, into ``out/MODEL``; ``options``: the
+    worker's others (``--stages-from DIR``)."""
+    cmd = [sys.executable, str(WORKER), "--out", str(out), *options, "--models", *models]
     run_all([(cmd, environment())])
 
 

@@ -369,3 +369,34 @@ def padded_data(n: int = 96, batch: int = 8, seed: int = 0) -> DataLoader:
     rows = [t[:k].tolist() for t, k in zip(tokens, lengths, strict=True)]
     examples = [{"input_ids": r, "labels": r} for r in rows]
     return DataLoader(examples, batch_size=batch, collate_fn=collate)  # type: ignore[arg-type]
+
+
+#: a Gemma of 45M parameters (180 MB in fp32; its head tied to its embedding): a file much
+#: larger than what stage 0's process holds when the cut is right after the embedding
+BIG_GEMMA = _hf(
+    "GemmaForCausalLM",
+    "GemmaConfig",
+    vocab_size=VOCAB,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=256,
+    max_position_embeddings=64,
+)
+
+
+class MetaZoo(ZooModule):
+    """A family's model built the Lightning way for a model bigger than one device: in
+    ``configure_model``, which the strategy runs with the parameters on the meta device
+    (``family="big-gemma"``: :data:`BIG_GEMMA`)."""
+
+    def __init__(self, family: str, lr: float = 1e-2) -> None:
+        pl.LightningModule.__init__(self)
+        self.family, self.lr, self.model = family, lr, None
+        self.kind = "causal" if family == "big-gemma" else FAMILIES[family][0]
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = BIG_GEMMA() if self.family == "big-gemma" else FAMILIES[self.family][1]()
