@@ -581,10 +581,10 @@ def _trace_on_meta(
     defaults: dict[str, Any],
 ) -> _Traced:
     """Trace a module whose parameters are on the meta device (built in ``configure_model``):
-    the inputs and, for the trace only, the buffers go to the meta device too, so that no
-    weight is needed; the graphs then make the tensors they create (``torch.arange(...,
-    device=x.device)``) on the device the real inputs came on, and read the module's real
-    buffers when called."""
+    the inputs and, for the trace only, every real parameter and buffer (a rebuild after a run
+    finds this process's stage real) go to the meta device too, so that no weight is needed;
+    the graphs then make the tensors they create (``torch.arange(..., device=x.device)``) on
+    the device the real inputs came on, and read the module's own tensors when called."""
     inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     device = inputs[0].device if inputs else torch.device("cpu")
     args, kwargs = pytree.tree_map_only(

@@ -159,13 +159,7 @@ def _held_by_one(
     x = sample
     device = next((t.device for m in stage for t in m.parameters()), torch.device("cpu"))
     if before:
-        # fake tensors on the stage's device: shapes and dtypes, no storage (a traced graph
-        # makes its positions and masks on the device it was traced for)
-        with FakeTensorMode(), torch.no_grad():
-            x = tree_map(lambda t: _empty(t, device) if torch.is_tensor(t) else t, sample)
-            for layer in before:
-                with context():
-                    x = torch.func.functional_call(layer, _shapes_of(layer, device), (x,))
+        x = _shapes_after(before, sample, device, context)
     x = tree_map(lambda t: _like(t, device) if torch.is_tensor(t) else t, x)
     own = {t.untyped_storage().data_ptr() for m in stage for t in (*m.parameters(), *m.buffers())}
     held: dict[int, int] = {}
@@ -192,6 +186,36 @@ def _held_by_one(
         if torch.is_tensor(t):
             count(t)
     return sum(held.values())
+
+
+def _shapes_after(
+    before: Sequence[nn.Module],
+    sample: Any,
+    device: torch.device,
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Any:
+    """What the layers ``before`` give for ``sample``, as shapes and dtypes without storage:
+    fake tensors on ``device`` (a traced graph makes its positions and masks on the device it
+    was traced for), else, where a layer's kernels cannot run on fake tensors (a mixture of
+    experts' routing), meta tensors."""
+    try:
+        with FakeTensorMode(), torch.no_grad():
+            x = tree_map(lambda t: _empty(t, device) if torch.is_tensor(t) else t, sample)
+            for layer in before:
+                with context():
+                    x = torch.func.functional_call(layer, _shapes_of(layer, device), (x,))
+        return x
+    except Exception as fake_error:
+        meta = torch.device("meta")
+        try:
+            with torch.no_grad():
+                x = tree_map(lambda t: _empty(t, meta) if torch.is_tensor(t) else t, sample)
+                for layer in before:
+                    with context():
+                        x = torch.func.functional_call(layer, _shapes_of(layer, meta), (x,))
+            return x
+        except Exception:
+            raise fake_error from None
 
 
 def _empty(t: torch.Tensor, device: torch.device) -> torch.Tensor:
