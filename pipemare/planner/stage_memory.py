@@ -200,25 +200,30 @@ def _shapes_after(
     experts' routing), meta tensors."""
     try:
         with FakeTensorMode(), torch.no_grad():
-            x = tree_map(lambda t: _empty(t, device) if torch.is_tensor(t) else t, sample)
-            for layer in before:
-                with context():
-                    x = torch.func.functional_call(layer, _shapes_of(layer, device), (x,))
-        return x
+            return _through(before, sample, device, context)
     except Exception as fake_error:
-        meta = torch.device("meta")
         try:
             with torch.no_grad():
-                x = tree_map(lambda t: _empty(t, meta) if torch.is_tensor(t) else t, sample)
-                for layer in before:
-                    with context():
-                        x = torch.func.functional_call(layer, _shapes_of(layer, meta), (x,))
-            return x
+                return _through(before, sample, torch.device("meta"), context)
         except Exception:
             raise fake_error from None
 
 
-def _empty(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _through(
+    layers: Sequence[nn.Module],
+    sample: Any,
+    device: torch.device,
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Any:
+    """``sample`` through ``layers``, every tensor a blank of its shape on ``device``."""
+    x = tree_map(lambda t: _blank(t, device) if torch.is_tensor(t) else t, sample)
+    for layer in layers:
+        with context():
+            x = torch.func.functional_call(layer, _shapes_of(layer, device), (x,))
+    return x
+
+
+def _blank(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
@@ -226,7 +231,7 @@ def _shapes_of(layer: nn.Module, device: torch.device) -> dict[str, torch.Tensor
     """The layer's parameters and buffers as empty tensors of their shapes on ``device`` (fake,
     under the caller's FakeTensorMode), for a shapes-only forward."""
     named = [*layer.named_parameters(), *layer.named_buffers()]
-    return {k: _empty(v, device) for k, v in named}
+    return {k: _blank(v, device) for k, v in named}
 
 
 def _like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
