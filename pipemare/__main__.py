@@ -19,6 +19,7 @@ _COMMANDS = {
     "bench": "throughput and memory against one process and torch's pipelines: pipemare bench",
     "demo": "train a small model on real data through 8 simulated stages (the engine alone)",
     "plan": "choose stages, replicas, microbatches and the cut: pipemare plan --config CONFIG",
+    "consolidate": "per-stage shards into one checkpoint file: pipemare consolidate DIR OUT.ckpt",
 }
 
 
@@ -42,6 +43,10 @@ def main(argv: list[str] | None = None) -> None:
             from pipemare.cli import lightning_cli
 
             lightning_cli.run_cli([command, *rest])
+        elif command == "consolidate":
+            from pipemare.cli import consolidate
+
+            consolidate.main(rest)
         else:  # the experiments' commands
             _experiment(command)(rest)
     except ModuleNotFoundError as err:

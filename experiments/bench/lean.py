@@ -13,7 +13,10 @@ Each process reports its peak resident memory above its start (``ru_maxrss`` aft
 and the data, before the Trainer) through fit, and what it holds at the end, by component:
 weights, gradients, optimiser state, correction buffers (everything else the optimiser wrapper
 keeps per parameter). ``--compare`` runs every configuration in turn, one after the other, and
-writes the table. Run it alone: the processes of one run share two cores.
+writes the table. ``--checkpoint-every K`` adds a ``ModelCheckpoint`` every K steps keeping the
+best two by training loss (older ones removed), to plain Lightning and to ``pipemare`` at
+``devices=P`` (per-stage shards, its default for a model built on the meta device): the growth
+then counts fit and its checkpoints. Run it alone: the processes of one run share two cores.
 """
 
 from __future__ import annotations
@@ -203,6 +206,15 @@ def _run(args: argparse.Namespace) -> None:
     train, val = byte_loaders(args.context, args.batch, args.batch * args.steps)
     start = _peak_mb()  # after the imports and the data, before the Trainer
     module = LeanGPT(args.width, args.blocks, build_in_init=args.build_in_init)
+    every = getattr(args, "checkpoint_every", 0)
+    saves = Path(args.out) / f"checkpoints-{args.mode}-{args.devices}"
+    callbacks: list[pl.Callback] = []
+    if every:
+        callbacks.append(
+            pl.callbacks.ModelCheckpoint(
+                dirpath=saves, every_n_train_steps=every, monitor="train_loss", save_top_k=2
+            )
+        )
     if args.mode == "plain":
         strategy: Any = "auto"
         devices = 1
@@ -219,18 +231,23 @@ def _run(args: argparse.Namespace) -> None:
         limit_val_batches=2,
         num_sanity_val_steps=0 if args.no_sanity else 2,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(every),
+        callbacks=callbacks,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
     trainer.fit(module, train, val)
     fit_peak = _peak_mb() - start
+    kept = sorted(p.name for p in saves.iterdir()) if every else []
     settings = getattr(trainer.strategy, "settings", None)
     memory = getattr(trainer.strategy, "memory", None)
     predicted = next((m for m in memory or [] if m.stage == trainer.global_rank), None)
     report = {
         "mode": args.mode,
         "devices": devices,
+        "checkpoint_every": every,
+        "checkpoints_kept": kept,
+        "sharded": bool(kept) and (saves / kept[0]).is_dir(),
         "rank": trainer.global_rank,
         "start_mb": start,
         "fit_growth_mb": fit_peak,
@@ -244,41 +261,57 @@ def _run(args: argparse.Namespace) -> None:
     report["exit_growth_mb"] = _peak_mb() - start
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = f"{args.mode}-{devices}-rank{trainer.global_rank}.json"
+    name = f"{args.mode}-{devices}{'-ckpt' if every else ''}-rank{trainer.global_rank}.json"
     (out / name).write_text(json.dumps(report, indent=1))
+    if every and trainer.global_rank == 0:
+        import shutil
+
+        shutil.rmtree(saves, ignore_errors=True)  # gigabytes; what was kept is in the report
 
 
 CONFIGS = (("plain", 1), ("pipemare", 2), ("pipemare", 4), ("gpipe", 4))
+#: with ``--checkpoint-every``: plain Lightning and pipemare at the issue's P, each checkpointing
+CHECKPOINT_CONFIGS = (("plain", 1), ("pipemare", 4))
 
 
 def compare(args: argparse.Namespace) -> list[dict]:
     """Every configuration, one after the other; the table under ``args.out``."""
     reports = []
-    for mode, devices in CONFIGS:
+    every = args.checkpoint_every
+    for mode, devices in CHECKPOINT_CONFIGS if every else CONFIGS:
         cmd = [
             sys.executable, "-m", "pipemare.experiments.bench.lean", "--mode", mode,
             "--devices", str(devices), "--out", args.out, "--steps", str(args.steps),
             "--width", str(args.width), "--blocks", str(args.blocks),
+            "--checkpoint-every", str(every),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "disabled"}
         begin = time.perf_counter()
         subprocess.run(cmd, env=env, check=True, timeout=3600)
         print(f"{mode} x{devices}: {time.perf_counter() - begin:.0f} s", file=sys.stderr)
+        tag = "-ckpt" if every else ""
         for rank in range(devices):
             reports.append(
-                json.loads((Path(args.out) / f"{mode}-{devices}-rank{rank}.json").read_text())
+                json.loads((Path(args.out) / f"{mode}-{devices}{tag}-rank{rank}.json").read_text())
             )
-    Path(args.out, "results.md").write_text(_table(reports, args))
+    name = "results-checkpoints.md" if every else "results.md"
+    Path(args.out, name).write_text(_table(reports, args))
     return reports
 
 
 def _table(reports: list[dict], args: argparse.Namespace) -> str:
     """The results as markdown: growth per process against plain Lightning's."""
     plain = next(r for r in reports if r["mode"] == "plain")["fit_growth_mb"]
+    saving = (
+        f"; a ModelCheckpoint every {args.checkpoint_every} steps, the best 2 by training "
+        "loss kept (older ones removed), in every run"
+        if args.checkpoint_every
+        else ""
+    )
     lines = [
         f"GPT of width {args.width}, {args.blocks} blocks, built in configure_model, AdamW, "
         f"{args.steps} steps, batch {args.batch}, context {args.context}; peak resident growth "
-        "above each process's start (after imports and data, before the Trainer).",
+        f"above each process's start (after imports and data, before the Trainer){saving}.",
         "",
         "| run | rank | growth through fit (MB) | × plain | growth to exit (MB) | weights | "
         "gradients | optimiser state | correction buffers | predicted before the first step "
@@ -295,7 +328,7 @@ def _table(reports: list[dict], args: argparse.Namespace) -> str:
             f"{fit / (r.get('predicted_mb') or math.nan):.2f} |"
         )
     lines.append("")
-    for mode, devices in CONFIGS[1:]:
+    for mode, devices in (CHECKPOINT_CONFIGS if args.checkpoint_every else CONFIGS)[1:]:
         mine = [r for r in reports if r["mode"] == mode and r["devices"] == devices]
         top = max(r["fit_growth_mb"] for r in mine)
         total = sum(r["fit_growth_mb"] for r in mine)
@@ -320,6 +353,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--build-in-init", action="store_true")
     parser.add_argument("--no-sanity", action="store_true")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=0, help="a ModelCheckpoint every K steps (top 2)"
+    )
     parser.add_argument("--out", default="experiments/results/lean")
     args = parser.parse_args(argv)
     if args.compare:

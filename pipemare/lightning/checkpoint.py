@@ -41,7 +41,8 @@ from pipemare.engine.lagged import snapshot_lag
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.snapshot import Snapshot
 from pipemare.engine.transport import DistributedTransport
-from pipemare.model.materialize import whole_state_collected
+from pipemare.lightning.shards import FORMAT, read_local
+from pipemare.model.materialize import materialize, whole_state_collected
 from pipemare.optim.chain import ChainedOptimizer
 
 __all__ = [
@@ -102,40 +103,74 @@ def _module_state(
     all_ranks: bool,
     snapshot: Snapshot | None,
 ) -> dict[str, Any]:
+    local = local_module_state(module, pipe, names, snapshot)
+    distributed = isinstance(pipe.transport, DistributedTransport)
+    full: dict[str, Any] = {}
+    for part in _gather(local, all_ranks) if distributed else [local]:
+        full.update(part)
+    if not full:
+        return {}
+    for group in tie_groups(module, pipe, names):  # a tensor held under several names
+        found = [k for k in group if k in full]
+        for k in group if found else ():
+            full.setdefault(k, full[found[0]])
+    return {k: full[k] for k in module.state_dict()}
+
+
+def local_module_state(
+    module: nn.Module,
+    pipe: Pipeline,
+    names: StateNames,
+    snapshot: Snapshot | None,
+    cpu: bool = True,
+) -> dict[str, Any]:
+    """This process's part of the whole module's state dict: its stages' entries under the
+    module's names (a tied weight's copies left to its owner), and on rank 0 what no stage
+    holds; nothing in a copy of the pipeline other than copy 0.
+
+    Args:
+        cpu: copy the tensors to the CPU (else detached where they are).
+    """
     if snapshot is not None:
         stage_states = snapshot.module_state()
     else:
         stage_states = {i: pipe.stage_modules[i].state_dict() for i in pipe.local_stages}
     copies = {k for i in stage_states for k in pipe.ties.copy_keys(i)}  # the owner's entry counts
+
+    def take(value: torch.Tensor) -> torch.Tensor:
+        return value.detach().cpu() if cpu else value.detach()
+
     local = {
-        names(k): v.detach().cpu()
-        for sd in stage_states.values()
-        for k, v in sd.items()
-        if k not in copies
+        names(k): take(v) for sd in stage_states.values() for k, v in sd.items() if k not in copies
     }
-    distributed = isinstance(pipe.transport, DistributedTransport)
     if _other_copy(pipe):
         local = {}  # copy 0 holds the same weights; its buffers are the ones saved
-    own = module.state_dict(keep_vars=True)
+    distributed = isinstance(pipe.transport, DistributedTransport)
     if not distributed or dist.get_rank() == 0:
         # what no stage holds (outside the pipelined module, or unused by its forward) is the
         # same in every process
+        own = module.state_dict(keep_vars=True)
         held = {id(t) for m in pipe.stage_modules for t in m.state_dict(keep_vars=True).values()}
-        local.update({k: v.detach().cpu() for k, v in own.items() if id(v) not in held})
-    full: dict[str, Any] = {}
-    for part in _gather(local, all_ranks) if distributed else [local]:
-        full.update(part)
-    for tie in pipe.ties.ties if full else ():
-        for key, _ in tie.copies.values():
-            full[names(key)] = full[names(tie.name)]
-    aliases: dict[int, list[str]] = {}  # one tensor under several names (a tie in the module)
-    for k, v in own.items():
-        aliases.setdefault(id(v), []).append(k)
-    for keys in aliases.values() if full else ():
-        found = [k for k in keys if k in full]
-        for k in keys if found else ():
-            full.setdefault(k, full[found[0]])
-    return {k: full[k] for k in module.state_dict()} if full else {}
+        local.update({k: take(v) for k, v in own.items() if id(v) not in held})
+    return local
+
+
+def tie_groups(module: nn.Module, pipe: Pipeline, names: StateNames) -> list[list[str]]:
+    """The module's state-dict names that hold one tensor, in groups of two or more: one
+    tensor under several names in the module, and a tied weight's owner with its copies."""
+    groups: dict[int, list[str]] = {}
+    for k, v in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(v), []).append(k)
+    merged = [g for g in groups.values() if len(g) > 1]
+    for tie in pipe.ties.ties:
+        merged.append([names(tie.name), *(names(key) for key, _ in tie.copies.values())])
+    out: list[list[str]] = []  # groups sharing a name are one
+    for group in merged:
+        joined = [g for g in out if set(g) & set(group)]
+        for g in joined:
+            out.remove(g)
+        out.append(list(dict.fromkeys([*group, *(k for g in joined for k in g)])))
+    return out
 
 
 def _other_copy(pipe: Pipeline) -> bool:
@@ -197,6 +232,55 @@ def optimizer_state(
     offset, count = span
     merged["state"] = {k - offset: v for k, v in merged["state"].items() if 0 <= k - offset < count}
     return {**merged, "pipemare": extra} if offset == 0 else merged
+
+
+def stage_shard(
+    module: nn.Module,
+    pipe: Pipeline,
+    names: StateNames,
+    snapshot: Snapshot,
+    optimizer_states: Sequence[Any],
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """This process's shard of a per-stage checkpoint (:mod:`~pipemare.lightning.shards`):
+    its tensors, keyed as the whole model's checkpoint keys them, and what rank 0 writes to
+    ``meta.pt`` beside them: each optimiser's ``param_groups``, pipemare's settings and the
+    layout, the module's names in order and the names that share a tensor.
+
+    Args:
+        optimizer_states: the checkpoint's ``"optimizer_states"`` (:class:`Deferred` each).
+    """
+    with whole_state_collected():
+        weights = local_module_state(module, pipe, names, snapshot, cpu=False)
+        order = list(module.state_dict(keep_vars=True))
+        ties = tie_groups(module, pipe, names)
+    per_param = {} if _other_copy(pipe) else snapshot.optimizer_state()
+    extra = snapshot.pipemare_state()
+    tensors: dict[str, Any] = {"state_dict": weights, "optimizer_states": {}}
+    shared: list[dict[str, Any]] = []
+    for j, entry in enumerate(optimizer_states):
+        assert isinstance(entry, Deferred), "a per-stage checkpoint is taken from a snapshot"
+        offset, count = entry.span or (0, None)
+        state = {
+            k - offset: v for k, v in per_param.items() if count is None or 0 <= k - offset < count
+        }
+        tensors["optimizer_states"][str(j)] = {"state": {str(k): dict(v) for k, v in state.items()}}
+        part: dict[str, Any] = {"param_groups": entry.param_groups or []}
+        if offset == 0:
+            part["pipemare"] = {
+                "optimizer": dict(extra["optimizer"], buffers={}),
+                "pipeline": dict(extra["pipeline"], rng={}),
+                "layout": layout(pipe),
+            }
+        shared.append(part)
+    if not _other_copy(pipe):
+        tensors["pipemare"] = {
+            "buffers": {
+                name: {str(k): v for k, v in values.items()}
+                for name, values in extra["optimizer"]["buffers"].items()
+            },
+            "rng": {str(i): r for i, r in extra["pipeline"]["rng"].items() if r is not None},
+        }
+    return tensors, {"optimizer_states": shared, "order": order, "ties": ties}
 
 
 def layout(pipe: Pipeline) -> dict[str, Any]:
@@ -283,22 +367,55 @@ def warn_run_changes(notes: list[str], warn: Callable[[str], Any]) -> None:
 
 
 def load_optimizer_states(optimizers: Sequence[Any], states: Sequence[Any]) -> Any:
-    """Load each optimiser's own state; return pipemare's part of it (what
-    :func:`optimizer_state` saved under "pipemare"), or None where there is none."""
+    """Load each optimiser's settings (``param_groups``), not yet its per-parameter state;
+    return pipemare's part (what :func:`optimizer_state` saved under "pipemare"), or None
+    where there is none. :func:`load_parameter_states` loads the rest once the stages are
+    known."""
     pending = None
     for optimizer, state in zip(optimizers, states, strict=False):
-        optimizer.load_state_dict({k: v for k, v in state.items() if k != "pipemare"})
+        optimizer.load_state_dict({"state": {}, "param_groups": state["param_groups"]})
         if "pipemare" in state:
             pending = state["pipemare"]
     return pending
 
 
+def load_parameter_states(
+    pipe: Pipeline, optimizers: Sequence[Any], states: Sequence[Mapping[Any, Any]]
+) -> None:
+    """Load into each optimiser the saved per-parameter state of this process's stages'
+    parameters only: the others' entries are never read (from shards) or copied."""
+    local = {id(p) for i in pipe.local_stages for p in pipe.optimizer.stage_parameters(i)}
+    for optimizer, saved in zip(optimizers, states, strict=False):
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        mine = [k for k, p in enumerate(params) if id(p) in local]
+        groups = optimizer.state_dict()["param_groups"]
+        optimizer.load_state_dict({"state": read_local(saved, mine), "param_groups": groups})
+
+
+def _local_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> dict[str, Any]:
+    """pipemare's saved part with its buffers and random streams cut to this process's
+    stages (read only those from shards)."""
+    ordered = (p for g in pipe.optimizer.param_groups for p in g["params"])
+    index = {id(p): k for k, p in enumerate(ordered)}
+    mine = [index[id(p)] for i in pipe.local_stages for p in pipe.optimizer.stage_parameters(i)]
+    optimizer = dict(state["optimizer"])
+    buffers = optimizer.get("buffers", {})
+    optimizer["buffers"] = {name: read_local(b, mine) for name, b in buffers.items()}
+    pipeline = dict(state["pipeline"])
+    pipeline["rng"] = read_local(pipeline.get("rng", {}), pipe.local_stages)
+    return {**state, "optimizer": optimizer, "pipeline": pipeline}
+
+
 def consolidate(module: nn.Module, pipe: Pipeline, names: StateNames, device: torch.device) -> None:
     """Give every process the whole model again (as DDP leaves it): each held its stages."""
     full = module_state(module, pipe, names, all_ranks=True)
-    for stage in pipe.stage_modules:
-        if any(p.is_meta for p in stage.parameters()):
-            stage.to_empty(device=device)
+    # storage for every tensor still on the meta device, the user's module's (a stage module
+    # may hold a copy of a tied layer instead), ties kept; the state dict fills them
+    for m in module.modules():
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.empty_like(b, device=device)
+    materialize(module, [module], device, init="none")
     module.load_state_dict(full)
 
 
@@ -313,10 +430,13 @@ class Deferred(dict[str, Any]):
         snapshot: Snapshot,
         param_groups: list[dict[str, Any]] | None = None,
         span: tuple[int, int] | None = None,
+        sharded: bool = False,
     ):
         super().__init__()
         self.snapshot = snapshot
         self.param_groups, self.span = param_groups, span
+        #: written as per-stage shards (else gathered into one file)
+        self.sharded = sharded
 
 
 @dataclasses.dataclass
@@ -334,14 +454,20 @@ class SaveQueue:
     Args:
         write: writes a complete checkpoint (the strategy's base ``save_checkpoint``).
         remove: removes a checkpoint file (the base ``remove_checkpoint``).
+        write_shards: writes this process's shard and ``meta.pt``
+            (:func:`pipemare.lightning.shards.write`, collective).
+        sharded: whether checkpoints are written as per-stage shards now.
     """
 
     def __init__(
         self,
         write: Callable[[dict[str, Any], str, Any], None],
         remove: Callable[[str], None],
+        write_shards: Callable[[dict[str, Any], dict[str, Any], str], None] | None = None,
+        sharded: Callable[[], bool] = lambda: False,
     ) -> None:
         self._write, self._remove = write, remove
+        self._write_shards, self._sharded = write_shards, sharded
         self._entries: collections.deque[_Entry] = collections.deque()
         self._current: Snapshot | None = None  # taken by the dump in progress
 
@@ -376,6 +502,8 @@ class SaveQueue:
     def module_state(self, module: nn.Module, pipe: Pipeline, names: StateNames) -> dict[str, Any]:
         """``lightning_module_state_dict``: the whole model now, or a :class:`Deferred`."""
         snap = self._snapshot(pipe)
+        if self._sharded():  # each process writes its part at the write, gathering nothing
+            return Deferred(snap, sharded=True)
         if self._ready_now(pipe, snap):
             return module_state(module, pipe, names, snapshot=snap)
         return Deferred(snap)
@@ -386,6 +514,8 @@ class SaveQueue:
         groups = copy.deepcopy(optimizer.state_dict()["param_groups"])
         chain = pipe.optimizer.optimizer  # several optimisers: this one's part of the chain
         span = chain.span(optimizer) if isinstance(chain, ChainedOptimizer) else None
+        if self._sharded():
+            return Deferred(snap, groups, span, sharded=True)
         if self._ready_now(pipe, snap):
             return optimizer_state(groups, snap, span)
         return Deferred(snap, groups, span)
@@ -435,6 +565,9 @@ class SaveQueue:
                     assert pipe is not None
                     if not self._due(pipe, entry):
                         return
+                    if self._shard(entry, module, pipe, names):
+                        self._entries.popleft()
+                        continue
                     self._fill(entry, module, pipe, names)
                 self._write(entry.checkpoint, entry.filepath, entry.storage_options)
             self._entries.popleft()
@@ -451,6 +584,24 @@ class SaveQueue:
                 "complete in every process by now and is not here; this is a bug, please report it"
             )
         return due
+
+    def _shard(self, entry: _Entry, module: nn.Module, pipe: Pipeline, names: StateNames) -> bool:
+        """Write ``entry`` as per-stage shards if it was taken so; whether it was."""
+        checkpoint, snap = entry.checkpoint, entry.snapshot
+        assert checkpoint is not None and snap is not None
+        state = checkpoint.get("state_dict")
+        if not (isinstance(state, Deferred) and state.sharded):
+            return False
+        assert self._write_shards is not None
+        tensors, shared = stage_shard(
+            module, pipe, names, snap, checkpoint.get("optimizer_states", [])
+        )
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        meta["optimizer_states"] = shared["optimizer_states"]
+        meta[FORMAT] = {"version": 1, "order": shared["order"], "ties": shared["ties"]}
+        self._write_shards(tensors, meta, entry.filepath)
+        snap.release()
+        return True
 
     @staticmethod
     def _fill(entry: _Entry, module: nn.Module, pipe: Pipeline, names: StateNames) -> None:
@@ -488,6 +639,8 @@ class Checkpoints:
         write: writes a complete checkpoint file (the Lightning base's ``save_checkpoint``).
         remove: removes a checkpoint file (the base's ``remove_checkpoint``).
         warn: warns on rank 0 (a resume that changes the layout or the run says how).
+        write_shards: writes this process's shard (see :class:`SaveQueue`).
+        sharded: whether checkpoints are written as per-stage shards now.
     """
 
     def __init__(
@@ -495,10 +648,14 @@ class Checkpoints:
         write: Callable[[dict[str, Any], str, Any], None],
         remove: Callable[[str], None],
         warn: Callable[[str], Any],
+        write_shards: Callable[[dict[str, Any], dict[str, Any], str], None] | None = None,
+        sharded: Callable[[], bool] = lambda: False,
     ) -> None:
-        self.saves = SaveQueue(write, remove)
+        self.saves = SaveQueue(write, remove, write_shards, sharded)
         self._warn = warn
         self._pending: dict[str, Any] | None = None  # pipemare's part of a loaded checkpoint
+        #: the user's optimisers and their saved per-parameter states, until the stages exist
+        self._parameter_states: tuple[list[Any], list[Mapping[Any, Any]]] | None = None
         #: how a loaded checkpoint's run was laid out and corrected (validate, test and
         #: predict report it: they restore no optimiser state)
         self.trained: dict[str, Any] | None = None
@@ -528,17 +685,26 @@ class Checkpoints:
         self.trained = trained_layout(loaded)
 
     def load_optimizer_states(self, optimizers: Sequence[Any], states: Sequence[Any]) -> None:
-        """Load the user's optimiser states now; keep pipemare's part for the pipeline."""
+        """Load the user's optimisers' settings now; keep their per-parameter state and
+        pipemare's part for the pipeline, which knows this process's stages."""
         pending = load_optimizer_states(optimizers, states)
+        self._parameter_states = (
+            list(optimizers),
+            [s.get("state", {}) for s in states],
+        )
         if pending is not None:
             self._pending = pending
 
     def load_pending(self, pipe: Pipeline) -> bool:
-        """Load pipemare's part of a loaded checkpoint into ``pipe``, once both exist, and say
-        what the resume changed; whether there was one."""
+        """Load the per-parameter states of ``pipe``'s stages and pipemare's part of a loaded
+        checkpoint, once both exist, and say what the resume changed; whether there was a
+        checkpoint's pipemare part."""
+        if self._parameter_states is not None:
+            load_parameter_states(pipe, *self._parameter_states)
+            self._parameter_states = None
         if self._pending is None:
             return False
-        notes, run_notes = load_pipemare_state(pipe, self._pending)
+        notes, run_notes = load_pipemare_state(pipe, _local_pipemare_state(pipe, self._pending))
         self._pending = None
         warn_layout_changes(notes, self._warn)
         warn_run_changes(run_notes, self._warn)

@@ -254,3 +254,18 @@ def check_split_points(adapter: Any, split_points: Sequence[str] | None) -> None
                 f"split point {name!r} names no module of {adapter.what}{hint}; name the "
                 f"modules to cut before, e.g. {adapter.path}.transformer.h.2"
             )
+
+
+def check_state_keys(module: Any, state: Any) -> None:
+    """Refuse, as ``load_state_dict(strict=True)`` would, a checkpoint whose names are not the
+    module's (checked without reading any tensor)."""
+    own = list(module.state_dict(keep_vars=True))
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in set(own)]
+    if missing or unexpected:
+        raise RuntimeError(
+            f"Error(s) in loading state_dict for {type(module).__name__}: missing key(s) "
+            f"{missing[:6]}{' ...' if len(missing) > 6 else ''}, unexpected key(s) "
+            f"{unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}; the checkpoint was saved "
+            "from another model (or pass strict=False to load what matches)"
+        )

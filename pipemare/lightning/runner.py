@@ -32,6 +32,7 @@ from pipemare.lightning import checkpoint, checks
 from pipemare.lightning.checkpoint import Checkpoints
 from pipemare.lightning.evaluation import Evaluation
 from pipemare.lightning.packages import LightningPackage
+from pipemare.lightning.shards import read_local
 from pipemare.lightning.steps import (
     ModuleAdapter,
     UserSteps,
@@ -253,6 +254,7 @@ class PipelineRunner:
         write: writes a complete checkpoint file (the Lightning base's ``save_checkpoint``).
         remove: removes a checkpoint file (the base's ``remove_checkpoint``).
         on_fatal: called when this process's heartbeat thread ends it.
+        write_shards: writes this process's shard of a per-stage checkpoint (collective).
     """
 
     def __init__(
@@ -262,6 +264,7 @@ class PipelineRunner:
         write: Callable[[dict[str, Any], str, Any], None],
         remove: Callable[[str], None],
         on_fatal: Callable[[], None],
+        write_shards: Callable[[dict[str, Any], dict[str, Any], str], None] | None = None,
     ) -> None:
         self.options, self.package, self._on_fatal = options, package, on_fatal
         self._module: Any = None
@@ -278,7 +281,9 @@ class PipelineRunner:
         self._grads = GradStash()
         self._probes: dict[str, Any] = {}  # the telemetry settings the monitors asked for
         #: checkpoints in flight, and what a loaded one still has to give the pipeline
-        self.checkpoints = Checkpoints(write, remove, package.rank_zero_warn)
+        self.checkpoints = Checkpoints(
+            write, remove, package.rank_zero_warn, write_shards, lambda: self.sharded
+        )
         #: N once known (given, or ``"auto"`` decided at the first batch)
         self.microbatches: int | None = None
         #: the run's plan, decided at the first batch (later rebuilds keep its layout)
@@ -313,6 +318,16 @@ class PipelineRunner:
         """Whether the Trainer runs ``fit`` (not validate, test or predict)."""
         trainer = self._module.trainer if self._module is not None else None
         return trainer is not None and trainer.state.fn == "fit"
+
+    @property
+    def sharded(self) -> bool:
+        """Whether checkpoints are written as per-stage shards: as the option says, by default
+        where each process holds only its own stage (a model built on the meta device, in
+        several processes), since gathering it would bring the whole model into one process."""
+        choice = self.options.save_distributed_checkpoint
+        if choice is not None:
+            return choice
+        return self._place is not None and self._place.distributed and self.built is not None
 
     @property
     def steps(self) -> UserSteps:
@@ -460,6 +475,7 @@ class PipelineRunner:
             for name, p in self.module.named_parameters(remove_duplicate=False)
             if id(p) in real
         ]
+        state = read_local(state, [name for name, _ in mine])  # one pass over shards
         missing = load_stage_weights(state, mine)
         if missing:
             raise ValueError(

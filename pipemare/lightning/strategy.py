@@ -22,7 +22,6 @@ import datetime
 import importlib.util
 import os
 import signal
-import warnings
 from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -44,7 +43,7 @@ from pipemare.engine.layout import RankLayout
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.transport import DistributedTransport, destroy_at_exit
 from pipemare.engine.watchdog import Watchdog
-from pipemare.lightning import checks
+from pipemare.lightning import checks, shards
 from pipemare.lightning.launching import SigtermRelay, restarts_share_the_store
 from pipemare.lightning.packages import LIGHTNING, PYTORCH_LIGHTNING, LightningPackage
 from pipemare.lightning.runner import PipelineOptions, PipelineRunner, Placement
@@ -209,6 +208,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         advise: bool = True,
         weights: str | os.PathLike[str] | None = None,
         memory_limit: int | str | None = None,
+        save_distributed_checkpoint: bool | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -244,6 +244,12 @@ class PipeMareStrategyMixin(_StrategyBase):
         )
         if not isinstance(advise, bool):
             raise ValueError(f"advise must be True or False, got {advise!r}")
+        if save_distributed_checkpoint not in (None, True, False):
+            raise ValueError(
+                "save_distributed_checkpoint must be True (per-stage shards), False (one file "
+                f"of the whole model) or None (shards where no process holds the whole model), "
+                f"got {save_distributed_checkpoint!r}"
+            )
         if weights is not None and not os.path.exists(weights):
             raise ValueError(
                 f"weights={weights!r} does not exist; pass the path of a torch.save of the "
@@ -267,13 +273,19 @@ class PipeMareStrategyMixin(_StrategyBase):
             advise=advise,
             weights=None if weights is None else os.fspath(weights),
             memory_limit=None if memory_limit is None else _bytes(memory_limit),
+            save_distributed_checkpoint=save_distributed_checkpoint,
         )
         self._start_method, self._timeout = start_method, timeout
         self._num_nodes = 1
         self._failed = False
         self._divergence_delegated = False
         self._runner = PipelineRunner(
-            self._options, self._package, self._write_file, self._remove_file, self._end_launched
+            self._options,
+            self._package,
+            self._write_file,
+            self._remove_file,
+            self._end_launched,
+            self._write_shards,
         )
 
     # -- the arguments, as given -----------------------------------------------------------------
@@ -699,20 +711,51 @@ class PipeMareStrategyMixin(_StrategyBase):
     def _remove_file(self, filepath: Any) -> None:
         super().remove_checkpoint(filepath)
 
+    def _write_shards(self, tensors: dict[str, Any], meta: dict[str, Any], filepath: Any) -> None:
+        path = self.broadcast(os.fspath(filepath))  # every process writes under rank 0's name
+        shards.write(tensors, meta if self.is_global_zero else None, path, self.barrier)
+
+    @override
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """A directory of per-stage shards is read lazily, each process later reading only its
+        stage's tensors; a single file is memory-mapped, so that a process touches only the
+        bytes of the tensors it keeps (a remote one is read as Lightning reads it)."""
+        path = os.fspath(checkpoint_path)
+        if shards.is_sharded(path):
+            return shards.ShardedCheckpoint(path).checkpoint()
+        if "://" in path or not os.path.isfile(path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        try:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        except RuntimeError as error:  # written without the zip format: cannot be mapped
+            if "mmap" not in str(error):
+                raise
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Lightning's, noting how the checkpoint's run was laid out and corrected, which
-        validate, test and predict report (they restore no optimiser state)."""
+        validate, test and predict report (they restore no optimiser state). Where the model
+        was built on the meta device only the real tensors are read now, this process's
+        stage's once it is real (:meth:`PipelineRunner.keep_state_for_build`)."""
         self._runner.checkpoints.note_trained(checkpoint)
         module = self.lightning_module
-        if module is None or not has_meta(module):
-            super().load_model_state_dict(checkpoint, strict=strict)
+        assert module is not None
+        state = checkpoint["state_dict"]
+        if not has_meta(module):
+            if isinstance(state, shards.ShardedEntries):
+                state = state.read(state)
+            module.load_state_dict(state, strict=strict)
             return
+        if strict:
+            checks.check_state_keys(module, state)
+        own = module.state_dict(keep_vars=True)
+        real = [k for k, v in own.items() if not v.is_meta]
         if self._runner.built is None:  # no stage real yet: filled in once this one is
-            self._runner.keep_state_for_build(checkpoint["state_dict"])
-        with warnings.catch_warnings():  # other stages' tensors stay on the meta device
-            warnings.filterwarnings("ignore", message=".*to a meta parameter.*is a no-op")
-            super().load_model_state_dict(checkpoint, strict=strict)
+            self._runner.keep_state_for_build(state)
+        module.load_state_dict(shards.read_local(state, real), strict=False)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -94,7 +94,9 @@ def replace_parameters(root: nn.Module, new: Mapping[int, nn.Parameter]) -> None
 def to_meta(layers: nn.Module, root: nn.Module) -> None:
     """Send ``layers`` (another process's stage) to the meta device, freeing their storage;
     a parameter they share with a layer elsewhere in ``root`` is replaced there too, so that
-    ``root`` keeps its ties (``module.to("meta")`` gives each holder a parameter of its own)."""
+    ``root`` keeps its ties (``module.to("meta")`` gives each holder a parameter of its own).
+    Buffers that no state dict holds (non-persistent, e.g. rotary frequencies) stay: nothing
+    could give them back, and gathering the model needs them."""
     moved: dict[int, nn.Parameter] = {}
     for p in layers.parameters():
         if id(p) not in moved and not p.is_meta:
@@ -103,7 +105,7 @@ def to_meta(layers: nn.Module, root: nn.Module) -> None:
     replace_parameters(layers, moved)
     for m in layers.modules():
         for name, b in list(m._buffers.items()):
-            if b is not None:
+            if b is not None and name not in m._non_persistent_buffers_set:
                 m._buffers[name] = b.to("meta")
 
 

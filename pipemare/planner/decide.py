@@ -91,6 +91,9 @@ class PipelineOptions:
     weights: str | None = None
     #: bytes a stage may hold on a CPU (a CUDA device's are read from it); None: unchecked
     memory_limit: int | None = None
+    #: checkpoints as per-stage shards (True), one file of the whole model (False), or None:
+    #: shards where each process holds only its own stage (a model built on the meta device)
+    save_distributed_checkpoint: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,6 +27,8 @@ import pytest
 
 from pipemare import PipeMareStrategy
 from pipemare.experiments.studies.summary import memory_report
+from pipemare.lightning import shards
+from pipemare.lightning.shards import export_pretrained
 from support.launch import environment, run_all
 from support.lora import MODELS, FineTune, load_saved, pretrain, task
 from support.models import quiet_trainer
@@ -137,9 +139,32 @@ def test_lora_reads_its_base_a_stage_at_a_time_from_sharded_bf16_files(pretraine
     piped = FineTune("lora-llama")  # its base from the config: the file decides its values
     assert _val(piped) != pytest.approx(_val(plain), rel=1e-3)
     _fit(plain, "auto", EQUAL_STEPS)
-    strategy = PipeMareStrategy(stages=2, schedule="gpipe", weights=str(tmp_path / "bf16"))
-    _fit(piped, strategy, EQUAL_STEPS)
+    strategy = PipeMareStrategy(
+        stages=2, schedule="gpipe", weights=str(tmp_path / "bf16"), save_distributed_checkpoint=True
+    )
+    trainer = _fit(piped, strategy, EQUAL_STEPS)
     assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)
+    # its checkpoint, per-stage shards, gives the adapter alone for PeftModel.from_pretrained
+    trainer.save_checkpoint(tmp_path / "fine-tuned.ckpt")
+    assert shards.is_sharded(tmp_path / "fine-tuned.ckpt")
+    export_pretrained(tmp_path / "fine-tuned.ckpt", FineTune("lora-llama").model, tmp_path / "out")
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists()
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    loaded = load_saved("lora-llama", tmp_path / "rounded", tmp_path / "out")
+    assert _val(loaded) == pytest.approx(_val(piped), rel=1e-6)
+
+
+def test_a_fine_tuned_model_s_shards_export_to_from_pretrained(pretrained, tmp_path):
+    """Every weight trained through the cut; the per-stage checkpoint's weights written by
+    ``export_pretrained`` load with ``from_pretrained`` and validate as the pipeline's model."""
+    piped = FineTune("own-gpt2", pretrained=str(pretrained["gpt2"]))
+    strategy = PipeMareStrategy(stages=2, save_distributed_checkpoint=True)
+    trainer = _fit(piped, strategy, 4)
+    trainer.save_checkpoint(tmp_path / "fine-tuned.ckpt")
+    fresh = FineTune("own-gpt2")
+    export_pretrained(tmp_path / "fine-tuned.ckpt", fresh.model.model, tmp_path / "out")
+    loaded = load_saved("own-gpt2", pretrained["gpt2"], tmp_path / "out")
+    assert _val(loaded) == pytest.approx(_val(piped), rel=1e-6)
 
 
 @pytest.mark.parametrize("microbatches", [1, 2, 4])

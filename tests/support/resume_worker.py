@@ -124,6 +124,8 @@ def run(
     kill_rank: int = 0,
     kill_after_save: int | None = None,
     resume: Path | str | None = None,
+    sharded: bool | None = None,
+    schedule: str = "pipemare",
 ) -> pl.Trainer:
     """Train; write ``final.pt`` (weights) and ``seen.json`` (sample indices per step)."""
     pl.seed_everything(0)
@@ -148,7 +150,9 @@ def run(
         strategy=pipemare.PipeMareStrategy(
             stages=stages if devices == 1 else None,
             microbatches=2,
+            schedule=schedule,
             balance="even",
+            save_distributed_checkpoint=sharded,
             stall_timeout=60,  # generous: a busy machine must not look like a stall
         ),
         accelerator="cpu",
@@ -188,6 +192,10 @@ def main() -> None:
         help="in torchrun's first attempt, kill --kill-rank this many steps after last.ckpt exists",
     )
     parser.add_argument("--resume", help='a checkpoint, or "last" (the newest last.ckpt, if any)')
+    parser.add_argument(
+        "--sharded", action="store_const", const=True, help="per-stage checkpoint directories"
+    )
+    parser.add_argument("--schedule", default="pipemare")
     args = parser.parse_args()
     torch.set_num_threads(1)
     run(**{k.replace("-", "_"): v for k, v in vars(args).items()})
