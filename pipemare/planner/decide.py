@@ -805,6 +805,29 @@ def _planned_from(facts: RunFacts) -> list[Decision]:
     ]
 
 
+def _checkpoints(options: PipelineOptions, facts: RunFacts) -> list[Decision]:
+    """How a fit's checkpoints are written: per-stage shards or one file, and why."""
+    if not facts.fitting:
+        return []
+    shards, one = "per-stage shards, each process writing its own", "one file of the whole model"
+    asked = options.save_distributed_checkpoint
+    if asked is not None:
+        return [Decision("checkpoints", shards if asked else one, "save_distributed_checkpoint")]
+    if facts.built is not None and facts.process_stages is not None:
+        why = (
+            "no process holds the whole model (built on the meta device), and a file of it "
+            "would gather it into one; `pipemare consolidate` makes one file from the shards"
+        )
+        return [Decision("checkpoints", shards, why)]
+    holds = (
+        "one process runs every stage"
+        if facts.process_stages is None
+        else ("every process built the whole model")
+    )
+    why = f"{holds}, so collecting it adds no new peak; save_distributed_checkpoint=True shards"
+    return [Decision("checkpoints", one, why)]
+
+
 def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
     """The whole run's plan from what was asked and what was measured (see the module).
 
@@ -842,6 +865,7 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
         *decided,
         *cut_decided,
         *advised,
+        *_checkpoints(options, facts),
     ]
     optimizer = facts.optimizer if facts.optimizer is not None else _stand_in()
     settings = resolve(

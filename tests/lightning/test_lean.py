@@ -254,6 +254,7 @@ def test_a_process_holds_only_its_own_stage(tmp_path):
     assert any("holds only its own stage" in d for d in rank0["decisions"])
     assert rank0["test_loss"] == rank1["test_loss"]
     assert "planned from: the first training batch" in "\n".join(rank0["decisions"])
+    assert "checkpoints: per-stage shards" in "\n".join(rank0["decisions"])
     # state_dict() of a stage alone warns, naming the fix; rank 1 holds every tensor (the
     # embedding's tied copy included), so its state dict is whole
     (said,) = rank0["state_dict_warnings"]
