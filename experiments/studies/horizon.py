@@ -9,8 +9,15 @@ live weights. Step times are not measured here.
 - ``python experiments/studies/horizon.py run --variant pipemare --stages 4 --seed 0``: trains
   one run into ``OUT/runs/KEY.json`` (the protocol's format) and writes its curve to
   ``OUT/gpt_c64s-VARIANT-P{P}-N{N}-s{SEED}-{STEPS}steps.json`` with the command that made it.
+- ``python experiments/studies/horizon.py times``: each schedule's pipeline seconds per step
+  at P = 2, 4, 8 (1F1B at every N it could run, gpipe, ``async`` and ``pipemare`` at N = P and
+  2P), from per-action times measured once and replayed with each stage on a device of its own
+  (:func:`~pipemare.experiments.studies.protocol.step_time`), into ``OUT/step_times.json``.
+  Run it alone on the machine.
 - ``python experiments/studies/horizon.py table``: ``OUT/README.md`` from the curves written
-  so far (final validation loss per (schedule, P, N, seed), mean, spread, gap to one device).
+  so far (final validation loss per (schedule, P, N, seed), mean, spread, gap to one device)
+  and, with the step times, each cell's pipeline time to 1F1B's final quality against 1F1B's
+  own at its fastest N.
 
 "One device" is gpipe (P = 2, N = 1, as the user protocol runs it): it computes what one device
 computes for the minibatch, and so does 1F1B.
@@ -110,6 +117,88 @@ def _reach(curve: list[list[float]], target: float) -> str:
     return next((f"{s:.0f}" for s, m in curve if m <= 1.01 * target), "never")
 
 
+def _times(args: argparse.Namespace) -> None:
+    import torch
+
+    from pipemare.experiments.studies.protocol import TASKS, step_time
+    from pipemare.experiments.studies.user_protocol import auto_n, one_f_one_b_ns
+
+    torch.set_num_threads(1)  # one core per stage's work, as the runs train
+    path = Path(args.out) / "step_times.json"
+    times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    task = TASKS[_TASK]
+    for p in args.stages:
+        n = auto_n(task, p)
+        keys = [("1f1b", p, m) for m in one_f_one_b_ns(task, p)]
+        keys += [("gpipe", p, n), ("async", p, n), ("pipemare", p, n), ("pipemare", p, 2 * n)]
+        for v, stages, m in keys:
+            key = f"{_TASK}-{v}-P{stages}-N{m}"
+            if key not in times:
+                times[key] = step_time(task, v, stages, m, None, 12, warm=8, repeats=3)
+                print(f"{key}: {1000 * times[key]:.1f} ms", flush=True)
+                path.write_text(json.dumps(times, indent=1, sort_keys=True))
+
+
+def _time_rows(
+    times: dict[str, float], cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]]
+) -> list[str]:
+    """Per P: 1F1B at its fastest N reaches its own final quality (one device's: it computes
+    what one device computes) at one device's reach step; every other cell at its own."""
+    rows = [
+        "| P | schedule | N | step (ms) | step × 1F1B's | step within 1% of 1F1B's final "
+        "(seed-mean curve) | pipeline time to it (s) | × 1F1B's time |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    one = {k: v for k, v in cells.items() if k[0] == "gpipe"}
+    if not one:
+        return []
+    (_, _, _, steps), seeds = next(iter(one.items()))
+    target = statistics.fmean(r["final_val_loss"] for r in seeds.values())
+    for p in sorted({k[1] for k in cells if k[0] != "gpipe"}):
+        ns = {
+            int(k.rsplit("-N", 1)[1]): t
+            for k, t in times.items()
+            if k.startswith(f"{_TASK}-1f1b-P{p}-N") and math.isfinite(t)
+        }
+        if not ns:
+            continue
+        n_star = min(ns, key=lambda m: (ns[m], m))
+        base_step = ns[n_star]
+        reach = _mean_reach(list(seeds.values()), target)
+        base = reach * base_step if reach is not None else math.nan
+        rows.append(
+            f"| {p} | 1f1b (its fastest N; one device's curve) | {n_star} | "
+            f"{1000 * base_step:.1f} | 1.00 | {_shown(reach)} | {base:.1f} | 1.00 |"
+        )
+        for (v, cp, n, st), runs in sorted(cells.items()):
+            if cp != p or v == "gpipe" or st != steps:
+                continue
+            step = times.get(f"{_TASK}-{v}-P{p}-N{n}", math.nan)
+            reach = _mean_reach(list(runs.values()), target)
+            time = reach * step if reach is not None else math.nan
+            ratio = f"{time / base:.2f}" if reach is not None else "never"
+            rows.append(
+                f"| {p} | {v} | {n} | {1000 * step:.1f} | {step / base_step:.2f} | "
+                f"{_shown(reach)} | {time:.1f} | {ratio} |"
+            )
+    return rows
+
+
+def _mean_reach(runs: list[dict[str, Any]], target: float) -> float | None:
+    """The seed-mean curve's first evaluated step within 1% of ``target`` (None: never)."""
+    if not all(len(r["curve"]) == len(runs[0]["curve"]) for r in runs):
+        return None
+    curve = [
+        (point[0], statistics.fmean(r["curve"][i][1] for r in runs))
+        for i, point in enumerate(runs[0]["curve"])
+    ]
+    return next((s for s, m in curve if m <= 1.01 * target), None)
+
+
+def _shown(reach: float | None) -> str:
+    return "never" if reach is None else f"{reach:.0f}"
+
+
 def _table(args: argparse.Namespace) -> None:
     out = Path(args.out)
     records = [json.loads(p.read_text()) for p in sorted(out.glob(f"{_TASK}-*steps.json"))]
@@ -150,9 +239,13 @@ def _table(args: argparse.Namespace) -> None:
             f"{', '.join(map(str, sorted(seeds)))} | {_fmt(values)} | {mean:.3f} | "
             f"±{half:.3f} | {gap} | {reach} |"
         )
+    path = out / "step_times.json"
+    timed = _time_rows(json.loads(path.read_text()), cells) if path.exists() else []
     template = (out / "README.template.md").read_text()
     (out / "README.md").write_text(
-        template.replace("{{TABLE}}", "\n".join(rows)).replace("{{COUNT}}", str(len(records)))
+        template.replace("{{TABLE}}", "\n".join(rows))
+        .replace("{{COUNT}}", str(len(records)))
+        .replace("{{TIMES}}", "\n".join(timed) or "(no step times measured yet)")
     )
 
 
@@ -169,8 +262,11 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--out", default=str(_OUT))
     table = sub.add_parser("table", help="write OUT/README.md from the curves so far")
     table.add_argument("--out", default=str(_OUT))
+    times = sub.add_parser("times", help="replayed step times at P = 2, 4, 8 (run it alone)")
+    times.add_argument("--out", default=str(_OUT))
+    times.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
     args = parser.parse_args(argv)
-    (_run if args.what == "run" else _table)(args)
+    {"run": _run, "table": _table, "times": _times}[args.what](args)
 
 
 if __name__ == "__main__":

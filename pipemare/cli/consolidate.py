@@ -34,6 +34,6 @@ def main(argv: list[str] | None = None) -> None:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    atomic_save(shards.consolidate(args.checkpoint), args.output)
+    atomic_save(shards.consolidate_checkpoint(args.checkpoint), args.output)
     size = os.path.getsize(args.output) / 2**20
     print(f"wrote {args.output} ({size:.1f} MB), the whole model of {args.checkpoint}")

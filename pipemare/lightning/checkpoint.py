@@ -464,15 +464,18 @@ class SaveQueue:
         write: Callable[[dict[str, Any], str, Any], None],
         remove: Callable[[str], None],
         write_shards: Callable[[dict[str, Any], dict[str, Any], str], None] | None = None,
-        sharded: Callable[[], bool] = lambda: False,
+        sharded: Callable[[], bool] | None = None,
     ) -> None:
         self._write, self._remove = write, remove
-        self._write_shards, self._sharded = write_shards, sharded
+        self._write_shards, self._is_sharded = write_shards, sharded
         self._entries: collections.deque[_Entry] = collections.deque()
         self._current: Snapshot | None = None  # taken by the dump in progress
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def _sharded(self) -> bool:
+        return self._is_sharded is not None and self._is_sharded()
 
     @property
     def pending(self) -> list[str]:
@@ -649,7 +652,7 @@ class Checkpoints:
         remove: Callable[[str], None],
         warn: Callable[[str], Any],
         write_shards: Callable[[dict[str, Any], dict[str, Any], str], None] | None = None,
-        sharded: Callable[[], bool] = lambda: False,
+        sharded: Callable[[], bool] | None = None,
     ) -> None:
         self.saves = SaveQueue(write, remove, write_shards, sharded)
         self._warn = warn

@@ -282,7 +282,7 @@ class PipelineRunner:
         self._probes: dict[str, Any] = {}  # the telemetry settings the monitors asked for
         #: checkpoints in flight, and what a loaded one still has to give the pipeline
         self.checkpoints = Checkpoints(
-            write, remove, package.rank_zero_warn, write_shards, lambda: self.sharded
+            write, remove, package.rank_zero_warn, write_shards, self._shards_now
         )
         #: N once known (given, or ``"auto"`` decided at the first batch)
         self.microbatches: int | None = None
@@ -328,6 +328,9 @@ class PipelineRunner:
         if choice is not None:
             return choice
         return self._place is not None and self._place.distributed and self.built is not None
+
+    def _shards_now(self) -> bool:  # a method, not a lambda: spawn pickles the runner
+        return self.sharded
 
     @property
     def steps(self) -> UserSteps:

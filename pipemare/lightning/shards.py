@@ -15,10 +15,10 @@ them by, never by stage:
   and each stage's random stream.
 
 So a run cut another way reads the same keys: at another P each process reads only the tensors
-its new stage owns (:class:`ShardedCheckpoint`, lazily, key by key). :func:`consolidate` turns
-the directory into one ordinary Lightning checkpoint (the command ``pipemare consolidate``), and
-:func:`export_pretrained` into a Hugging Face ``save_pretrained`` directory, or a ``peft``
-adapter's.
+its new stage owns (:class:`ShardedCheckpoint`, lazily, key by key).
+:func:`consolidate_checkpoint` turns the directory into one ordinary Lightning checkpoint (the
+command ``pipemare consolidate``), and :func:`export_pretrained` into a Hugging Face
+``save_pretrained`` directory, or a ``peft`` adapter's.
 
 The directory appears whole or not at all: the processes write into a hidden
 ``.NAME.pipemare-partial`` beside it, which rank 0 renames into place once every shard and
@@ -45,7 +45,7 @@ __all__ = [
     "META",
     "ShardedCheckpoint",
     "ShardedEntries",
-    "consolidate",
+    "consolidate_checkpoint",
     "export_pretrained",
     "is_sharded",
     "write",
@@ -300,14 +300,14 @@ def read_local(entries: Mapping[Any, Any], names: Iterable[Any]) -> dict[Any, An
     return {n: entries[n] for n in names if n in entries}
 
 
-def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
+def consolidate_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The whole-model Lightning checkpoint the shards at ``path`` make up: what
     ``trainer.save_checkpoint`` writes with ``save_distributed_checkpoint=False``, which
     ``load_from_checkpoint`` reads on one device. Needs the whole model to fit in memory.
 
     Example (the command does the same)::
 
-        torch.save(consolidate("epoch=0-step=40.ckpt"), "whole.ckpt")
+        torch.save(consolidate_checkpoint("epoch=0-step=40.ckpt"), "whole.ckpt")
         # python -m pipemare consolidate epoch=0-step=40.ckpt whole.ckpt
     """
     shards = ShardedCheckpoint(path)
@@ -342,7 +342,7 @@ def export_pretrained(
         model = AutoModelForCausalLM.from_config(config)      # or a PeftModel
         export_pretrained("last.ckpt", model, "fine-tuned/")  # then from_pretrained("fine-tuned/")
     """
-    state = consolidate(path)["state_dict"] if is_sharded(path) else _state_of_file(path)
+    state = consolidate_checkpoint(path)["state_dict"] if is_sharded(path) else _state_of_file(path)
     own = model.state_dict(keep_vars=True)
     prefix = _common_prefix(state, own)
     found = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
