@@ -12,8 +12,9 @@ live weights. Step times are not measured here.
 - ``python experiments/studies/horizon.py times``: each schedule's pipeline seconds per step
   at P = 2, 4, 8 (1F1B at every N it could run, gpipe, ``async`` and ``pipemare`` at N = P and
   2P), from per-action times measured once and replayed with each stage on a device of its own
-  (:func:`~pipemare.experiments.studies.protocol.step_time`), into ``OUT/step_times.json``.
-  Run it alone on the machine.
+  (:func:`~pipemare.experiments.studies.protocol.step_time`), into
+  ``OUT/step_times-{SITTING}.json``; the table takes each configuration's median over the
+  sittings. Run it alone on the machine.
 - ``python experiments/studies/horizon.py table``: ``OUT/README.md`` from the curves written
   so far (final validation loss per (schedule, P, N, seed), mean, spread, gap to one device)
   and, with the step times, each cell's pipeline time to 1F1B's final quality against 1F1B's
@@ -124,7 +125,7 @@ def _times(args: argparse.Namespace) -> None:
     from pipemare.experiments.studies.user_protocol import auto_n, one_f_one_b_ns
 
     torch.set_num_threads(1)  # one core per stage's work, as the runs train
-    path = Path(args.out) / "step_times.json"
+    path = Path(args.out) / f"step_times-{args.sitting}.json"
     times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
     task = TASKS[_TASK]
     for p in args.stages:
@@ -239,8 +240,12 @@ def _table(args: argparse.Namespace) -> None:
             f"{', '.join(map(str, sorted(seeds)))} | {_fmt(values)} | {mean:.3f} | "
             f"±{half:.3f} | {gap} | {reach} |"
         )
-    path = out / "step_times.json"
-    timed = _time_rows(json.loads(path.read_text()), cells) if path.exists() else []
+    sittings = [json.loads(p.read_text()) for p in sorted(out.glob("step_times-*.json"))]
+    times = {  # the median over the sittings of each configuration
+        k: statistics.median(s[k] for s in sittings if k in s)
+        for k in {k for s in sittings for k in s}
+    }
+    timed = _time_rows(times, cells) if times else []
     template = (out / "README.template.md").read_text()
     (out / "README.md").write_text(
         template.replace("{{TABLE}}", "\n".join(rows))
@@ -265,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
     times = sub.add_parser("times", help="replayed step times at P = 2, 4, 8 (run it alone)")
     times.add_argument("--out", default=str(_OUT))
     times.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
+    times.add_argument("--sitting", type=int, default=1, help="a sitting's number (its file)")
     args = parser.parse_args(argv)
     {"run": _run, "table": _table, "times": _times}[args.what](args)
 
