@@ -189,11 +189,40 @@ def _mean_reach(runs: list[dict[str, Any]], target: float) -> float | None:
     """The seed-mean curve's first evaluated step within 1% of ``target`` (None: never)."""
     if not all(len(r["curve"]) == len(runs[0]["curve"]) for r in runs):
         return None
-    curve = [
-        (point[0], statistics.fmean(r["curve"][i][1] for r in runs))
-        for i, point in enumerate(runs[0]["curve"])
+    return next((s for s, m in _mean_curve(runs) if m <= 1.01 * target), None)
+
+
+def _along_rows(cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]]) -> list[str]:
+    """Each cell's seed-mean gap to one device's seed-mean curve at equal steps along the run:
+    whether a penalty is an offset that closes or one that lasts."""
+    one = [c for k, c in cells.items() if k[0] == "gpipe"]
+    if not one:
+        return []
+    base = dict(_mean_curve(list(one[0].values())))
+    points = [100, 200, 400, 600, 1200, 1800, 2400]
+    rows = [
+        "| schedule | P | N | seeds | " + " | ".join(f"step {s}" for s in points) + " |",
+        "|---|---|---|---|" + "---|" * len(points),
     ]
-    return next((s for s, m in curve if m <= 1.01 * target), None)
+    for (v, p, n, _), runs in sorted(cells.items()):
+        if v == "gpipe":
+            continue
+        curve = dict(_mean_curve(list(runs.values())))
+        gaps = [
+            f"{100 * (curve[s] / base[s] - 1):+.1f}%" if s in curve and s in base else ""
+            for s in points
+        ]
+        rows.append(f"| {v} | {p} | {n} | {len(runs)} | " + " | ".join(gaps) + " |")
+    return rows
+
+
+def _mean_curve(runs: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """The seeds' mean validation loss at each step all of them evaluated."""
+    length = min(len(r["curve"]) for r in runs)
+    return [
+        (runs[0]["curve"][i][0], statistics.fmean(r["curve"][i][1] for r in runs))
+        for i in range(length)
+    ]
 
 
 def _shown(reach: float | None) -> str:
@@ -228,10 +257,7 @@ def _table(args: argparse.Namespace) -> None:
         gap = "" if v == "gpipe" or steps not in base else f"{100 * (mean / base[steps] - 1):+.1f}%"
         reach = ""
         if steps in base and all(len(r["curve"]) == len(runs[0]["curve"]) for r in runs):
-            curve = [
-                [point[0], statistics.fmean(r["curve"][i][1] for r in runs)]
-                for i, point in enumerate(runs[0]["curve"])
-            ]
+            curve = [list(point) for point in _mean_curve(runs)]
             each = ", ".join(_reach(r["curve"], base[steps]) for r in runs)
             reach = f"{_reach(curve, base[steps])} ({each})"
         where = "one device" if v == "gpipe" else f"{p}"
@@ -251,6 +277,7 @@ def _table(args: argparse.Namespace) -> None:
         template.replace("{{TABLE}}", "\n".join(rows))
         .replace("{{COUNT}}", str(len(records)))
         .replace("{{TIMES}}", "\n".join(timed) or "(no step times measured yet)")
+        .replace("{{ALONG}}", "\n".join(_along_rows(cells)))
     )
 
 
