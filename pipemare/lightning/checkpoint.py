@@ -41,7 +41,7 @@ from pipemare.engine.lagged import snapshot_lag
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.snapshot import Snapshot
 from pipemare.engine.transport import DistributedTransport
-from pipemare.lightning.shards import FORMAT, read_local
+from pipemare.lightning.shards import FORMAT, pack, read_local
 from pipemare.model.materialize import materialize, whole_state_collected
 from pipemare.optim.chain import ChainedOptimizer
 
@@ -255,7 +255,10 @@ def stage_shard(
         ties = tie_groups(module, pipe, names)
     per_param = {} if _other_copy(pipe) else snapshot.optimizer_state()
     extra = snapshot.pipemare_state()
-    tensors: dict[str, Any] = {"state_dict": weights, "optimizer_states": {}}
+    tensors: dict[str, Any] = {
+        "state_dict": {k: pack(v) for k, v in weights.items()},
+        "optimizer_states": {},
+    }
     shared: list[dict[str, Any]] = []
     for j, entry in enumerate(optimizer_states):
         assert isinstance(entry, Deferred), "a per-stage checkpoint is taken from a snapshot"
@@ -263,7 +266,9 @@ def stage_shard(
         state = {
             k - offset: v for k, v in per_param.items() if count is None or 0 <= k - offset < count
         }
-        tensors["optimizer_states"][str(j)] = {"state": {str(k): dict(v) for k, v in state.items()}}
+        tensors["optimizer_states"][str(j)] = {
+            "state": {str(k): {f: pack(x) for f, x in v.items()} for k, v in state.items()}
+        }
         part: dict[str, Any] = {"param_groups": entry.param_groups or []}
         if offset == 0:
             part["pipemare"] = {
@@ -456,7 +461,7 @@ class SaveQueue:
         remove: removes a checkpoint file (the base ``remove_checkpoint``).
         write_shards: writes this process's shard and ``meta.pt``
             (:func:`pipemare.lightning.shards.write`, collective).
-        sharded: whether checkpoints are written as per-stage shards now.
+        sharded: whether the checkpoint at a path is written as per-stage shards now.
     """
 
     def __init__(
@@ -464,7 +469,7 @@ class SaveQueue:
         write: Callable[[dict[str, Any], str, Any], None],
         remove: Callable[[str], None],
         write_shards: Callable[[dict[str, Any], dict[str, Any], str], None] | None = None,
-        sharded: Callable[[], bool] | None = None,
+        sharded: Callable[[str], bool] | None = None,
     ) -> None:
         self._write, self._remove = write, remove
         self._write_shards, self._is_sharded = write_shards, sharded
@@ -474,8 +479,8 @@ class SaveQueue:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _sharded(self) -> bool:
-        return self._is_sharded is not None and self._is_sharded()
+    def _sharded(self, path: str = "") -> bool:
+        return self._is_sharded is not None and self._is_sharded(path)
 
     @property
     def pending(self) -> list[str]:
@@ -595,6 +600,8 @@ class SaveQueue:
         state = checkpoint.get("state_dict")
         if not (isinstance(state, Deferred) and state.sharded):
             return False
+        if not self._sharded(str(entry.filepath)):  # e.g. a remote path: one file after all
+            return False
         assert self._write_shards is not None
         tensors, shared = stage_shard(
             module, pipe, names, snap, checkpoint.get("optimizer_states", [])
@@ -643,7 +650,7 @@ class Checkpoints:
         remove: removes a checkpoint file (the base's ``remove_checkpoint``).
         warn: warns on rank 0 (a resume that changes the layout or the run says how).
         write_shards: writes this process's shard (see :class:`SaveQueue`).
-        sharded: whether checkpoints are written as per-stage shards now.
+        sharded: whether the checkpoint at a path is written as per-stage shards now.
     """
 
     def __init__(
@@ -652,7 +659,7 @@ class Checkpoints:
         remove: Callable[[str], None],
         warn: Callable[[str], Any],
         write_shards: Callable[[dict[str, Any], dict[str, Any], str], None] | None = None,
-        sharded: Callable[[], bool] | None = None,
+        sharded: Callable[[str], bool] | None = None,
     ) -> None:
         self.saves = SaveQueue(write, remove, write_shards, sharded)
         self._warn = warn
@@ -682,6 +689,11 @@ class Checkpoints:
         if pipe is None:
             return optimizer.state_dict()
         return self.saves.optimizer_state(optimizer, pipe)
+
+    def forget_loaded(self) -> None:
+        """Drop what a checkpoint loaded for an earlier run of the Trainer still held for its
+        pipeline (a run that stopped before its first batch): a new run starts clean."""
+        self._pending, self._parameter_states = None, None
 
     def note_trained(self, loaded: Mapping[str, Any]) -> None:
         """Keep how a loaded checkpoint's run was laid out and corrected."""

@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -103,6 +104,15 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     os.makedirs(directory, exist_ok=True)
     name = os.path.basename(path)
     _sweep(directory, name)
+    if os.path.isdir(path):  # per-stage shards of the same name, replaced by one file
+        old = f"{directory}/.{name}{_TAG}old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        try:
+            atomic_save(obj, path)
+        finally:
+            shutil.rmtree(old, ignore_errors=True)
+        return
     if not _write_unnamed(obj, directory, path):
         fd, tmp = tempfile.mkstemp(prefix=f".{name}{_TAG}", suffix=".tmp", dir=directory)
         try:

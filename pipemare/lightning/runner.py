@@ -329,7 +329,11 @@ class PipelineRunner:
             return choice
         return self._place is not None and self._place.distributed and self.built is not None
 
-    def _shards_now(self) -> bool:  # a method, not a lambda: spawn pickles the runner
+    def _shards_now(self, path: str) -> bool:  # a method, not a lambda: spawn pickles the runner
+        """Whether the checkpoint ``path`` is written as shards: a remote one is not unless
+        asked for (shards need a filesystem every process shares)."""
+        if "://" in path and self.options.save_distributed_checkpoint is None:
+            return False
         return self.sharded
 
     @property
@@ -389,6 +393,7 @@ class PipelineRunner:
         if isinstance(options.microbatches, int):
             self.microbatches = options.microbatches
         self.pipeline = None
+        self.checkpoints.forget_loaded()  # optimiser states are restored after setup
 
     def attach_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """The optimisers Lightning made from ``configure_optimizers`` (none outside fit)."""
@@ -445,7 +450,10 @@ class PipelineRunner:
         local = [place.layout.position(place.global_rank)[1]] if place.layout else range(stages)
         starts = [sum(cut[:i]) for i in range(len(cut) + 1)]
         layers = [seq[j] for i in local for j in range(starts[i], starts[i + 1])]
-        init = "none" if self.options.weights else init_method(adapter.pipelined)
+        # weights from a file or a loaded checkpoint replace the initialisation (which would
+        # also reset buffers the checkpoint gave, e.g. BatchNorm's statistics)
+        from_file = self.options.weights or self._pending_state is not None
+        init = "none" if from_file else init_method(adapter.pipelined)
         if seq is adapter.pipelined:
             made = materialize(adapter.pipelined, layers, device, init)
         else:  # segments: the user's modules that own the stage's parameters are made real

@@ -28,6 +28,7 @@ The directory appears whole or not at all: the processes write into a hidden
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import warnings
@@ -48,6 +49,9 @@ __all__ = [
     "consolidate_checkpoint",
     "export_pretrained",
     "is_sharded",
+    "pack",
+    "read_local",
+    "unpack",
     "write",
 ]
 
@@ -58,6 +62,27 @@ META = "meta.pt"
 FORMAT = "pipemare_shards"
 _PARTIAL = ".pipemare-partial"
 _OLD = ".pipemare-old"
+
+
+_PACKED = b"pipemare-packed:"
+
+
+def pack(value: Any) -> Any:
+    """A list, tuple or dict as one value (DCP would split it into a key per item, which the
+    reader does not put back together: an optimiser's list of tensors, a module's extra
+    state); anything else as it is."""
+    if not isinstance(value, (list, tuple, dict)):
+        return value
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return _PACKED + buffer.getvalue()
+
+
+def unpack(value: Any) -> Any:
+    """What :func:`pack` packed, back."""
+    if isinstance(value, bytes) and value.startswith(_PACKED):
+        return torch.load(io.BytesIO(value[len(_PACKED) :]), weights_only=False)
+    return value
 
 
 def is_sharded(path: str | os.PathLike[str]) -> bool:
@@ -79,7 +104,7 @@ def write(
 
     if "://" in str(path):
         raise ValueError(
-            f"pipemare writes per-stage checkpoints to a local or shared filesystem, not to "
+            f"pipemare writes per-stage checkpoints to a filesystem every process shares, not to "
             f"{path}; pass save_distributed_checkpoint=False to write one file of the whole "
             "model there"
         )
@@ -282,9 +307,9 @@ class ShardedEntries(Mapping[Any, Any]):
         for name, source in sources.items():
             entry = self._saved[source]
             if isinstance(entry, Mapping):
-                out[name] = {field: values[k] for field, k in entry.items()}
+                out[name] = {field: unpack(values[k]) for field, k in entry.items()}
             else:
-                out[name] = values[entry]
+                out[name] = unpack(values[entry])
         return out
 
 
@@ -342,7 +367,11 @@ def export_pretrained(
         model = AutoModelForCausalLM.from_config(config)      # or a PeftModel
         export_pretrained("last.ckpt", model, "fine-tuned/")  # then from_pretrained("fine-tuned/")
     """
-    state = consolidate_checkpoint(path)["state_dict"] if is_sharded(path) else _state_of_file(path)
+    if is_sharded(path):  # the weights only, not the optimiser's state
+        lazy = ShardedCheckpoint(path).state_dict()
+        state = lazy.read(lazy)
+    else:
+        state = _state_of_file(path)
     own = model.state_dict(keep_vars=True)
     prefix = _common_prefix(state, own)
     found = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}

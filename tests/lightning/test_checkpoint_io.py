@@ -95,3 +95,14 @@ def test_ckpt_path_last_never_picks_what_a_killed_save_left(other_fs):
     )
     assert resolved == str(other_fs / "last.ckpt")
     assert torch.equal(torch.load(resolved)["w"], torch.zeros(10))
+
+
+def test_a_file_replaces_a_directory_of_shards_of_the_same_name(tmp_path):
+    """A run that writes one file (one process, or save_distributed_checkpoint=False) where an
+    earlier run wrote per-stage shards of the same name replaces them."""
+    shards = tmp_path / "last.ckpt"
+    shards.mkdir()
+    (shards / "meta.pt").write_bytes(b"old")
+    atomic_save({"w": torch.ones(1)}, shards)
+    assert shards.is_file() and torch.load(shards)["w"].tolist() == [1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]

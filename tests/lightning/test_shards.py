@@ -161,3 +161,28 @@ def test_a_resume_at_another_p_reads_only_its_own_tensors_and_the_shards_consoli
         mine = {k for k in final if stage_of[k[:6]] == rank} - {"gpt.3.lm_head.weight"}
         assert mine <= set(weights)
     assert "gpt.0.weight" in weights  # rank 1's head, tied to the embedding, read under its name
+
+
+def test_nested_values_survive_the_shards(tmp_path):
+    """DCP splits a list or dict into a key per item; an optimiser's list of tensors (LBFGS's
+    ``old_dirs``) and a module's dict of extra state come back whole."""
+    import torch.distributed.checkpoint as dcp
+
+    nested = [torch.ones(2), torch.zeros(1)]
+    extra = {"scale": 2.0, "table": torch.arange(3)}
+    saved = {
+        "state_dict": {"net.0.weight": torch.ones(2), "net._extra_state": shards.pack(extra)},
+        "optimizer_states": {"0": {"state": {"3": {"old_dirs": shards.pack(nested)}}}},
+    }
+    dcp.save(saved, checkpoint_id=tmp_path, no_dist=True)
+    meta = {
+        shards.FORMAT: {"version": 1, "order": ["net.0.weight", "net._extra_state"], "ties": []},
+        "optimizer_states": [{"param_groups": []}],
+    }
+    torch.save(meta, tmp_path / shards.META)
+    loaded = shards.ShardedCheckpoint(tmp_path).checkpoint()
+    state = loaded["state_dict"].read(loaded["state_dict"])
+    assert state["net._extra_state"]["scale"] == 2.0
+    assert state["net._extra_state"]["table"].tolist() == [0, 1, 2]
+    (field,) = loaded["optimizer_states"][0]["state"].read([3]).values()
+    assert [t.tolist() for t in field["old_dirs"]] == [[1.0, 1.0], [0.0]]
