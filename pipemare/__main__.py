@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         elif command == "consolidate":
             from pipemare.cli import consolidate
 
-            consolidate.main(rest)
+            consolidate.run_consolidate(rest)
         else:  # the experiments' commands
             _experiment(command)(rest)
     except ModuleNotFoundError as err:

@@ -13,10 +13,10 @@ import argparse
 import os
 import sys
 
-__all__ = ["main"]
+__all__ = ["run_consolidate"]
 
 
-def main(argv: list[str] | None = None) -> None:
+def run_consolidate(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="pipemare consolidate",
         description="Turn a directory of per-stage shards into one Lightning checkpoint file.",

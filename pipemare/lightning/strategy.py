@@ -47,7 +47,7 @@ from pipemare.lightning import checks, shards
 from pipemare.lightning.launching import SigtermRelay, restarts_share_the_store
 from pipemare.lightning.packages import LIGHTNING, PYTORCH_LIGHTNING, LightningPackage
 from pipemare.lightning.runner import PipelineOptions, PipelineRunner, Placement
-from pipemare.model.materialize import has_meta, meta_parameters
+from pipemare.model.materialize import has_meta, meta_parameters, whole_state_collected
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import RunSettings
 from pipemare.planner.decide import Advice
@@ -749,9 +749,10 @@ class PipeMareStrategyMixin(_StrategyBase):
                 state = state.read(state)
             module.load_state_dict(state, strict=strict)
             return
-        if strict:
-            checks.check_state_keys(module, state)
-        own = module.state_dict(keep_vars=True)
+        with whole_state_collected():  # names only: no warning about the meta entries
+            if strict:
+                checks.check_state_keys(module, state)
+            own = module.state_dict(keep_vars=True)
         real = [k for k, v in own.items() if not v.is_meta]
         if self._runner.built is None:  # no stage real yet: filled in once this one is
             self._runner.keep_state_for_build(state)
