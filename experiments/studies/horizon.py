@@ -49,8 +49,9 @@ def _commit() -> str:
     return f"{os.environ.get('HORIZON_CODE_COMMIT', 'unknown')} (imported from {code})"
 
 
-def _name(variant: str, stages: int, n: int, seed: int, steps: int) -> str:
-    return f"{_TASK}-{variant}-P{stages}-N{n}-s{seed}-{steps}steps"
+def _name(variant: str, stages: int, n: int, seed: int, steps: int, lr: float = _RATE) -> str:
+    rate = "" if lr == _RATE else f"-lr{lr:g}"  # the re-tune's other rates
+    return f"{_TASK}-{variant}-P{stages}-N{n}-s{seed}-{steps}steps{rate}"
 
 
 def _run(args: argparse.Namespace) -> None:
@@ -104,7 +105,7 @@ def _run(args: argparse.Namespace) -> None:
         "pipemare_file": pipemare.__file__,
         "protocol_run": str(out / "runs" / f"{job.key}.json"),
     }
-    path = out / f"{_name(args.variant, stages, n, args.seed, args.steps)}.json"
+    path = out / f"{_name(args.variant, stages, n, args.seed, args.steps, args.lr)}.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"{path.name}: final validation loss {final:.4f} ({result.seconds:.0f} s)", flush=True)
 
@@ -143,45 +144,44 @@ def _times(args: argparse.Namespace) -> None:
 def _time_rows(
     times: dict[str, float], cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]]
 ) -> list[str]:
-    """Per P: 1F1B at its fastest N reaches its own final quality (one device's: it computes
-    what one device computes) at one device's reach step; every other cell at its own."""
+    """Per horizon and P: 1F1B at its fastest N reaches its own final quality (one device's: it
+    computes what one device computes) at one device's reach step; every other cell at its own."""
     rows = [
-        "| P | schedule | N | step (ms) | step × 1F1B's | step within 1% of 1F1B's final "
+        "| steps | P | schedule | N | step (ms) | step × 1F1B's | step within 1% of 1F1B's final "
         "(seed-mean curve) | pipeline time to it (s) | × 1F1B's time |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
-    one = {k: v for k, v in cells.items() if k[0] == "gpipe"}
-    if not one:
-        return []
-    (_, _, _, steps), seeds = next(iter(one.items()))
-    target = statistics.fmean(r["final_val_loss"] for r in seeds.values())
-    for p in sorted({k[1] for k in cells if k[0] != "gpipe"}):
-        ns = {
-            int(k.rsplit("-N", 1)[1]): t
-            for k, t in times.items()
-            if k.startswith(f"{_TASK}-1f1b-P{p}-N") and math.isfinite(t)
-        }
-        if not ns:
+    for (v, _, _, steps), seeds in sorted(cells.items(), key=lambda c: c[0][3]):
+        if v != "gpipe":
             continue
-        n_star = min(ns, key=lambda m: (ns[m], m))
-        base_step = ns[n_star]
-        reach = _mean_reach(list(seeds.values()), target)
-        base = reach * base_step if reach is not None else math.nan
-        rows.append(
-            f"| {p} | 1f1b (its fastest N; one device's curve) | {n_star} | "
-            f"{1000 * base_step:.1f} | 1.00 | {_shown(reach)} | {base:.1f} | 1.00 |"
-        )
-        for (v, cp, n, st), runs in sorted(cells.items()):
-            if cp != p or v == "gpipe" or st != steps:
+        target = statistics.fmean(r["final_val_loss"] for r in seeds.values())
+        for p in sorted({k[1] for k in cells if k[0] != "gpipe" and k[3] == steps}):
+            ns = {
+                int(k.rsplit("-N", 1)[1]): t
+                for k, t in times.items()
+                if k.startswith(f"{_TASK}-1f1b-P{p}-N") and math.isfinite(t)
+            }
+            if not ns:
                 continue
-            step = times.get(f"{_TASK}-{v}-P{p}-N{n}", math.nan)
-            reach = _mean_reach(list(runs.values()), target)
-            time = reach * step if reach is not None else math.nan
-            ratio = f"{time / base:.2f}" if reach is not None else "never"
+            n_star = min(ns, key=lambda m: (ns[m], m))
+            base_step = ns[n_star]
+            reach = _mean_reach(list(seeds.values()), target)
+            base = reach * base_step if reach is not None else math.nan
             rows.append(
-                f"| {p} | {v} | {n} | {1000 * step:.1f} | {step / base_step:.2f} | "
-                f"{_shown(reach)} | {time:.1f} | {ratio} |"
+                f"| {steps} | {p} | 1f1b (its fastest N; one device's curve) | {n_star} | "
+                f"{1000 * base_step:.1f} | 1.00 | {_shown(reach)} | {base:.1f} | 1.00 |"
             )
+            for (cv, cp, n, st), runs in sorted(cells.items()):
+                if cp != p or cv == "gpipe" or st != steps:
+                    continue
+                step = times.get(f"{_TASK}-{cv}-P{p}-N{n}", math.nan)
+                reach = _mean_reach(list(runs.values()), target)
+                time = reach * step if reach is not None else math.nan
+                ratio = f"{time / base:.2f}" if reach is not None else "never"
+                rows.append(
+                    f"| {steps} | {p} | {cv} | {n} | {1000 * step:.1f} | "
+                    f"{step / base_step:.2f} | {_shown(reach)} | {time:.1f} | {ratio} |"
+                )
     return rows
 
 
@@ -193,26 +193,51 @@ def _mean_reach(runs: list[dict[str, Any]], target: float) -> float | None:
 
 
 def _along_rows(cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]]) -> list[str]:
-    """Each cell's seed-mean gap to one device's seed-mean curve at equal steps along the run:
-    whether a penalty is an offset that closes or one that lasts."""
-    one = [c for k, c in cells.items() if k[0] == "gpipe"]
-    if not one:
-        return []
-    base = dict(_mean_curve(list(one[0].values())))
-    points = [100, 200, 400, 600, 1200, 1800, 2400]
+    """Each cell's seed-mean gap to one device's seed-mean curve at equal steps along the run
+    (at the same fractions of each horizon): whether a penalty is an offset that closes or one
+    that lasts."""
+    fractions = [(1, 24), (1, 12), (1, 6), (1, 4), (1, 2), (3, 4), (1, 1)]
     rows = [
-        "| schedule | P | N | seeds | " + " | ".join(f"step {s}" for s in points) + " |",
-        "|---|---|---|---|" + "---|" * len(points),
+        "| steps | schedule | P | N | seeds | "
+        + " | ".join(f"{a}/{b} of the run" if b > 1 else "end" for a, b in fractions)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(fractions),
     ]
-    for (v, p, n, _), runs in sorted(cells.items()):
-        if v == "gpipe":
+    for (v, _, _, steps), one in sorted(cells.items(), key=lambda c: c[0][3]):
+        if v != "gpipe":
             continue
-        curve = dict(_mean_curve(list(runs.values())))
-        gaps = [
-            f"{100 * (curve[s] / base[s] - 1):+.1f}%" if s in curve and s in base else ""
-            for s in points
-        ]
-        rows.append(f"| {v} | {p} | {n} | {len(runs)} | " + " | ".join(gaps) + " |")
+        base = dict(_mean_curve(list(one.values())))
+        points = [steps * a // b for a, b in fractions]
+        for (cv, p, n, st), runs in sorted(cells.items()):
+            if cv == "gpipe" or st != steps:
+                continue
+            curve = dict(_mean_curve(list(runs.values())))
+            gaps = [
+                f"{100 * (curve[s] / base[s] - 1):+.1f}% (step {s})"
+                if s in curve and s in base
+                else ""
+                for s in points
+            ]
+            rows.append(f"| {steps} | {cv} | {p} | {n} | {len(runs)} | " + " | ".join(gaps) + " |")
+    return rows
+
+
+def _rate_rows(records: list[dict[str, Any]]) -> list[str]:
+    """The one-device rate re-tuned at each horizon: final validation loss per rate and seed."""
+    rows = ["| steps | lr | seeds | final validation loss per seed | mean |", "|---|---|---|---|---|"]
+    cells: dict[tuple[int, float], list[dict[str, Any]]] = {}
+    for r in records:
+        if r["schedule"] == "gpipe":
+            cells.setdefault((r["steps"], r["lr"]), []).append(r)
+    for (steps, lr), runs in sorted(cells.items()):
+        runs.sort(key=lambda r: r["seed"])
+        values = [r["final_val_loss"] for r in runs]
+        tag = " (the task's rate)" if lr == _RATE else ""
+        rows.append(
+            f"| {steps} | {lr:g}{tag} | "
+            f"{', '.join(str(r['seed']) for r in runs)} | {_fmt(values)} | "
+            f"{statistics.fmean(values):.3f} |"
+        )
     return rows
 
 
@@ -231,7 +256,8 @@ def _shown(reach: float | None) -> str:
 
 def _table(args: argparse.Namespace) -> None:
     out = Path(args.out)
-    records = [json.loads(p.read_text()) for p in sorted(out.glob(f"{_TASK}-*steps.json"))]
+    every = [json.loads(p.read_text()) for p in sorted(out.glob(f"{_TASK}-*steps*.json"))]
+    records = [r for r in every if r["lr"] == _RATE]
     cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]] = {}
     for r in records:
         key = (r["schedule"], r["stages"], r["microbatches"], r["steps"])
@@ -278,6 +304,7 @@ def _table(args: argparse.Namespace) -> None:
         .replace("{{COUNT}}", str(len(records)))
         .replace("{{TIMES}}", "\n".join(timed) or "(no step times measured yet)")
         .replace("{{ALONG}}", "\n".join(_along_rows(cells)))
+        .replace("{{RATES}}", "\n".join(_rate_rows(every)))
     )
 
 
