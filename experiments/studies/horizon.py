@@ -224,7 +224,10 @@ def _along_rows(cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]
 
 def _rate_rows(records: list[dict[str, Any]]) -> list[str]:
     """The one-device rate re-tuned at each horizon: final validation loss per rate and seed."""
-    rows = ["| steps | lr | seeds | final validation loss per seed | mean |", "|---|---|---|---|---|"]
+    rows = [
+        "| steps | lr | seeds | final validation loss per seed | mean |",
+        "|---|---|---|---|---|",
+    ]
     cells: dict[tuple[int, float], list[dict[str, Any]]] = {}
     for r in records:
         if r["schedule"] == "gpipe":
