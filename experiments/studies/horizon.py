@@ -70,7 +70,10 @@ def _run(args: argparse.Namespace) -> None:
         stages, n = 2, 1  # one device's computation, as the user protocol runs it
     elif n is None:
         n = auto_n(task, stages)
-    job = Job(_TASK, args.variant, stages, n, args.lr, args.seed, args.steps)
+    # the protocol's run key has no length: another horizon is told apart by a suffix, so that
+    # it neither reuses nor overwrites the 2,400-step run of the same configuration
+    suffix = "" if args.steps == _STEPS else f"-{args.steps}steps"
+    job = Job(_TASK, args.variant, stages, n, args.lr, args.seed, args.steps, suffix)
     out = Path(args.out)
     execute([job], out, 1, job.key)
     result = load_result(out, job)
