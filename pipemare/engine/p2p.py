@@ -5,6 +5,7 @@ with them."""
 from __future__ import annotations
 
 import collections
+import time
 from typing import Any
 
 import torch
@@ -12,6 +13,7 @@ import torch.distributed as dist
 
 from pipemare.engine import wire
 from pipemare.engine.errors import out_of_order
+from pipemare.engine.link import LinkClock
 from pipemare.engine.payload import tensors
 from pipemare.engine.watchdog import Watchdog
 
@@ -75,10 +77,13 @@ class Inbox:
         for work in slot.works:
             self.watchdog.wait(work, self.peer, what)
         header = slot.header.tolist()
-        got, signature = header[0], tuple(header[1:-1])
+        got, signature = header[0], wire.signature(header)
         self.watchdog.heard(self.peer, got, completed=header[-1])
         if got != microbatch:
             raise out_of_order(src, dst, channel, microbatch, got)
+        hold = wire.deliver_at(header) - time.time()
+        if hold > 0:  # a simulated link has not delivered it yet
+            time.sleep(hold)
         buffers = slot.buffers
         if signature != slot.expected:  # the posted tensors got a throwaway; fetch the real ones
             if slot.expected is not None:
@@ -165,6 +170,10 @@ class Outbox:
     :class:`Inbox`), so a send completes only then; the outbox keeps ``depth + 2`` messages
     in flight (:class:`SendsInFlight`) and waits for older ones only when the receiver has
     fallen more than ``2 depth + 2`` messages behind.
+
+    With ``link`` (a simulated link's clock, :class:`~pipemare.engine.link.LinkClock`) each
+    message carries the time its bytes would have crossed that link, and the receiver holds it
+    until then; the send itself is not delayed.
     """
 
     def __init__(
@@ -174,8 +183,9 @@ class Outbox:
         depth: int,
         watchdog: Watchdog | None = None,
         channel: str = "message",
+        link: LinkClock | None = None,
     ) -> None:
-        self.peer, self.groups, self.channel = peer, groups, channel
+        self.peer, self.groups, self.channel, self.link = peer, groups, channel, link
         # the shapes the receiver's posted receive for the next message expects
         self._expected: collections.deque[tuple[int, ...] | None] = collections.deque(
             [None] * depth
@@ -186,12 +196,15 @@ class Outbox:
     def send(self, microbatch: int, payload: Any, device: torch.device, completed: int = 0) -> None:
         """Post the message's sends; its tensors are kept until it is delivered."""
         header_group, payload_group, extra_group = self.groups
-        header = wire.encode(microbatch, payload, completed)
-        signature = tuple(header[1:-1])
+        parts = [t.detach().contiguous() for t in tensors(payload) if t is not None]
+        deliver = 0.0
+        if self.link is not None:
+            deliver = self.link.deliver_at(sum(t.numel() * t.element_size() for t in parts))
+        header = wire.encode(microbatch, payload, completed, deliver)
+        signature = wire.signature(header)
         expected = self._expected.popleft()
         self._expected.append(signature)
         head = torch.tensor(header, dtype=torch.int64, device=device)
-        parts = [t.detach().contiguous() for t in tensors(payload) if t is not None]
         out = [(dist.isend(head, dst=self.peer, group=header_group), head)]
         group = payload_group
         if signature != expected:

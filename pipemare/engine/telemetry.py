@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipemare.engine.link import Links
+
 __all__ = ["DiscrepancySample", "Probe", "Span", "replay_timeline", "summarize_spans"]
 
 # (stage, name, index, start, end): name is "F", "B", "U", "recv" or "send"
@@ -264,13 +266,18 @@ def summarize_spans(spans: Sequence[Span], wall: float) -> dict[int, dict[str, f
     return stats
 
 
-def replay_timeline(spans: Sequence[Span], num_stages: int) -> tuple[list[Span], float]:
+def replay_timeline(
+    spans: Sequence[Span], num_stages: int, links: Links | None = None
+) -> tuple[list[Span], float]:
     """Replay the actions recorded in one process as if every stage had a device of its own.
 
     Each stage runs its actions in the recorded order, each taking its measured compute time; a
     forward waits for the previous stage's forward of the same microbatch, a backward for the
-    next stage's backward (communication is taken as free). This is how the simulator estimates
-    a real pipeline's utilisation from one process.
+    next stage's backward. Without ``links`` communication is free; with them
+    (:class:`~pipemare.engine.link.Links`) the output of a forward or backward leaves when the
+    action ends and arrives when its link delivers it, in series behind that link's earlier
+    messages, while the sender computes on. This is how the simulator estimates a real
+    pipeline's utilisation from one process.
 
     Returns:
         The replayed spans and the makespan. Receives and sends (in one process they are queue
@@ -287,17 +294,23 @@ def replay_timeline(spans: Sequence[Span], num_stages: int) -> tuple[list[Span],
             continue
         actions.append((stage, name, index, end - start - comm[stage], marks[stage]))
         comm[stage], marks[stage] = 0.0, []
-    ready: dict[tuple[str, int, int], float] = {}
+    ready: dict[tuple[str, int, int], float] = {}  # (action, microbatch, receiving stage)
     free = [0.0] * num_stages
     out: list[Span] = []
+    last = num_stages - 1
     for stage, name, index, dur, comms in actions:
         start = free[stage]
         if name == "F" and stage > 0:
-            start = max(start, ready.get(("F", index, stage - 1), 0.0))
-        if name == "B" and stage < num_stages - 1:
-            start = max(start, ready.get(("B", index, stage + 1), 0.0))
+            start = max(start, ready.get(("F", index, stage), 0.0))
+        if name == "B" and stage < last:
+            start = max(start, ready.get(("B", index, stage), 0.0))
         end = start + max(dur, 0.0)
-        ready[(name, index, stage)] = end
+        if name == "F" and stage < last:
+            sent = end if links is None else links.arrival(stage, True, end)
+            ready[("F", index, stage + 1)] = sent
+        if name == "B" and stage > 0:
+            sent = end if links is None else links.arrival(stage - 1, False, end)
+            ready[("B", index, stage - 1)] = sent
         free[stage] = end
         out.extend((stage, c, i, start, start) for c, i in comms if c == "recv")
         out.append((stage, name, index, start, end))

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from pipemare.engine.errors import out_of_order
 from pipemare.engine.layout import RankLayout
+from pipemare.engine.link import Link, LinkClock
 from pipemare.engine.p2p import Inbox, Outbox
 from pipemare.engine.watchdog import Watchdog, this_process
 
@@ -173,6 +174,11 @@ class DistributedTransport(Transport):
         heartbeat_timeout: seconds without a heartbeat after which another process is named
             as lost (killed, stopped or unreachable) however long a step takes (see
             :mod:`pipemare.engine.heartbeat`); None: no heartbeat, ``stall_timeout`` alone.
+        simulated_link: a slower link than the real one between neighbouring stages, for
+            checking a replay on one machine (:mod:`pipemare.engine.link`): a
+            :class:`~pipemare.engine.link.Link` or ``"1Gb/s@1ms"``. Each message becomes
+            receivable no earlier than its send time plus the latency plus its bytes over the
+            bandwidth, one direction's messages in series; senders never wait for it.
     """
 
     def __init__(
@@ -182,7 +188,10 @@ class DistributedTransport(Transport):
         stall_timeout: float = 300.0,
         layout: RankLayout | None = None,
         heartbeat_timeout: float | None = 30.0,
+        simulated_link: Link | str | None = None,
     ) -> None:
+        #: the simulated link between neighbours, or None (the real one alone)
+        self.simulated_link = None if simulated_link is None else Link.parse(simulated_link)
         self.device = torch.device(device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         init_process_group(backend)
@@ -262,7 +271,7 @@ class DistributedTransport(Transport):
                 self._inbox[src, ch] = inbox
             if 0 <= dst < stages:
                 self._outbox[dst, ch] = Outbox(
-                    self._rank_of[dst], groups[ch], DEPTH, self.watchdog, ch
+                    self._rank_of[dst], groups[ch], DEPTH, self.watchdog, ch, self._clock()
                 )
 
     def rank_of(self, stage: int) -> int:
@@ -279,8 +288,11 @@ class DistributedTransport(Transport):
             self._inbox[src, channel] = inbox
         if me == src:
             self._outbox[dst, channel] = Outbox(
-                self._rank_of[dst], groups, self._depth, self.watchdog, channel
+                self._rank_of[dst], groups, self._depth, self.watchdog, channel, self._clock()
             )
+
+    def _clock(self) -> LinkClock | None:
+        return None if self.simulated_link is None else LinkClock(self.simulated_link)
 
     def send(self, src: int, dst: int, channel: str, microbatch: int, payload: Any) -> None:
         completed = self.completed.get(src, 0)

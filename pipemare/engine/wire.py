@@ -2,9 +2,11 @@
 sender's progress.
 
 Header: [microbatch, count (-1: one bare tensor), then per tensor: dtype code (-1 = None),
-ndim, dims..., zeros, and last the steps the sender's stage had completed (for the error
-that names a failed stage's progress)]. The entries between the first and the last are the
-message's *signature*: two messages with equal signatures fit the same receive buffers.
+ndim, dims..., zeros, then the time (microseconds since the epoch) before which a simulated
+link holds the message (0: no simulated link, :mod:`pipemare.engine.link`), and last the steps
+the sender's stage had completed (for the error that names a failed stage's progress)]. The
+entries between the first and the last two are the message's *signature*
+(:func:`signature`): two messages with equal signatures fit the same receive buffers.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch
 
 from pipemare.engine.payload import tensors
 
-__all__ = ["HEADER", "buffers", "decode", "encode"]
+__all__ = ["HEADER", "buffers", "decode", "deliver_at", "encode", "signature"]
 
 HEADER = 128  # entries, int64
 _DTYPES = [
@@ -35,9 +37,9 @@ _DTYPES = [
 _CODE = {dt: i for i, dt in enumerate(_DTYPES)}
 
 
-def encode(microbatch: int, payload: Any, completed: int = 0) -> list[int]:
+def encode(microbatch: int, payload: Any, completed: int = 0, deliver_at: float = 0.0) -> list[int]:
     """The header of ``payload``, ``microbatch``'s, from a stage that completed ``completed``
-    steps."""
+    steps; a simulated link holds it until ``deliver_at`` (seconds since the epoch; 0: never)."""
     bare = isinstance(payload, torch.Tensor)
     items = tensors(payload)
     header = [microbatch, -1 if bare else len(items)]
@@ -48,12 +50,22 @@ def encode(microbatch: int, payload: Any, completed: int = 0) -> list[int]:
         if t.dtype not in _CODE:
             raise TypeError(f"cannot send tensors of dtype {t.dtype} between stages")
         header += [_CODE[t.dtype], t.dim(), *t.shape]
-    if len(header) > HEADER - 1:
+    if len(header) > HEADER - 2:
         raise ValueError(
             f"a stage output of {len(items)} tensors with these shapes needs a "
-            f"{len(header)}-entry header, more than {HEADER - 1}; return fewer or flatter tensors"
+            f"{len(header)}-entry header, more than {HEADER - 2}; return fewer or flatter tensors"
         )
-    return header + [0] * (HEADER - 1 - len(header)) + [completed]
+    return header + [0] * (HEADER - 2 - len(header)) + [round(deliver_at * 1e6), completed]
+
+
+def signature(header: list[int]) -> tuple[int, ...]:
+    """The entries of ``header`` that say which receive buffers its message fits."""
+    return tuple(header[1:-2])
+
+
+def deliver_at(header: list[int]) -> float:
+    """Seconds since the epoch before which a simulated link holds the message (0: none)."""
+    return header[-2] / 1e6
 
 
 def decode(

@@ -905,6 +905,7 @@ class PipelineRunner:
             stall_timeout=self.options.stall_timeout,
             layout=place.layout,
             heartbeat_timeout=self.options.heartbeat_timeout,
+            simulated_link=self.options.simulated_link,
         )
         # a process ended by its heartbeat thread first ends those it launched, as on an error
         transport.watchdog.reporter.on_fatal(self._on_fatal)

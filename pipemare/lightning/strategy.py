@@ -40,6 +40,7 @@ from typing_extensions import override
 from pipemare.engine.build import compile_options
 from pipemare.engine.heartbeat import Heartbeat, announce
 from pipemare.engine.layout import RankLayout
+from pipemare.engine.link import Link
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.transport import DistributedTransport, destroy_at_exit
 from pipemare.engine.watchdog import Watchdog
@@ -107,6 +108,12 @@ class PipeMareStrategyMixin(_StrategyBase):
             named as lost (killed, stopped, hung in a native call, unreachable) and every
             process exits non-zero, however long a step takes (default 30; None: off). See
             :mod:`pipemare.engine.heartbeat`.
+        simulated_link: run the links between neighbouring stages' processes as if they were
+            slower, e.g. ``"1Gb/s@1ms"`` or ``"10Gb/s@20us"`` (bandwidth, then latency): each
+            message is received no earlier than its send time plus the latency plus its bytes
+            over the bandwidth, a link's messages one after another. For checking what a
+            slower network would cost on one machine; the replays the run prints take this
+            link. Processes over torch.distributed only (default None: the real links).
         recompute: activation recomputation: every stage but the last keeps only its input
             per in-flight microbatch and reruns its forward at backward time, with the weights
             its backward uses (under ``async``/``pipemare`` those are backward-time weights,
@@ -203,6 +210,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         stall_timeout: float = 300.0,
         recompute: bool = False,
         heartbeat_timeout: float | None = 30.0,
+        simulated_link: str | Link | None = None,
         compile: bool | dict[str, Any] = False,
         microbatch_weights: str | Callable[[list[Any]], list[float]] = "auto",
         advise: bool = True,
@@ -244,6 +252,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         )
         if not isinstance(advise, bool):
             raise ValueError(f"advise must be True or False, got {advise!r}")
+        link = None if simulated_link is None else Link.parse(simulated_link)
         if save_distributed_checkpoint not in (None, True, False):
             raise ValueError(
                 "save_distributed_checkpoint must be True (per-stage shards), False (one file "
@@ -270,6 +279,7 @@ class PipeMareStrategyMixin(_StrategyBase):
             microbatch_weights=microbatch_weights,
             stall_timeout=float(stall_timeout),
             heartbeat_timeout=None if heartbeat_timeout is None else float(heartbeat_timeout),
+            simulated_link=link,
             advise=advise,
             weights=None if weights is None else os.fspath(weights),
             memory_limit=None if memory_limit is None else _bytes(memory_limit),

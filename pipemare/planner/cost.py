@@ -9,6 +9,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
+from pipemare.engine.link import Link, Links
 from pipemare.engine.telemetry import Span, replay_timeline
 from pipemare.model import partition
 from pipemare.planner.measurements import LayerProfile, Overhead, Profile
@@ -161,52 +162,22 @@ def _check_schedule(profile: Profile, schedule: str | None) -> str:
 def _replay(
     streams: _Streams,
     durations: Sequence[tuple[float, float, float]],
-    links: Sequence[float] | None,
+    links: Links | None,
 ) -> dict[int, dict[int, float]]:
     """Replay the streams with each stage's durations; per stage, when each update ended.
 
-    Without ``links`` communication is free and the replay is
-    :func:`pipemare.engine.telemetry.replay_timeline` itself, on synthetic spans. With ``links``
-    (seconds to carry one microbatch's activation over the link after stage ``i``; its
-    gradient takes as long back) a message leaves when its action ends, queues behind the
-    link's earlier messages and arrives that many seconds later; compute and transfers overlap.
+    Without ``links`` communication is free; with them (:class:`~pipemare.engine.link.Links`)
+    a message leaves when its action ends, queues behind its link's earlier messages and
+    arrives when the link delivers it; compute and transfers overlap. Either way the replay is
+    :func:`pipemare.engine.telemetry.replay_timeline` itself, on synthetic spans.
     """
     names = {Op.FORWARD: "F", Op.BACKWARD: "B", Op.UPDATE: "U"}
-    if links is None:
-        spans: list[Span] = []
-        for stage, op, index in streams.order:
-            seconds = durations[stage]["FBU".index(names[op])]
-            spans.append((stage, names[op], index, 0.0, seconds))
-        replayed, _ = replay_timeline(spans, len(durations))
-        return _update_ends(replayed)
-    return _replay_links(streams, durations, links)
-
-
-def _replay_links(
-    streams: _Streams,
-    durations: Sequence[tuple[float, float, float]],
-    links: Sequence[float],
-) -> dict[int, dict[int, float]]:
-    last = len(durations) - 1
-    free = [0.0] * len(durations)
-    arrive: dict[tuple[Op, int, int], float] = {}  # (op, microbatch, receiving stage)
-    busy = {Op.FORWARD: [0.0] * len(durations), Op.BACKWARD: [0.0] * len(durations)}
-    ends: dict[int, dict[int, float]] = defaultdict(dict)
+    spans: list[Span] = []
     for stage, op, index in streams.order:
-        start = free[stage]
-        if (op is Op.FORWARD and stage > 0) or (op is Op.BACKWARD and stage < last):
-            start = max(start, arrive.pop((op, index, stage)))
-        end = start + durations[stage][(Op.FORWARD, Op.BACKWARD, Op.UPDATE).index(op)]
-        free[stage] = end
-        if op is Op.UPDATE:
-            ends[stage][index] = end
-        elif (op is Op.FORWARD and stage < last) or (op is Op.BACKWARD and stage > 0):
-            to = stage + 1 if op is Op.FORWARD else stage - 1
-            channel = busy[op]
-            edge = min(stage, to)  # the link between stages edge and edge+1
-            channel[edge] = max(end, channel[edge]) + links[edge]
-            arrive[(op, index, to)] = channel[edge]
-    return ends
+        seconds = durations[stage]["FBU".index(names[op])]
+        spans.append((stage, names[op], index, 0.0, seconds))
+    replayed, _ = replay_timeline(spans, len(durations), links)
+    return _update_ends(replayed)
 
 
 def _update_ends(spans: Iterable[Span]) -> dict[int, dict[int, float]]:
@@ -246,24 +217,48 @@ def steady_step_time(spans: Sequence[Span], num_stages: int, skip: int = 2) -> f
 
 
 def replayed_step_time(
-    schedule: str, durations: Sequence[tuple[float, float, float]], microbatches: int
+    schedule: str,
+    durations: Sequence[tuple[float, float, float]],
+    microbatches: int,
+    links: Sequence[Link] | None = None,
+    message_bytes: Sequence[float] | None = None,
 ) -> float:
     """Seconds per optimiser step P devices take in steady state when every forward, backward
-    and update of stage ``i`` takes ``durations[i]`` seconds (communication free).
+    and update of stage ``i`` takes ``durations[i]`` seconds.
 
     The schedule's action streams replayed through their dependencies, as :func:`evaluate`
     replays a modelled layout; a pure function of its arguments, so per-action times measured
-    once give the same pipeline time every time they are replayed.
+    once give the same pipeline time every time they are replayed. Communication is free
+    unless ``links`` (``links[i]`` joins stages ``i`` and ``i + 1``) and ``message_bytes``
+    (what one microbatch carries across each, either way) are given: then each message
+    crosses its link as :class:`~pipemare.engine.link.Links` says, overlapped with compute
+    wherever the schedule has other work, exposed wherever a stage waits for it.
 
     Example:
         >>> replayed_step_time("async", [(1.0, 2.0, 0.5)] * 2, microbatches=1)
         3.5
         >>> replayed_step_time("gpipe", [(1.0, 2.0, 0.5)] * 2, microbatches=1)
         6.5
+        >>> link = [Link(latency_s=0.1, bandwidth=10.0)]  # 0.1 s, then 0.1 s per byte
+        >>> round(replayed_step_time("gpipe", [(1.0, 2.0, 0.5)] * 2, 1, link, [1.0]), 3)
+        6.9
+        >>> round(replayed_step_time("async", [(1.0, 2.0, 0.5)] * 2, 1, link, [1.0]), 3)
+        3.5
+        >>> slow = [Link(latency_s=0.5, bandwidth=1.0)]  # a round trip longer than the work
+        >>> round(replayed_step_time("async", [(1.0, 2.0, 0.5)] * 2, 1, slow, [1.0]), 3)
+        4.75
     """
     _check_whole("microbatches", microbatches)
     streams = _streams(schedule, len(durations), microbatches)
-    return _period(_replay(streams, durations, None), streams.first, streams.last)
+    replay = None
+    if links is not None:
+        if message_bytes is None or len(links) != len(durations) - 1:
+            raise ValueError(
+                f"a replay with links needs one link per pair of neighbouring stages "
+                f"({len(durations) - 1}) and the bytes a microbatch carries across each"
+            )
+        replay = Links(links, message_bytes)
+    return _period(_replay(streams, durations, replay), streams.first, streams.last)
 
 
 def evaluate(
@@ -332,7 +327,8 @@ def _modelled_layout(
     durations = [costs.times(a, b) for a, b in bounds]
     links = None
     if costs.bandwidth:
-        links = [costs.out[b - 1] / costs.bandwidth for _, b in bounds[:-1]] or [0.0]
+        sizes = [costs.out[b - 1] for _, b in bounds[:-1]] or [0.0]
+        links = Links([Link(0.0, costs.bandwidth)] * len(sizes), sizes)
     step = _period(_replay(streams, durations, links), streams.first, streams.last)
     memory = tuple(round(costs.memory(a, b, *streams.peaks[j])) for j, (a, b) in enumerate(bounds))
     busy = tuple(costs.busy(a, b) for a, b in bounds)

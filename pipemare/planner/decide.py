@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from pipemare.engine.layout import divisors
+from pipemare.engine.link import Link
 from pipemare.engine.microbatch import check_splits, token_shares
 from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
@@ -85,6 +86,7 @@ class PipelineOptions:
     microbatch_weights: str | Weights = "auto"
     stall_timeout: float = 300.0
     heartbeat_timeout: float | None = 30.0
+    simulated_link: Link | None = None
     #: time the user's layers at every N 1F1B could run and say which schedule steps sooner
     advise: bool = True
     #: a file of one device's weights each process reads its own stage's tensors from

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,8 +43,10 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def train(
-    schedule: str, stages: int, transport: str, device: str = "cpu"
+    schedule: str, stages: int, transport: Any, device: str = "cpu"
 ) -> tuple[nn.Sequential, Pipeline, int]:
+    """Train the shared model; ``transport``: ``"inprocess"``, ``"distributed"`` or a
+    transport object."""
     model = build_model()
     if device == "cuda":
         local = int(os.environ.get("LOCAL_RANK", 0))
@@ -67,7 +70,7 @@ def train(
     most = 0  # the most sends in flight (not known delivered) after a step
     for batch in batches():
         pipe.step(batch)
-        if transport == "distributed":
+        if transport != "inprocess":
             most = max(most, pipe.transport.in_flight())
     pipe.drain()
     return model, pipe, most
