@@ -85,6 +85,8 @@ class Link:
             ((u, f) for u, f in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)) if bits >= f),
             ("", 1.0),
         )
+        if self.latency_s >= 1e-3:
+            return f"{bits / scale:.3g} {unit}b/s at {self.latency_s * 1e3:.3g} ms"
         return f"{bits / scale:.3g} {unit}b/s at {self.latency_s * 1e6:.3g} µs"
 
 

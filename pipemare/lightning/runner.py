@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_map
 from pipemare.engine.errors import NonFiniteGradientError, NonFiniteLossError
 from pipemare.engine.lagged import DistributedResults, LocalResults, Results, result_lag
 from pipemare.engine.layout import RankLayout
+from pipemare.engine.link import Link, measure_links
 from pipemare.engine.microbatch import batch_size, scatter
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
@@ -779,9 +780,47 @@ class PipelineRunner:
                 )
         measured = place.broadcast(measured, 0)
         if kind == "time":
-            passes, overheads = measured
-            return dataclasses.replace(facts, layer_passes=passes, action_overhead=overheads)
+            (passes, sizes), overheads = measured
+            links, why = self._links(sizes)
+            return dataclasses.replace(
+                facts,
+                layer_passes=passes,
+                action_overhead=overheads,
+                layer_out_bytes=sizes,
+                links=links,
+                links_why=why,
+            )
         return dataclasses.replace(facts, profile=measured)
+
+    def _links(self, sizes: Mapping[int, tuple[int, ...]]) -> tuple[tuple[Link, ...] | None, str]:
+        """The links between neighbouring stages' processes, for the replays: the simulated
+        one where asked for, else each link's latency and bandwidth measured now between its
+        two processes with a message of the largest activation measured (every process
+        calls this alike). None in one process, where stages pass messages by reference."""
+        place = self.place
+        if not place.distributed or place.stages is None or place.stages < 2:
+            return None, ""
+        edges = place.stages - 1
+        simulated = self.options.simulated_link
+        if simulated is not None:
+            why = (
+                "simulated (simulated_link): each message is held until it would have crossed "
+                "it; the real link beneath is faster"
+            )
+            return (simulated,) * edges, why
+        ranks = (
+            list(place.layout.pipelines[0]) if place.layout is not None else list(range(edges + 1))
+        )
+        # what crosses a cut is a layer's output before the last layer (the last one's, the
+        # logits, stays on the last stage)
+        largest = max((max(out[:-1], default=0) for out in sizes.values()), default=0)
+        links = measure_links(ranks, [max(largest, 4)] * edges)
+        why = (
+            f"measured now between each pair of neighbouring processes: the round trip of a "
+            f"tiny message and of {largest / 1e6:.3g} MB (the largest activation measured); "
+            "the replays below carry each microbatch's activations and gradients across them"
+        )
+        return tuple(links), why
 
     def _overheads(
         self, seq: nn.Sequential, schedules: tuple[str, ...]
@@ -812,20 +851,21 @@ class PipelineRunner:
         self,
         seq: nn.Sequential,
         kind: str,
-        sizes: tuple[int, ...],
+        wanted: tuple[int, ...],
         sample: Any,
         step: str,
         args: tuple,
     ) -> Any:
-        """``"time"``: each layer's forward and backward on the first microbatch at each N of
-        ``sizes``;
+        """``"time"``: each layer's forward and backward seconds, and its output's bytes, on
+        the first microbatch at each N of ``wanted``;
         ``"auto"``: the planner's profile of the layers (:mod:`pipemare.planner`) with the
         run's optimiser and corrections."""
         options, forward_context = self.options, self._forward_context
         assert self.adapter is not None and forward_context is not None
         out: dict[int, tuple[tuple[float, float], ...]] = {}
+        sizes: dict[int, tuple[int, ...]] = {}
         with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
-            for n in sizes:
+            for n in wanted:
                 x = self.adapter.capture_input(step, scatter(sample, n)[0], *args)
                 if kind == "auto":
                     from pipemare.planner import profile
@@ -843,7 +883,8 @@ class PipelineRunner:
                         )
                 with forward_context():  # time what will run
                     out[batch_size(x)] = tuple(partition.layer_passes(seq, x))
-        return out
+                    sizes[batch_size(x)] = tuple(partition.layer_out_bytes(seq, x))
+        return out, sizes
 
     def _optimizers_given(self) -> bool:
         """Whether ``configure_optimizers`` returned optimisers of the model (Lightning's

@@ -19,6 +19,7 @@ __all__ = [
     "check_balance",
     "check_sequential",
     "even_balance",
+    "layer_out_bytes",
     "layer_passes",
     "layer_times",
     "split",
@@ -207,6 +208,24 @@ def layer_passes(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[tu
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
+
+
+def layer_out_bytes(model: nn.Sequential, sample: Any) -> list[int]:
+    """Bytes of each layer's output on ``sample``: what a microbatch carries across a cut after
+    that layer (one forward, without autograd)."""
+    check_sequential(model)
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    sizes, x = [], _clone(sample)
+    try:
+        with torch.no_grad():
+            for _, layer in _layers(model):
+                x = layer(_leaf(x))
+                sizes.append(sum(t.numel() * t.element_size() for t in _flat(x)))
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+    return sizes
 
 
 def _clock(sample: Any) -> tuple[Callable[[], Any], Callable[[], float]]:

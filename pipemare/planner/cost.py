@@ -327,7 +327,7 @@ def _modelled_layout(
     durations = [costs.times(a, b) for a, b in bounds]
     links = None
     if costs.bandwidth:
-        sizes = [costs.out[b - 1] for _, b in bounds[:-1]] or [0.0]
+        sizes: list[float] = [costs.out[b - 1] for _, b in bounds[:-1]] or [0.0]
         links = Links([Link(0.0, costs.bandwidth)] * len(sizes), sizes)
     step = _period(_replay(streams, durations, links), streams.first, streams.last)
     memory = tuple(round(costs.memory(a, b, *streams.peaks[j])) for j, (a, b) in enumerate(bounds))

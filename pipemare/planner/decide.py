@@ -165,6 +165,13 @@ class RunFacts:
             holds every layer to time.
         sample: in a fit, the batch the plan was made from (the first training batch, read
             before the sanity check), with why where it is another; None outside fit.
+        layer_out_bytes: bytes of each layer's output, keyed like :attr:`layer_passes`: what a
+            microbatch carries across a cut after that layer (its gradient, the same size,
+            comes back).
+        links: the links between neighbouring stages' processes (``links[i]`` joins stages
+            ``i`` and ``i + 1``), measured at setup or simulated; the replays carry each
+            message across them. None: communication taken as free (one process).
+        links_why: how :attr:`links` were found.
     """
 
     model: ModelFacts
@@ -187,6 +194,9 @@ class RunFacts:
     )
     built: LeanBuild | None = None
     sample: str | None = None
+    layer_out_bytes: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    links: tuple[Link, ...] | None = None
+    links_why: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,12 +431,15 @@ def _replayed_steps(
     options cut them, each stage's forward and backward the sums of its layers' measured at
     that N's microbatch plus the engine's own seconds per action
     (:attr:`RunFacts.action_overhead`), its update the engine's (the parameters' arithmetic,
-    the same per step whatever the schedule, and the links are left out)."""
+    the same per step whatever the schedule). Where :attr:`RunFacts.links` are known, each
+    microbatch's activations and gradients cross them (the bytes of the last layer before
+    each cut); otherwise communication is free."""
     fixed = facts.action_overhead.get(schedule, (0.0, 0.0, 0.0))
     replayed = {}
     for n in ns:
         cut, _ = _layers_per_stage(options, facts, stages, n)
-        passes = _passes_at(facts, microbatch_rows(facts.rows, n))
+        rows = microbatch_rows(facts.rows, n)
+        passes = _passes_at(facts, rows)
         bounds = [0, *itertools.accumulate(cut)]
         durations = [
             (
@@ -436,8 +449,21 @@ def _replayed_steps(
             )
             for a, b in itertools.pairwise(bounds)
         ]
-        replayed[n] = replayed_step_time(schedule, durations, n)
+        out = facts.layer_out_bytes.get(rows)
+        if facts.links is not None and out is not None and len(facts.links) == stages - 1:
+            sizes = [out[b - 1] for b in bounds[1:-1]]
+            replayed[n] = replayed_step_time(schedule, durations, n, facts.links, sizes)
+        else:
+            replayed[n] = replayed_step_time(schedule, durations, n)
     return replayed
+
+
+def _links(facts: RunFacts, stages: int) -> list[Decision]:
+    """The links the replays carry messages across, where they were found."""
+    if facts.links is None or len(facts.links) != stages - 1 or not facts.layer_out_bytes:
+        return []
+    shown = "; ".join(f"{i}-{i + 1}: {link}" for i, link in enumerate(facts.links))
+    return [Decision("links", shown, facts.links_why)]
 
 
 def _shown(replayed: Mapping[int, float]) -> str:
@@ -866,6 +892,7 @@ def decide(options: PipelineOptions, facts: RunFacts) -> RunPlan:
         *short,
         *decided,
         *cut_decided,
+        *_links(facts, stages),
         *advised,
         *_checkpoints(options, facts),
     ]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipemare.engine.link import Link
 from pipemare.optim.settings import RunSettings
 from pipemare.planner.cost import replayed_step_time
 from pipemare.planner.decide import (
@@ -268,6 +269,43 @@ def test_the_advice_counts_the_engines_cost_per_action_and_can_favour_1f1b():
     assert "strategy='pipemare_1f1b' with microbatches=1 runs 1F1B there" in said
     # the engine's cost is what tips it: without it the two replays tie, to the run's schedule
     assert _advised(lambda rows: _passes(*[0.003] * 6)).advice.favours == "pipemare"
+
+
+def test_the_replays_carry_each_message_across_the_links_found_at_setup():
+    """With the links between the processes known, both schedules' replays carry each
+    microbatch's activation (the bytes of the last layer before the cut) and its gradient
+    across them. A slow link lengthens 1F1B's step by the crossings on its critical path; at
+    P = 2, N = 2 it lengthens the asynchronous one's too: a microbatch's round trip, two
+    crossings included, is longer than the two microbatches in flight cover. The run says
+    which links it replayed and how it found them."""
+    passes = lambda rows: _passes(*[0.001 * rows] * 6)  # noqa: E731
+    link = Link.parse("1Gb/s@1ms")
+    facts = RunFacts(
+        SEQ,
+        rows=8,
+        layer_passes={rows: passes(rows) for rows in (1, 2, 4, 8)},
+        layer_out_bytes={rows: (1000 * rows,) * 6 for rows in (1, 2, 4, 8)},
+        links=(link,),
+        links_why="simulated",
+        optimizer=_adamw(),
+    )
+    plan = decide(PipelineOptions(stages=2), facts)
+    advice, free = plan.advice, _advised(passes).advice
+    assert advice is not None and free is not None and plan.balance == (3, 3)
+    stage = lambda rows: [(0.001 * rows, 0.002 * rows, 0.0)] * 2  # noqa: E731
+    assert advice.step_s == pytest.approx(
+        replayed_step_time("pipemare", stage(4), 2, [link], [4000])
+    )
+    for n in (1, 2, 4, 8):
+        want = replayed_step_time("1f1b", stage(8 // n), n, [link], [1000 * (8 // n)])
+        assert advice.baseline_by_n[n] == pytest.approx(want)
+        assert want > free.baseline_by_n[n]
+    # one microbatch's F on both stages, B on both, and two crossings: the step is that round
+    # trip, for it keeps two microbatches (the step's two) in flight
+    round_trip = 2 * 0.004 + 2 * 0.008 + 2 * link.seconds(4000)
+    assert advice.step_s == pytest.approx(round_trip) and advice.step_s > free.step_s
+    assert _said(plan)["links"] == "0-1: 1 Gb/s at 1 ms (simulated)"
+    assert "links" not in _said(_advised(passes))
 
 
 def test_no_advice_where_it_is_not_asked_for_or_means_nothing():
