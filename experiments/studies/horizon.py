@@ -122,33 +122,53 @@ def _reach(curve: list[list[float]], target: float) -> str:
     return next((f"{s:.0f}" for s, m in curve if m <= 1.01 * target), "never")
 
 
+#: the links the pipeline-time table replays beside the free one (issue 62): Ethernet between
+#: nodes, and a slow link between sites; the measured gloo link is added per sitting
+LINKS = {"10Gb/s@20us": "10Gb/s@20us", "1Gb/s@1ms": "1Gb/s@1ms"}
+
+
 def _times(args: argparse.Namespace) -> None:
     import torch
 
-    from pipemare.experiments.studies.protocol import TASKS, step_time
+    from pipemare.engine.link import Link
+    from pipemare.experiments.studies.protocol import TASKS, step_times
     from pipemare.experiments.studies.user_protocol import auto_n, one_f_one_b_ns
 
     torch.set_num_threads(1)  # one core per stage's work, as the runs train
     path = Path(args.out) / f"step_times-{args.sitting}.json"
     times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
     task = TASKS[_TASK]
+    links = {name: Link.parse(spec) for name, spec in LINKS.items()}
+    if args.gloo_link:  # its figures in the sitting's file, under a key no median reads
+        links["gloo (measured)"] = Link.parse(args.gloo_link)
+        times[f"_gloo_link_sitting_{args.sitting}"] = args.gloo_link  # type: ignore[assignment]
     for p in args.stages:
         n = auto_n(task, p)
         keys = [("1f1b", p, m) for m in one_f_one_b_ns(task, p)]
         keys += [("gpipe", p, n), ("async", p, n), ("pipemare", p, n), ("pipemare", p, 2 * n)]
         for v, stages, m in keys:
             key = f"{_TASK}-{v}-P{stages}-N{m}"
-            if key not in times:
-                times[key] = step_time(task, v, stages, m, None, 12, warm=8, repeats=3)
-                print(f"{key}: {1000 * times[key]:.1f} ms", flush=True)
-                path.write_text(json.dumps(times, indent=1, sort_keys=True))
+            if args.links and not all(f"{key}@{name}" in times for name in links):
+                found = step_times(task, v, stages, m, None, 12, warm=8, repeats=3, links=links)
+                for name, seconds in found.items():
+                    times[key if name == "free" else f"{key}@{name}"] = seconds
+            elif key not in times:
+                times[key] = step_times(task, v, stages, m, None, 12, warm=8, repeats=3)["free"]
+            else:
+                continue
+            print(f"{key}: {1000 * times[key]:.1f} ms", flush=True)
+            path.write_text(json.dumps(times, indent=1, sort_keys=True))
 
 
 def _time_rows(
-    times: dict[str, float], cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]]
+    times: dict[str, float],
+    cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]],
+    link: str = "",
 ) -> list[str]:
-    """Per horizon and P: 1F1B at its fastest N reaches its own final quality (one device's: it
-    computes what one device computes) at one device's reach step; every other cell at its own."""
+    """Per horizon and P: 1F1B at its fastest N (over ``link``; "": communication free)
+    reaches its own final quality (one device's: it computes what one device computes) at one
+    device's reach step; every other cell at its own."""
+    at = f"@{link}" if link else ""
     rows = [
         "| steps | P | schedule | N | step (ms) | step × 1F1B's | step within 1% of 1F1B's final "
         "(seed-mean curve) | pipeline time to it (s) | × 1F1B's time |",
@@ -159,10 +179,14 @@ def _time_rows(
             continue
         target = statistics.fmean(r["final_val_loss"] for r in seeds.values())
         for p in sorted({k[1] for k in cells if k[0] != "gpipe" and k[3] == steps}):
+            prefix = f"{_TASK}-1f1b-P{p}-N"
             ns = {
-                int(k.rsplit("-N", 1)[1]): t
+                int(k[len(prefix) :].split("@")[0]): t
                 for k, t in times.items()
-                if k.startswith(f"{_TASK}-1f1b-P{p}-N") and math.isfinite(t)
+                if k.startswith(prefix)
+                and k.endswith(at)
+                and ("@" in k) == bool(at)
+                and math.isfinite(t)
             }
             if not ns:
                 continue
@@ -177,7 +201,7 @@ def _time_rows(
             for (cv, cp, n, st), runs in sorted(cells.items()):
                 if cp != p or cv == "gpipe" or st != steps:
                     continue
-                step = times.get(f"{_TASK}-{cv}-P{p}-N{n}", math.nan)
+                step = times.get(f"{_TASK}-{cv}-P{p}-N{n}{at}", math.nan)
                 reach = _mean_reach(list(runs.values()), target)
                 time = reach * step if reach is not None else math.nan
                 ratio = f"{time / base:.2f}" if reach is not None else "never"
@@ -186,6 +210,19 @@ def _time_rows(
                     f"{step / base_step:.2f} | {_shown(reach)} | {time:.1f} | {ratio} |"
                 )
     return rows
+
+
+def _link_tables(
+    times: dict[str, float], cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]]
+) -> list[str]:
+    """One pipeline-time table per link replayed (those of the latest sitting that has any)."""
+    names = sorted({k.split("@", 1)[1] for k in times if "@" in k})
+    out: list[str] = []
+    for name in names:
+        rows = _time_rows(times, cells, name)
+        if len(rows) > 2:
+            out += ["", f"**Over {name}** (every link of the pipeline):", "", *rows]
+    return out
 
 
 def _mean_reach(runs: list[dict[str, Any]], target: float) -> float | None:
@@ -301,7 +338,7 @@ def _table(args: argparse.Namespace) -> None:
     sittings = [json.loads(p.read_text()) for p in sorted(out.glob("step_times-*.json"))]
     times = {  # the median over the sittings of each configuration
         k: statistics.median(s[k] for s in sittings if k in s)
-        for k in {k for s in sittings for k in s}
+        for k in {k for s in sittings for k in s if not k.startswith("_")}
     }
     timed = _time_rows(times, cells) if times else []
     template = (out / "README.template.md").read_text()
@@ -309,6 +346,7 @@ def _table(args: argparse.Namespace) -> None:
         template.replace("{{TABLE}}", "\n".join(rows))
         .replace("{{COUNT}}", str(len(records)))
         .replace("{{TIMES}}", "\n".join(timed) or "(no step times measured yet)")
+        .replace("{{LINKS}}", "\n".join(_link_tables(times, cells)) or "(no link replayed yet)")
         .replace("{{ALONG}}", "\n".join(_along_rows(cells)))
         .replace("{{RATES}}", "\n".join(_rate_rows(every)))
     )
@@ -331,6 +369,10 @@ def main(argv: list[str] | None = None) -> None:
     times.add_argument("--out", default=str(_OUT))
     times.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
     times.add_argument("--sitting", type=int, default=1, help="a sitting's number (its file)")
+    times.add_argument(
+        "--links", action="store_true", help="replay the same windows over LINKS too"
+    )
+    times.add_argument("--gloo-link", help="the gloo link measured between two processes")
     args = parser.parse_args(argv)
     {"run": _run, "table": _table, "times": _times}[args.what](args)
 

@@ -16,16 +16,18 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipemare import NonFiniteGradientError, NonFiniteLossError, Pipeline, PipeMareConfig
+from pipemare.engine.link import Link, Links
 from pipemare.engine.telemetry import Probe, replay_timeline
 
 __all__ = ["OPTIMIZERS", "TASKS", "RunResult", "Task", "run_setup", "run_task", "step_time"]
@@ -530,21 +532,48 @@ def step_time(
     warm: int = 8,
     repeats: int = 3,
 ) -> float:
-    """Seconds per optimiser step that P devices would take, in steady state.
+    """Seconds per optimiser step that P devices would take, in steady state, communication
+    free (:func:`step_times` without links)."""
+    return step_times(task, schedule, stages, microbatches, config, steps, warm, repeats)["free"]
+
+
+def step_times(
+    task: Task,
+    schedule: str,
+    stages: int,
+    microbatches: int,
+    config: PipeMareConfig | None = None,
+    steps: int = 32,
+    warm: int = 8,
+    repeats: int = 3,
+    links: Mapping[str, Link] | None = None,
+) -> dict[str, float]:
+    """Seconds per optimiser step that P devices would take, in steady state: ``"free"``
+    (communication free) and one per named link of ``links`` (every link of the pipeline
+    that one).
 
     Runs ``warm + steps`` steps in this process with every action timed, replays the actions
     of the last ``steps`` through the schedule with each stage on a device of its own
-    (:func:`pipemare.engine.telemetry.replay_timeline`; communication taken as free) and divides the
-    makespan by ``steps``; the median of ``repeats`` such windows. Run it alone on the
-    machine: the durations are measured. NaN for a configuration the pipeline refuses.
+    (:func:`pipemare.engine.telemetry.replay_timeline`; with a link, each microbatch's
+    activations, the bytes of the last layer before each cut, and its gradients cross it) and
+    divides the makespan by ``steps``; the median of ``repeats`` such windows, the same
+    windows replayed for every link. Run it alone on the machine: the durations are
+    measured. NaN for a configuration the pipeline refuses.
     """
+    from pipemare.model.partition import layer_out_bytes
+
     model = copy.deepcopy(_timed_model(task.name))
     x, y, _, _ = task.data()
+    named: dict[str, Link | None] = {"free": None, **(links or {})}
     try:
         pipe = _pipeline(task, model, schedule, stages, microbatches, 1e-4, config, 0)
     except ValueError:
-        return math.nan
-    measured = []
+        return dict.fromkeys(named, math.nan)
+    rows = task.batch // microbatches
+    sizes = layer_out_bytes(copy.deepcopy(_timed_model(task.name)), x[:rows])
+    cuts = list(itertools.accumulate(pipe.balance))[:-1]
+    message = [float(sizes[c - 1]) for c in cuts]
+    measured: dict[str, list[float]] = {name: [] for name in named}
     for _ in range(repeats):
         probe = Probe(timeline=True)
         pipe.probe = None
@@ -553,9 +582,12 @@ def step_time(
                 pipe.probe = probe
             idx = torch.arange(k * task.batch, (k + 1) * task.batch) % len(x)
             pipe.step((x[idx], y[idx]))
-        _, makespan = replay_timeline(probe.take_spans(), stages)
-        measured.append(makespan / steps)
-    return statistics.median(measured)
+        spans = probe.take_spans()
+        for name, link in named.items():
+            replay = None if link is None else Links([link] * len(message), message)
+            _, makespan = replay_timeline(spans, stages, replay)
+            measured[name].append(makespan / steps)
+    return {name: statistics.median(values) for name, values in measured.items()}
 
 
 def describe(result: RunResult) -> dict[str, Any]:
