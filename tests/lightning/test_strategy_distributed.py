@@ -45,8 +45,12 @@ def test_every_rank_sees_the_same_metrics_and_decisions(lightning_run):
         "global_step",
         "predictions",
         "lr",
+        "decisions",
     ):
         assert r0[key] == r1[key], key
+    # the links between the two processes, measured at setup, went into the replays
+    assert r0["decisions"]["links"].startswith("links: 0-1: ")
+    assert "measured now between each pair of neighbouring processes" in r0["decisions"]["links"]
     assert {"train_loss", "val_loss", "val_acc", "train_acc", "lr-Adam"} <= set(r0["metrics"])
     assert r0["stopped_epoch"] > 0  # EarlyStopping fired (val_acc >= 0.93), on both ranks at once
     w0 = torch.load(lightning_run / "weights-rank0.pt")

@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         log_every_n_steps=5,
     )
     trainer.fit(model, DigitsDataModule(batch_size=32))
+    plan = getattr(trainer.strategy, "_runner", None)
+    plan = plan.plan if plan is not None else None  # the decisions the fit printed
+    decisions = {d.subject: str(d) for d in plan.decisions} if plan is not None else {}
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
     logged = {k: float(v) for k, v in trainer.logged_metrics.items()}
     predictions = trainer.predict(model, DigitsDataModule(batch_size=32))
@@ -90,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         "balance": list(getattr(trainer.strategy, "balance", [])),
         "predictions": torch.cat(predictions).tolist() if predictions else None,
         "lr": model.optimizers().param_groups[0]["lr"] if trainer.optimizers else None,
+        "decisions": decisions,
     }
     (args.out / f"report-rank{rank}.json").write_text(json.dumps(report))
 
