@@ -3,10 +3,35 @@
 from __future__ import annotations
 
 import argparse
+import re
+
+_ROLE = re.compile(r":[a-z]+:`(?:([^`<]*?)\s*<[^`>]*>|~?([^`]*))`")
+
+
+def plain_text(doc: str) -> str:
+    """``doc`` (a module's reStructuredText) as a terminal shows it: roles reduced to their
+    name (``:mod:`~a.b``` to ``b``), literals and bold to their text.
+
+    Example:
+        >>> plain_text("``pipemare study``: see :mod:`~pipemare.experiments.main_job`, **now**")
+        'pipemare study: see main_job, now'
+    """
+
+    def role(match: re.Match[str]) -> str:
+        text, target = match.group(1), match.group(2)
+        if text:
+            return text
+        return target.rsplit(".", 1)[-1] if match.group(0).find("`~") >= 0 else target
+
+    doc = _ROLE.sub(role, doc)
+    return doc.replace("``", "").replace("**", "")
 
 
 def command_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
-    """A parser for ``prog`` whose ``--help`` shows ``doc`` with its line breaks kept."""
+    """A parser for ``prog`` whose ``--help`` shows ``doc`` as plain text, its line breaks
+    kept."""
     return argparse.ArgumentParser(
-        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog=prog,
+        description=None if doc is None else plain_text(doc),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )

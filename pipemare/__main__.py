@@ -23,10 +23,26 @@ _COMMANDS = {
 }
 
 
+def _version() -> str:
+    """pipemare's version and those of what it runs on."""
+    import lightning_fabric
+    import torch
+
+    from pipemare import __version__
+
+    return (
+        f"pipemare {__version__} (torch {torch.__version__}, Lightning "
+        f"{lightning_fabric.__version__}, Python {sys.version.split()[0]})"
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["--version"], ["-V"]):
+        print(_version())
+        raise SystemExit(0)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in _COMMANDS:
-        print("usage: pipemare COMMAND [options]\n\ncommands:")
+        print("usage: pipemare [--version] COMMAND [options]\n\ncommands:")
         for name, text in _COMMANDS.items():
             print(f"  {name:<13} {text}")
         if argv and argv[0] not in ("-h", "--help"):

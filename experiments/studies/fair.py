@@ -237,7 +237,14 @@ def run_protocol(
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("pipemare protocol", __doc__)
     parser.add_argument("--out", type=Path, default=Path("runs/protocol"))
-    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=sorted(TASKS))
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=list(TASKS),
+        choices=sorted(TASKS),
+        metavar="TASK",
+        help="tasks to run (default: %(default)s); one of: " + ", ".join(sorted(TASKS)),
+    )
     parser.add_argument(
         "--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=sorted(VARIANTS)
     )

@@ -664,7 +664,14 @@ def run_compare(
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("pipemare user-protocol", __doc__)
     parser.add_argument("--out", type=Path, default=Path("runs/user-protocol"))
-    parser.add_argument("--tasks", nargs="+", default=list(USER_TASKS), choices=sorted(TASKS))
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=list(USER_TASKS),
+        choices=sorted(TASKS),
+        metavar="TASK",
+        help="tasks to run (default: %(default)s); one of: " + ", ".join(sorted(TASKS)),
+    )
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="runs at once (one core each)")
     parser.add_argument("--steps", type=int, help="steps per run (default: the task's)")
