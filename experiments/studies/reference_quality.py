@@ -29,6 +29,7 @@ Run ``python -P experiments/studies/reference_quality.py`` after new results lan
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -36,7 +37,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DATA_FILE", "PROTOCOL_RESULTS", "reference_quality", "write"]
+__all__ = ["DATA_FILE", "PROTOCOL_RESULTS", "reference_quality", "write_data_file"]
 
 _ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,6 +74,7 @@ _CURVE = "the seed-mean curve's first evaluated step within 1%"
 _HORIZON_NAME = re.compile(r"gpt_c64s-(\w+)-P(\d+)-N(\d+)-s(\d+)-(\d+)steps\.json")
 
 
+@functools.cache
 def _family(optimizer: str) -> str | None:
     """The advice's optimiser family of the protocol's ``optimizer``, from the optimiser itself
     built on a throwaway model (:func:`~pipemare.planner.decide.optimizer_family`)."""
@@ -229,7 +231,7 @@ def reference_quality(root: Path = _ROOT) -> dict[str, Any]:
     }
 
 
-def write(root: Path = _ROOT) -> Path:
+def write_data_file(root: Path = _ROOT) -> Path:
     """Write the data file under ``root`` from the results there; returns its path."""
     path = root / DATA_FILE
     path.write_text(json.dumps(reference_quality(root), indent=1) + "\n")
@@ -237,7 +239,8 @@ def write(root: Path = _ROOT) -> Path:
 
 
 def main() -> None:
-    path = write()
+    """Write the data file and say how many cells it holds."""
+    path = write_data_file()
     count = len(json.loads(path.read_text())["references"])
     print(f"{path}: {count} reference cells")
 
