@@ -638,8 +638,8 @@ def _quality_said(advice: Advice) -> str:
         steps = "never within 1%" if r.steps_ratio is None else f"{r.steps_ratio:.2f}x the steps"
         reached = "1F1B sooner" if time is None else f"{time:.2f}x 1F1B's time"
         each.append(
-            f"{r.label}, {r.what}, {r.seeds} seeds: {steps}, final loss {r.loss_gap:+.1%} at "
-            f"equal steps; {reached}"
+            f"{r.label}, {r.what}, {r.seeds} seed{'s' * (r.seeds != 1)}: {steps}, final loss "
+            f"{r.loss_gap:+.1%} at equal steps; {reached}"
         )
     said = (
         f"quality from reference tasks, not this model: the steps {where} with the {family} "

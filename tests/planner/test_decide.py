@@ -254,7 +254,7 @@ def test_the_advice_is_the_replay_of_the_measured_stages_and_names_the_sooner_sc
     for reference in advice.quality:
         time = advice.time_ratio(reference)
         reached = "1F1B sooner" if time is None else f"{time:.2f}x 1F1B's time"
-        assert f"{reference.label}, {reference.what}, {reference.seeds} seeds: " in said
+        assert f"{reference.label}, {reference.what}, {reference.seeds} seed" in said
         assert f"final loss {reference.loss_gap:+.1%} at equal steps; {reached}" in said
     # the way to run 1F1B is given exactly where the verdict does not name the run's schedule
     call = "PipeMareStrategy(stages=2, schedule='1f1b', microbatches=8)"
