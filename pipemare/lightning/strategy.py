@@ -140,8 +140,10 @@ class PipeMareStrategyMixin(_StrategyBase):
         advise: an asynchronous schedule times the model's layers at every N 1F1B could run
             for the first batch, and the engine's own cost per action, on this device, replays
             both schedules and says in the run's first lines (and its stored settings) which
-            steps sooner and by how much, beside the quality the protocol measured for the
-            optimiser's family and P (default True; False skips the measurement).
+            reaches the quality sooner: the step ratio times the steps to quality that
+            reference tasks measured for this schedule, optimiser family, P and N, or "not
+            measured" outside them (:class:`~pipemare.planner.decide.Advice`; default True;
+            False skips the measurement).
         weights: a file of one device's weights to start from (``torch.save`` of the
             LightningModule's or the pipelined module's ``state_dict()``, a Lightning
             checkpoint, a ``.safetensors`` file, or a Hugging Face ``save_pretrained``
@@ -442,9 +444,10 @@ class PipeMareStrategyMixin(_StrategyBase):
 
     @property
     def advice(self) -> Advice | None:
-        """Which schedule steps sooner on this model and device, replayed from its layers as
-        measured at the first batch (:class:`~pipemare.planner.decide.Advice`); None before
-        it, or where the run does not advise (see ``advise``)."""
+        """Which schedule reaches the quality sooner on this model and device: the step
+        replayed from its layers as measured at the first batch, the steps to quality from
+        reference tasks (:class:`~pipemare.planner.decide.Advice`); None before it, or where
+        the run does not advise (see ``advise``)."""
         plan = self._runner.plan
         return None if plan is None else plan.advice
 

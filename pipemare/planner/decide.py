@@ -42,11 +42,11 @@ from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import Decision, RunSettings, resolve
 from pipemare.planner.cost import replayed_step_time
 from pipemare.planner.measurements import Profile
+from pipemare.planner.reference import ReferenceQuality, measured_layouts, measured_quality
 from pipemare.planner.search import best_cut
 from pipemare.schedule.actions import spec
 
 __all__ = [
-    "MEASURED_QUALITY",
     "Advice",
     "LeanBuild",
     "ModelFacts",
@@ -87,7 +87,8 @@ class PipelineOptions:
     stall_timeout: float = 300.0
     heartbeat_timeout: float | None = 30.0
     simulated_link: Link | None = None
-    #: time the user's layers at every N 1F1B could run and say which schedule steps sooner
+    #: time the user's layers at every N 1F1B could run and say which schedule reaches the
+    #: quality sooner (:class:`Advice`)
     advise: bool = True
     #: a file of one device's weights each process reads its own stage's tensors from
     weights: str | None = None
@@ -242,7 +243,25 @@ class LeanBuild:
 
 @dataclasses.dataclass(frozen=True)
 class Advice:
-    """Which schedule steps sooner on this model and device, from its measured layers.
+    """Which schedule reaches the quality sooner on this model and device: the run's step and
+    1F1B's at its fastest N, replayed from the layers measured here, and the steps to quality
+    measured on reference tasks.
+
+    The steps a schedule needs to reach one device's quality cannot be measured before the
+    model trains, so they are read from reference tasks (:mod:`pipemare.planner.reference`):
+    on each, the run's time to quality as a multiple of 1F1B's is :attr:`ratio` times the
+    reference's ``steps_ratio`` (1F1B computes one device's steps, so its own is 1). The rule:
+
+    - no reference measured the run's schedule with its optimiser family at its P and N: the
+      advice says only which schedule steps sooner, and that the quality is not measured;
+    - every reference names the same schedule: that one reaches the quality sooner;
+    - they disagree (a short run and a long one can: staleness delays the escape from an early
+      plateau, which a long run makes up): no schedule is named; the verdict says it depends
+      on the task and run length and leads with the longest reference run (real training runs
+      longer still), and every reference's figures are printed.
+
+    A reference on which the schedule never came within 1% counts for 1F1B; a tie counts for
+    the run's schedule.
 
     Attributes:
         schedule: the run's schedule, at N = ``microbatches``.
@@ -251,9 +270,12 @@ class Advice:
         baseline_n: 1F1B's fastest N for the batch.
         baseline_s: 1F1B's step at that N, replayed.
         baseline_by_n: 1F1B's replayed step at each N it could run.
-        quality: the quality the protocol measured for this optimiser family and P: per task,
-            the final loss relative to 1F1B's (e.g. 0.004: 0.4% higher) and the task; empty
-            where it measured none.
+        stages: P.
+        family: the optimiser's family (:func:`optimizer_family`); None where it has none.
+        quality: the reference cells of this schedule, family, P and N, the longest run first;
+            empty where none was measured.
+        baseline_call: the strategy that runs 1F1B at its fastest N with this run's P and cut,
+            as a user would write it.
     """
 
     schedule: str
@@ -262,7 +284,10 @@ class Advice:
     baseline_n: int
     baseline_s: float
     baseline_by_n: Mapping[int, float]
-    quality: tuple[tuple[float, str], ...] = ()
+    stages: int
+    family: str | None = None
+    quality: tuple[ReferenceQuality, ...] = ()
+    baseline_call: str = ""
 
     @property
     def ratio(self) -> float:
@@ -270,9 +295,53 @@ class Advice:
         return self.step_s / self.baseline_s
 
     @property
-    def favours(self) -> str:
+    def steps_sooner(self) -> str:
         """The schedule whose step is shorter (the run's on a tie)."""
         return self.schedule if self.ratio <= 1.0 else "1f1b"
+
+    def time_ratio(self, reference: ReferenceQuality) -> float | None:
+        """The run's time to quality as a multiple of 1F1B's, with ``reference``'s steps
+        (None: the schedule never reached the quality there)."""
+        if reference.steps_ratio is None:
+            return None
+        return self.ratio * reference.steps_ratio
+
+    def sooner_on(self, reference: ReferenceQuality) -> str:
+        """The schedule that reaches the quality sooner with ``reference``'s steps."""
+        time = self.time_ratio(reference)
+        return self.schedule if time is not None and time <= 1.0 else "1f1b"
+
+    @property
+    def sooner(self) -> str | None:
+        """The schedule every reference says reaches the quality sooner; None where none was
+        measured or they disagree."""
+        named = {self.sooner_on(r) for r in self.quality}
+        return named.pop() if len(named) == 1 else None
+
+    @property
+    def names(self) -> str | None:
+        """The schedule the verdict names: the one reaching the quality sooner where the
+        references measured it, else the one stepping sooner; None where they disagree."""
+        return self.sooner if self.quality else self.steps_sooner
+
+    @property
+    def longest(self) -> ReferenceQuality | None:
+        """The reference with the longest run (the first of them on a tie), or None."""
+        return max(self.quality, key=lambda r: r.steps, default=None)
+
+    @property
+    def verdict(self) -> str:
+        """What the run's first lines say (the advice's choice)."""
+        if not self.quality:
+            return f"{self.steps_sooner} steps sooner; quality not measured"
+        if self.sooner is not None:
+            return f"{self.sooner} reaches the quality sooner"
+        longest = self.longest
+        assert longest is not None
+        return (
+            f"depends on the task and run length; on the longest reference run, "
+            f"{longest.label}, {self.sooner_on(longest)} reaches the quality sooner"
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,8 +355,9 @@ class RunPlan:
         compile: ``torch.compile``'s options for each stage, or None (not compiled).
         weights: each microbatch's share of its batch's loss (None: by rows).
         settings: the schedule, layout and corrections with every decision and its reason.
-        advice: which schedule steps sooner on this model and device (None where the run does
-            not say: a flushing schedule, evaluation, ``advise=False``, ``balance="auto"``).
+        advice: which schedule reaches the quality sooner on this model and device (None where
+            the run does not say: a flushing schedule, evaluation, ``advise=False``,
+            ``balance="auto"``).
         recompute: every stage but the last keeps only its inputs and reruns its forward at
             backward time (asked for, or Hugging Face's gradient checkpointing honoured).
     """
@@ -484,24 +554,6 @@ def _fastest_microbatches(
     return best, [Decision("microbatches", f"N={best}", why)]
 
 
-#: pipemare's default (N = P) against 1F1B, which computes one device's steps: the relative gap
-#: in final validation loss (mean of 3 seeds, equal steps) the user's protocol measured, per
-#: optimiser family and P, on each task where it was measured (docs/results.md, "Where
-#: pipemare pays", and experiments/results/user_protocol). Two tasks, two regimes, far apart:
-#: the compute-bound GPT with nanoGPT's recipe is still escaping its loss plateau when the run
-#: ends, and staleness delays that escape.
-_C64 = "gpt_c64: compute-bound GPT, nanoGPT's recipe, 300 steps"
-_CHAR = "char_gpt: dispatch-bound GPT, constant rate, 800 steps"
-MEASURED_QUALITY: dict[tuple[str, int], tuple[tuple[float, str], ...]] = {
-    ("adam", 2): ((0.092, _C64), (-0.004, _CHAR)),
-    ("adam", 4): ((0.044, _C64), (-0.002, _CHAR)),
-    ("adam", 8): ((0.111, _C64), (0.002, _CHAR)),
-    ("muon", 2): ((-0.005, _CHAR),),
-    ("muon", 4): ((-0.003, _CHAR),),
-    ("muon", 8): ((-0.005, _CHAR),),
-}
-
-
 def optimizer_family(optimizer: torch.optim.Optimizer | None) -> str | None:
     """``"adam"`` (every group has Adam's betas), ``"muon"`` (Muon or Muon + AdamW),
     ``"sgdm"`` (SGD with momentum), or None."""
@@ -538,8 +590,8 @@ def _advice(
 ) -> tuple[Advice | None, list[Decision]]:
     """The run's step against 1F1B's at its fastest N, both replayed from the layers measured
     here (at each N whose microbatch was measured: :func:`microbatches_to_measure` asks for
-    every divisor of the batch), with the quality the protocol measured for this optimiser
-    family and P."""
+    every divisor of the batch), with the steps to quality the reference tasks measured for
+    this schedule, optimiser family, P and N; the verdict follows :class:`Advice`'s rule."""
     measured = [
         n for n in divisors(facts.rows) if microbatch_rows(facts.rows, n) in facts.layer_passes
     ]
@@ -551,24 +603,80 @@ def _advice(
     base = _replayed_steps(options, facts, stages, "1f1b", measured)
     best = min(base, key=lambda n: (base[n], n))
     family = optimizer_family(facts.optimizer)
-    quality = MEASURED_QUALITY.get((family, stages), ()) if family is not None else ()
-    advice = Advice(schedule, microbatches, own, best, base[best], base, quality)
+    advice = Advice(
+        schedule,
+        microbatches,
+        own,
+        best,
+        base[best],
+        base,
+        stages,
+        family,
+        measured_quality(schedule, family, stages, microbatches),
+        _baseline_call(options, stages, best),
+    )
     why = (
         f"a step replayed from this model's layers as measured on this device: {schedule!r} at "
         f"N={microbatches} {own * 1e3:.3g} ms, '1f1b' at its fastest N={best} "
-        f"{base[best] * 1e3:.3g} ms ({_shown(base)}): {advice.ratio:.2f}x 1F1B's step"
+        f"{base[best] * 1e3:.3g} ms ({_shown(base)}): {advice.ratio:.2f}x 1F1B's step; "
+        + _quality_said(advice)
     )
-    if quality:
-        figures = "; ".join(f"{gap:+.1%} on {task}" for gap, task in quality)
+    if advice.names != schedule:
         why += (
-            f"; at P={stages} with the {family} family the user's protocol measured pipemare's "
-            f"final loss against 1F1B's at equal steps: {figures}"
+            f"; {advice.baseline_call}, with the run's other arguments, runs 1F1B at its fastest N"
         )
-    else:
-        why += f"; the protocol measured no quality for this optimiser at P={stages}"
-    if advice.favours == "1f1b":
-        why += f"; strategy='pipemare_1f1b' with microbatches={best} runs 1F1B there"
-    return advice, [Decision("advice", f"{advice.favours} steps sooner", why)]
+    return advice, [Decision("advice", advice.verdict, why)]
+
+
+def _baseline_call(options: PipelineOptions, stages: int, microbatches: int) -> str:
+    """The strategy a user writes to run 1F1B at ``microbatches`` with this run's P and cut.
+
+    Example:
+        >>> _baseline_call(PipelineOptions(), 4, 8)
+        "PipeMareStrategy(stages=4, schedule='1f1b', microbatches=8)"
+        >>> _baseline_call(PipelineOptions(balance=[3, 1]), 2, 1)
+        "PipeMareStrategy(stages=2, schedule='1f1b', microbatches=1, balance=[3, 1])"
+    """
+    args = [f"stages={stages}", "schedule='1f1b'", f"microbatches={microbatches}"]
+    if options.balance != PipelineOptions.balance:
+        args.append(f"balance={options.balance!r}")
+    return f"PipeMareStrategy({', '.join(args)})"
+
+
+def _quality_said(advice: Advice) -> str:
+    """The steps to quality behind the verdict: each reference task's, or why there is none."""
+    schedule, family = advice.schedule, advice.family
+    where = f"{schedule!r} at P={advice.stages}, N={advice.microbatches}"
+    if not advice.quality:
+        if family is None:
+            missing = f"{where} with an optimiser outside the measured families"
+        else:
+            layouts = measured_layouts(schedule, family)
+            at = ", ".join(f"P={p} N={n}" for p, n in layouts)
+            missing = f"{where} with the {family} family" + (
+                f" (measured at {at})" if at else f" (nor {schedule!r} with it anywhere)"
+            )
+        return (
+            f"quality not measured: no reference task ran {missing}, so which schedule reaches "
+            "the quality sooner is not known, only which steps sooner"
+        )
+    each = []
+    for r in advice.quality:
+        time = advice.time_ratio(r)
+        steps = "never within 1%" if r.steps_ratio is None else f"{r.steps_ratio:.2f}x the steps"
+        reached = "1F1B sooner" if time is None else f"{time:.2f}x 1F1B's time"
+        each.append(
+            f"{r.label}, {r.what}, {r.seeds} seed{'s' * (r.seeds != 1)}: {steps}, final loss "
+            f"{r.loss_gap:+.1%} at equal steps; {reached}"
+        )
+    said = (
+        f"quality from reference tasks, not this model: the steps {where} with the {family} "
+        "family took to come within 1% of one device's final validation loss, over one "
+        f"device's (1F1B computes one device's steps), times the step ratio: {'. '.join(each)}"
+    )
+    if advice.sooner is None:
+        said += "; the reference tasks disagree: it depends on the task and run length"
+    return said
 
 
 def _passes_at(facts: RunFacts, rows: int) -> tuple[tuple[float, float], ...]:

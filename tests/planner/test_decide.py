@@ -12,7 +12,7 @@ from pipemare.engine.link import Link
 from pipemare.optim.settings import RunSettings
 from pipemare.planner.cost import replayed_step_time
 from pipemare.planner.decide import (
-    MEASURED_QUALITY,
+    Advice,
     ModelFacts,
     PipelineOptions,
     RunFacts,
@@ -20,6 +20,7 @@ from pipemare.planner.decide import (
     decide,
     measurements_needed,
 )
+from pipemare.planner.reference import ReferenceQuality, measured_quality
 
 SEQ = ModelFacts("Net.layers", layers=6, layer_params=(10, 10, 10, 10, 10, 50))
 HF = ModelFacts(
@@ -207,13 +208,14 @@ def test_1f1b_keeps_one_microbatch_where_each_costs_the_same_whatever_its_rows()
     assert plan.microbatches == 1 and "has BatchNorm" in _said(plan)["microbatches"]
 
 
-def _advised(passes, overhead=None, **options) -> RunPlan:
-    """The default schedule at P = 2 on a batch of 8, the layers timed at every N."""
+def _advised(passes, overhead=None, optimizer=None, **options) -> RunPlan:
+    """The default schedule at P = 2 on a batch of 8, the layers timed at every N (AdamW
+    unless another ``optimizer`` is given)."""
     facts = RunFacts(
         SEQ,
         rows=8,
         layer_passes={rows: passes(rows) for rows in (1, 2, 4, 8)},
-        optimizer=_adamw(),
+        optimizer=optimizer or _adamw(),
         action_overhead=overhead or {},
     )
     return decide(PipelineOptions(stages=2, **options), facts)
@@ -227,8 +229,10 @@ def _replay(schedule, stage_passes, n, fixed=(0.0, 0.0, 0.0)):
 
 def test_the_advice_is_the_replay_of_the_measured_stages_and_names_the_sooner_schedule():
     """Compute-bound layers (their time follows their rows): the asynchronous step costs one
-    pass over the batch, 1F1B's at its fastest N pays its bubble on top: pipemare is sooner,
-    by the ratio of the two replays, each computed here from the same stage times."""
+    pass over the batch, 1F1B's at its fastest N pays its bubble on top: pipemare steps sooner,
+    by the ratio of the two replays, each computed here from the same stage times. The verdict
+    on time to quality multiplies that ratio by the steps each reference task measured for
+    AdamW's family at this P and N, read from the shipped data file."""
     plan = _advised(lambda rows: _passes(*[0.001 * rows] * 6))
     advice = plan.advice
     assert advice is not None and plan.microbatches == 2 and plan.balance == (3, 3)
@@ -238,37 +242,125 @@ def test_the_advice_is_the_replay_of_the_measured_stages_and_names_the_sooner_sc
     assert advice.step_s == pytest.approx(want_own)
     assert dict(advice.baseline_by_n) == pytest.approx(want_base)
     assert advice.baseline_n == 8 and advice.ratio == pytest.approx(want_own / want_base[8])
-    assert advice.ratio < 0.95 and advice.favours == "pipemare"
+    assert advice.ratio < 0.95 and advice.steps_sooner == "pipemare"
     said = _said(plan)["advice"]
-    assert said.startswith("pipemare steps sooner (a step replayed from this model's layers")
+    assert said.startswith(f"{advice.verdict} (a step replayed from this model's layers")
     assert f"'pipemare' at N=2 {want_own * 1e3:.3g} ms" in said
     assert f"'1f1b' at its fastest N=8 {want_base[8] * 1e3:.3g} ms" in said
-    assert f"{advice.ratio:.2f}x 1F1B's step" in said and "pipemare_1f1b" not in said
-    # beside the time, the quality the protocol measured for AdamW's family at P = 2
-    assert advice.quality == MEASURED_QUALITY[("adam", 2)] and len(advice.quality) == 2
-    gap, task = advice.quality[0]
-    assert "with the adam family the user's protocol measured" in said
-    assert f"{gap:+.1%} on {task}" in said
+    assert f"{advice.ratio:.2f}x 1F1B's step" in said
+    # beside the time, every reference task that measured AdamW's family at P = 2, N = 2
+    assert advice.family == "adam" and advice.stages == 2
+    assert advice.quality == measured_quality("pipemare", "adam", 2, 2) and advice.quality
+    assert "quality from reference tasks, not this model" in said
+    for reference in advice.quality:
+        time = advice.time_ratio(reference)
+        reached = "1F1B sooner" if time is None else f"{time:.2f}x 1F1B's time"
+        assert f"{reference.label}, {reference.what}, {reference.seeds} seed" in said
+        assert f"final loss {reference.loss_gap:+.1%} at equal steps; {reached}" in said
+    # the way to run 1F1B is given exactly where the verdict does not name the run's schedule
+    call = "PipeMareStrategy(stages=2, schedule='1f1b', microbatches=8)"
+    assert advice.baseline_call == call
+    assert (call in said) == (advice.names != "pipemare")
 
 
 def test_the_advice_counts_the_engines_cost_per_action_and_can_favour_1f1b():
     """Layers that cost the same per call whatever its rows (dispatch-bound): N = P doubles
     the calls, and with the engine's own cost per action (higher under pipemare, whose
-    corrections run at each action) 1F1B at N = 1 is sooner; the message says how to run it."""
+    corrections run at each action) 1F1B at N = 1 steps sooner. With an optimiser outside the
+    measured families the quality is not measured: the advice says which steps sooner, says
+    it is only that, and how to run 1F1B."""
     overhead = {"pipemare": (0.002, 0.002, 0.001), "1f1b": (0.001, 0.001, 0.001)}
-    plan = _advised(lambda rows: _passes(*[0.003] * 6), overhead)
+    plain_sgd = lambda: torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)  # noqa: E731
+    plan = _advised(lambda rows: _passes(*[0.003] * 6), overhead, optimizer=plain_sgd())
     advice = plan.advice
-    assert advice is not None and advice.baseline_n == 1 and advice.favours == "1f1b"
+    assert advice is not None and advice.baseline_n == 1 and advice.steps_sooner == "1f1b"
     stage = (0.003, 0.006)
     want_own = _replay("pipemare", [stage] * 2, 2, overhead["pipemare"])
     want_base = _replay("1f1b", [stage] * 2, 1, overhead["1f1b"])
     assert advice.step_s == pytest.approx(want_own)
     assert advice.baseline_s == pytest.approx(want_base) and advice.ratio > 1
+    assert advice.family is None and advice.quality == () and advice.sooner is None
     said = _said(plan)["advice"]
-    assert said.startswith("1f1b steps sooner")
-    assert "strategy='pipemare_1f1b' with microbatches=1 runs 1F1B there" in said
-    # the engine's cost is what tips it: without it the two replays tie, to the run's schedule
-    assert _advised(lambda rows: _passes(*[0.003] * 6)).advice.favours == "pipemare"
+    assert said.startswith("1f1b steps sooner; quality not measured (")
+    assert "quality not measured: no reference task ran 'pipemare' at P=2, N=2 with an " in said
+    assert "only which steps sooner" in said
+    call = "PipeMareStrategy(stages=2, schedule='1f1b', microbatches=1)"
+    assert f"{call}, with the run's other arguments, runs 1F1B at its fastest N" in said
+    # the engine's cost is what tips it: without it the two replays tie, to the run's schedule,
+    # and then nothing tells the user to switch
+    even = _advised(lambda rows: _passes(*[0.003] * 6), optimizer=plain_sgd())
+    assert (
+        even.advice.steps_sooner == "pipemare" and "PipeMareStrategy(" not in _said(even)["advice"]
+    )
+
+
+def test_a_layout_the_references_did_not_measure_is_said_to_be_not_measured():
+    """AdamW's family at an N no reference task ran: where the family was measured is said."""
+    passes = lambda rows: _passes(*[0.001 * rows] * 6)  # noqa: E731
+    assert measured_quality("pipemare", "adam", 2, 8) == ()
+    plan = _advised(passes, microbatches=8)
+    assert plan.advice.quality == () and plan.advice.verdict.endswith("; quality not measured")
+    said = _said(plan)["advice"]
+    assert "no reference task ran 'pipemare' at P=2, N=8 with the adam family (measured at " in said
+    assert "P=2 N=2" in said
+
+
+def _reference(steps: int, steps_ratio: float | None, task: str = "t") -> ReferenceQuality:
+    """A reference cell of pipemare at P = 4, N = 4 on a task of ``steps``."""
+    return ReferenceQuality(
+        task,
+        "a task",
+        steps,
+        1e-3,
+        "adamw",
+        "adam",
+        "pipemare",
+        4,
+        4,
+        2,
+        0.01,
+        steps_ratio,
+        "how",
+        "where",
+    )
+
+
+def _advice(step_ratio: float, *references: ReferenceQuality) -> Advice:
+    base = {1: 0.5, 4: 0.25, 8: 0.125}  # binary fractions: a ratio of 0.5 is exactly that
+    return Advice("pipemare", 4, step_ratio * 0.125, 8, 0.125, base, 4, "adam", references)
+
+
+def test_the_verdict_is_the_time_to_quality_not_the_step():
+    """Time to quality = the step ratio × the reference's steps ratio: a step half of 1F1B's
+    loses to 1F1B where the references needed 2.5 times the steps; a reference where the run
+    never reached the quality counts for 1F1B; a tie counts for the run's schedule."""
+    slow_to_quality = _advice(0.5, _reference(800, 2.5))
+    assert slow_to_quality.steps_sooner == "pipemare"
+    assert slow_to_quality.time_ratio(slow_to_quality.quality[0]) == pytest.approx(1.25)
+    assert slow_to_quality.sooner == slow_to_quality.names == "1f1b"
+    assert slow_to_quality.verdict == "1f1b reaches the quality sooner"
+    never = _advice(0.5, _reference(800, None), _reference(300, None))
+    assert never.time_ratio(never.quality[0]) is None
+    assert never.verdict == "1f1b reaches the quality sooner"
+    both = _advice(0.5, _reference(800, 1.5), _reference(300, 1.9))
+    assert both.sooner == "pipemare" and both.verdict == "pipemare reaches the quality sooner"
+    assert _advice(0.5, _reference(800, 2.0)).sooner == "pipemare"  # 0.5 x 2.0: a tie
+    unmeasured = _advice(1.2)
+    assert unmeasured.sooner is None and unmeasured.names == "1f1b"
+    assert unmeasured.verdict == "1f1b steps sooner; quality not measured"
+
+
+def test_where_the_references_disagree_the_verdict_names_neither_and_leads_with_the_longest():
+    """A long run that reaches the quality and a short one that never does: no schedule is
+    named, the longest run's answer leads, and both are in the reasons."""
+    advice = _advice(0.7, _reference(300, None, "short"), _reference(2400, 0.97, "long"))
+    assert advice.sooner is None and advice.names is None
+    assert advice.longest == advice.quality[1]
+    assert [advice.sooner_on(r) for r in advice.quality] == ["1f1b", "pipemare"]
+    assert advice.verdict == (
+        "depends on the task and run length; on the longest reference run, long (2,400 steps), "
+        "pipemare reaches the quality sooner"
+    )
 
 
 def test_the_replays_carry_each_message_across_the_links_found_at_setup():

@@ -39,7 +39,8 @@ def main(argv: list[str]) -> None:
         advice = strategy.advice
         if advice is not None:
             result |= {
-                "advice": advice.favours,
+                "advice": advice.steps_sooner,
+                "verdict": advice.verdict,
                 "predicted_ratio": advice.ratio,
                 "predicted_ms": advice.step_s * 1e3,
                 "baseline_n": advice.baseline_n,
