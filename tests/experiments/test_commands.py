@@ -1,12 +1,14 @@
 """The experiments' commands as a user types them: ``pipemare plan`` on the packaged configs
-(and its refusals), and ``pipemare demo``'s checks of its options."""
+(and its refusals), ``pipemare demo``'s checks of its options, ``--version`` and ``--help``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
+import pipemare
 from pipemare.__main__ import main as pipemare_command
 from pipemare.experiments import demo, plan_command
 
@@ -68,3 +70,24 @@ def test_the_demo_checks_its_options_before_it_runs(capsys):
             demo.main(argv)
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_command_says_its_version(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        pipemare_command(["--version"])
+    assert exit_.value.code == 0
+    said = capsys.readouterr().out
+    assert said.startswith(f"pipemare {pipemare.__version__} (torch {torch.__version__}, ")
+
+
+@pytest.mark.parametrize("command", ["study", "user-protocol", "protocol"])
+def test_a_commands_help_is_plain_text_and_its_usage_short(command, capsys):
+    """A command's --help shows its docstring without reStructuredText markup, and the usage
+    line names the tasks TASK instead of listing every one."""
+    with pytest.raises(SystemExit) as exit_:
+        pipemare_command([command, "--help"])
+    assert exit_.value.code == 0
+    said = capsys.readouterr().out
+    assert "``" not in said and ":mod:" not in said and ":func:" not in said
+    usage = said.split("\n\n", 1)[0]
+    assert "char_gpt@muon" not in usage and len(usage.splitlines()) <= 8
