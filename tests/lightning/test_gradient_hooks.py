@@ -250,3 +250,44 @@ def test_nothing_is_installed_where_no_hook_is_overridden():
     assert strategy._runner.hooks is None
     assert executor.on_update is None and executor.on_loss is None
     assert executor.clip is not None and executor.clip.value == 0.3  # the Trainer's clipping
+
+
+class TwoOptimisers(Watching):
+    """Manual optimisation with two optimisers: weights and biases apart."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.0)
+        self.automatic_optimization = False
+        self.optimisers_seen: list[object] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.optimisers_seen.append(optimizer)
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        return [
+            torch.optim.SGD([p for n, p in named if n.endswith("weight")], lr=0.0),
+            torch.optim.SGD([p for n, p in named if n.endswith("bias")], lr=0.0),
+        ]
+
+
+def test_manual_optimisation_gets_one_on_before_optimizer_step_per_optimiser():
+    pl.seed_everything(0)
+    model = TwoOptimisers()
+    reference = plain_gradients(copy.deepcopy(model))
+    strategy = PipeMareStrategy(stages=2, microbatches=2, balance=[2, 3])
+    quiet_trainer(strategy, max_steps=2 * STEPS).fit(model, data())  # two steps per batch
+    updates = [u for u, _ in model.after_backward]
+    assert sorted(updates) == [(i, k) for i in (0, 1) for k in range(STEPS)]
+    assert model.optimisers_seen == model.trainer.optimizers * len(updates)
+    for (_, k), grads in model.after_backward:
+        for name, g in grads.items():
+            torch.testing.assert_close(g, reference[k][name], rtol=1e-5, atol=1e-7)
