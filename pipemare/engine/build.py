@@ -213,7 +213,12 @@ def make_clip(
     device: torch.device,
     microbatches: int,
 ) -> GradClip | None:
-    """Clipping by the global norm over all stages or by value; None for neither."""
+    """Clipping by the global norm over all stages or by value; None for neither.
+
+    ``norm=math.inf`` exchanges every stage's norm and clips nothing by itself: clipping
+    asked for at each update (a LightningModule's ``configure_gradient_clipping``) then has
+    the global norm at hand.
+    """
     if norm is not None and value is not None:
         raise ValueError("choose one of clip_grad_norm and clip_grad_value, not both")
     if norm is None and value is None:

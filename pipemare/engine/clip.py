@@ -95,6 +95,7 @@ class GradClip:
         self.algorithm, self.value, self.board, self.lag = algorithm, float(value), board, lag
         self._own: dict[tuple[int, int], float] = {}  # (stage, update) -> own squared norm
         self.last_norm: dict[int, float] = {}  # stage -> global norm used at its last update
+        self._norms: dict[tuple[int, int], float] = {}  # read from the board, not settled yet
 
     @staticmethod
     def _grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -119,14 +120,12 @@ class GradClip:
             return self.board.ready(update)
         return update < self.lag or self.board.ready(update - self.lag)
 
-    @torch.no_grad()
-    def apply(self, stage: int, update: int, params: Iterable[nn.Parameter]) -> None:
-        """Clip ``stage``'s gradients for ``update`` in place."""
-        grads = self._grads(params)
-        if self.algorithm == "value":
-            for g in grads:
-                g.clamp_(-self.value, self.value)
-            return
+    def global_norm(self, stage: int, update: int) -> float:
+        """The norm ``stage`` clips ``update`` against (see the module); read from the board
+        once, then kept until :meth:`settle`."""
+        have = self._norms.get((stage, update))
+        if have is not None:
+            return have
         assert self.board is not None
         own = self._own[stage, update]
         if self.lag == 0:
@@ -137,10 +136,49 @@ class GradClip:
             past = update - self.lag
             total = self.board.total(past) - self._own.pop((stage, past)) + own
         norm = math.sqrt(max(total, 0.0))
+        self._norms[stage, update] = norm
         self.last_norm[stage] = norm
-        coef = self.value / (norm + 1e-6)
-        if coef < 1.0:
+        return norm
+
+    @torch.no_grad()
+    def apply(
+        self,
+        stage: int,
+        update: int,
+        params: Iterable[nn.Parameter],
+        algorithm: str | None = None,
+        value: float | None = None,
+    ) -> None:
+        """Clip ``stage``'s gradients for ``update`` in place, by this clip's algorithm and
+        threshold or by those given. Without them this is the update's clipping and settles it;
+        with them (a LightningModule's ``configure_gradient_clipping``, possibly several calls)
+        the caller settles the update after the last call."""
+        own_rule = algorithm is None and value is None
+        algorithm = algorithm or self.algorithm
+        value = self.value if value is None else float(value)
+        grads = self._grads(params)
+        if algorithm == "value":
             for g in grads:
-                g.mul_(coef)
+                g.clamp_(-value, value)
+        else:
+            if self.algorithm != "norm":
+                raise ValueError(
+                    "clipping by norm needs every stage's gradient norm, and this clip "
+                    "exchanges none (it was built to clip by value)"
+                )
+            coef = value / (self.global_norm(stage, update) + 1e-6)
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        if own_rule:
+            self.settle(stage, update)
+
+    def settle(self, stage: int, update: int) -> None:
+        """``stage`` is done with ``update``: its share of the board is read (clipped or not),
+        so the other stages' norms it will combine later and the board's memory stay right."""
+        if self.algorithm != "norm":
+            return
+        self.global_norm(stage, update)
+        del self._norms[stage, update]
         if self.lag == 0:
             del self._own[stage, update]  # otherwise kept until update + lag

@@ -98,6 +98,14 @@ class Executor:
         #: called with ``(stage, minibatch, names)`` when a stage's gradients are not finite
         #: at its update, which is then skipped; None: raise NonFiniteGradientError at once
         self.on_nonfinite: Callable[[int, int, list[str]], None] | None = None
+        #: called with ``(stage, minibatch, params)`` at each update, when ``.grad`` holds
+        #: exactly that stage's gradient of that minibatch; it replaces the clipping (its owner
+        #: clips through :attr:`clip`). None: clip with :attr:`clip` only
+        self.on_update: Callable[[int, int, list[torch.nn.Parameter]], None] | None = None
+        #: called with ``(microbatch, loss, share)`` where the last stage runs, right after
+        #: each microbatch's forward: the loss its backward pass will propagate (the
+        #: microbatch's loss times ``share``, its share of the minibatch)
+        self.on_loss: Callable[[int, torch.Tensor, float], None] | None = None
         #: per local stage, the index of the latest action of each kind it ran
         self.done: dict[int, dict[Op, int]] = {s.index: {} for s in stages}
         #: called with ``(stage, action)`` after each action (see :mod:`pipemare.engine.snapshot`)
@@ -214,6 +222,8 @@ class Executor:
                 entry[0] = entry[0] + out.detach() * weight
                 entry[1] += 1
                 self._scale[m] = weight
+                if self.on_loss is not None and weight and out.requires_grad:
+                    self.on_loss(m, out * weight, weight)
                 if entry[1] == self.microbatches and self.on_minibatch is not None:
                     self.on_minibatch(k, entry[0])
             else:
@@ -243,7 +253,9 @@ class Executor:
             params = self.optimizer.stage_parameters(i)
             if probe is not None:
                 probe.update(i, a.index, params)
-            if self.clip is not None:
+            if self.on_update is not None:
+                self.on_update(i, a.index, params)
+            elif self.clip is not None:
                 self.clip.apply(i, a.index, params)
             stage.before_update()
             bad = self._nonfinite(stage) if self.check_finite else []

@@ -32,6 +32,7 @@ from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning import checkpoint, checks
 from pipemare.lightning.checkpoint import Checkpoints
 from pipemare.lightning.evaluation import Evaluation
+from pipemare.lightning.hooks import GradientHooks, HookLogs, overridden_hooks
 from pipemare.lightning.packages import LightningPackage
 from pipemare.lightning.shards import read_local
 from pipemare.lightning.steps import (
@@ -297,6 +298,8 @@ class PipelineRunner:
         self._weights_read = False  # ``options.weights`` read into this process's stage
         self._meta_warnings: list[Any] = []  # hooks warning of a state dict with meta tensors
         self._pending_state: Mapping[str, Any] | None = None  # see keep_state_for_build
+        #: the gradient hooks fired at the stages' updates, where any is overridden
+        self.hooks: GradientHooks | None = None
         #: what the pipeline is planned from, and why not the first training batch (fit)
         self._sample = "the first training batch"
 
@@ -604,6 +607,7 @@ class PipelineRunner:
             self.reports.start(self.results(pipe.minibatches_fed), adapter.path)
             pipe.executor.on_minibatch = lambda k, loss: self.steps.publish(k, float(loss))
             pipe.executor.on_nonfinite = self.reports.record_nonfinite
+            self.hooks = self._gradient_hooks(pipe)
             self._attach_probe(pipe)
         if adapter.segmented and adapter.sequential is not None:
             adapter.sequential.train(adapter.pipelined.training)  # the graph traced in its mode
@@ -927,9 +931,26 @@ class PipelineRunner:
             **self._clipping(),
         )
 
-    def _clipping(self) -> dict[str, Any]:
-        """The Trainer's gradient clipping as the pipeline's keyword (none outside fit)."""
+    def _gradient_hooks(self, pipe: Pipeline) -> GradientHooks | None:
+        """The module's and the callbacks' gradient hooks, fired at each stage's update
+        (:mod:`~pipemare.lightning.hooks`); None where none is overridden, or outside fit."""
         trainer = self.module.trainer
+        names = overridden_hooks(self.module, trainer.callbacks)
+        if not names or not self.fitting:
+            return None
+        place, group, keep = self.place, None, None
+        if place.distributed and place.layout is not None:
+            group = dist.new_group(backend="gloo")  # every rank builds its pipeline now
+            keep = place.layout.pipelines[0]
+        return GradientHooks(self.module, pipe, names, HookLogs(group, keep))
+
+    def _clipping(self) -> dict[str, Any]:
+        """The Trainer's gradient clipping as the pipeline's keyword (none outside fit). An
+        overridden ``configure_gradient_clipping`` decides instead, at each update: the
+        pipeline then exchanges the norms and clips only when asked (``math.inf``)."""
+        trainer = self.module.trainer
+        if self.fitting and "configure_gradient_clipping" in overridden_hooks(self.module, ()):
+            return {"clip_grad_norm": math.inf}
         clip_val = trainer.gradient_clip_val if self.fitting else None
         algorithm = trainer.gradient_clip_algorithm or "norm"
         if not clip_val:
@@ -1029,6 +1050,8 @@ class PipelineRunner:
                 device=self.place.device,
                 monitored=monitored,
             )
+        if self.hooks is not None:
+            self.hooks.after_step(self.place.device)
         self.write_due()  # checkpoints whose step reached every stage by now
         steps.manual.after_step(lambda: self._grads.stash(pipe))
         return loss
@@ -1066,6 +1089,8 @@ class PipelineRunner:
     def finish_training(self) -> None:
         """At the end of fit: drain, and raise for skipped updates never reported."""
         self.drain()
+        if self.hooks is not None:
+            self.hooks.close()
         self.reports.check_unreported(self.pipeline)
 
     def consolidate(self) -> None:

@@ -460,6 +460,15 @@ class PipeMareStrategyMixin(_StrategyBase):
         return None if pipe is None else pipe.optimizer.set_run_length(total_steps)
 
     @property
+    def update(self) -> tuple[int, int] | None:
+        """``(stage, minibatch)`` of the update whose gradient hooks are running (0-based
+        minibatch), None outside them: in a pipeline ``trainer.global_step`` is the step
+        running, and a stage applies an earlier minibatch's update
+        (:mod:`~pipemare.lightning.hooks`)."""
+        hooks = self._runner.hooks
+        return None if hooks is None else hooks.update
+
+    @property
     def reported_step(self) -> int | None:
         """The training step (counted from 1) whose minibatch the latest step's loss and logs
         belong to; None before any was reported."""

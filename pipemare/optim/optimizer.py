@@ -172,12 +172,17 @@ class PipeMareOptimizer:
         """The parameters ``stage`` updates, in its groups' order."""
         return [p for group in self._groups[stage] for p in group]
 
+    def holds(self, stage: int, minibatch: int) -> bool:
+        """Whether a correction holds ``stage``'s update of ``minibatch`` (local accumulation):
+        :meth:`step` then applies nothing and the gradients stay for a later update."""
+        return any(c.holds(stage, minibatch) for c in self.corrections)
+
     @torch.no_grad()
     def step(self, stage: int, minibatch: int) -> None:
         """Apply ``stage``'s update of ``minibatch`` from its accumulated gradients; clear them.
         A correction may hold the update (local accumulation): the gradients then stay."""
         params = self.stage_parameters(stage)
-        if any(c.holds(stage, minibatch) for c in self.corrections):
+        if self.holds(stage, minibatch):
             self._used(stage, minibatch, params, clear=False)
             return
         for c in self.corrections:

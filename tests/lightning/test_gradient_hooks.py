@@ -1,0 +1,293 @@
+"""Lightning's gradient hooks under the strategy: once per stage update, with that stage's
+gradients; ``configure_gradient_clipping`` replacing the engine's clipping; their logs reach
+Lightning. Real Trainers in one process (simulated stages); two processes in
+test_gradient_hooks_distributed.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import pytorch_lightning as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from pipemare import PipeMareStrategy
+from pipemare.engine.lagged import snapshot_lag
+from support.models import quiet_trainer, three_class_points
+
+STEPS, BATCH = 6, 12
+
+
+class Tiny(pl.LightningModule):
+    """Three Linear layers; a copy of each gradient hook's view is kept for the test."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+        )
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return F.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+class Watching(Tiny):
+    """Records what each gradient hook sees: the update, the gradients present, the loss."""
+
+    def __init__(self, lr: float = 0.05) -> None:
+        super().__init__(lr)
+        self.after_backward: list[tuple[tuple[int, int], dict[str, torch.Tensor]]] = []
+        self.before_step: list[tuple[int, int]] = []
+        self.losses: list[float] = []
+
+    def _grads(self) -> dict[str, torch.Tensor]:
+        return {n: p.grad.clone() for n, p in self.named_parameters() if p.grad is not None}
+
+    def on_before_backward(self, loss):
+        self.losses.append(float(loss.detach()))
+
+    def on_after_backward(self):
+        self.after_backward.append((self.trainer.strategy.update, self._grads()))
+
+    def on_before_optimizer_step(self, optimizer):
+        assert optimizer is self.trainer.optimizers[0]
+        self.before_step.append(self.trainer.strategy.update)
+
+
+class CountingCallback(pl.Callback):
+    def __init__(self) -> None:
+        self.calls: dict[str, list[tuple[int, int] | None]] = {}
+
+    def _count(self, name, trainer):
+        self.calls.setdefault(name, []).append(trainer.strategy.update)
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self._count("on_before_backward", trainer)
+
+    def on_after_backward(self, trainer, pl_module):
+        self._count("on_after_backward", trainer)
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self._count("on_before_optimizer_step", trainer)
+
+
+def data():
+    return three_class_points(STEPS * BATCH, BATCH)
+
+
+def plain_gradients(model: nn.Module) -> list[dict[str, torch.Tensor]]:
+    """The gradient of each batch of :func:`data` at ``model``'s weights, on one device."""
+    out = []
+    for x, y in data():
+        model.zero_grad()
+        F.cross_entropy(model.net(x), y).backward()
+        out.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    return out
+
+
+def weights(module):
+    return [p.detach().clone() for p in module.parameters()]
+
+
+def test_hooks_fire_once_per_stage_update_with_that_stages_gradients():
+    # lr = 0: every minibatch's gradient is the plain model's gradient of that batch, whatever
+    # the staleness, so each stage's view can be checked exactly.
+    pl.seed_everything(0)
+    model, callback = Watching(lr=0.0), CountingCallback()
+    reference = plain_gradients(copy.deepcopy(model))
+    strategy = PipeMareStrategy(stages=3, microbatches=2, schedule="pipemare", balance=[2, 2, 1])
+    quiet_trainer(strategy, max_steps=STEPS, callbacks=[callback]).fit(model, data())
+
+    # stage i's Linear; the other stages hold partial gradients of minibatches in flight
+    stages = {i: {f"net.{2 * i}.weight", f"net.{2 * i}.bias"} for i in range(3)}
+    updates = [u for u, _ in model.after_backward]
+    assert sorted(updates) == [(i, k) for i in range(3) for k in range(STEPS)]  # the drain too
+    assert model.before_step == updates
+    for (stage, k), grads in model.after_backward:
+        assert set(grads) == stages[stage]
+        for name, g in grads.items():
+            torch.testing.assert_close(g, reference[k][name], rtol=1e-5, atol=1e-7)
+    assert len(model.losses) == 2 * STEPS  # once per microbatch, on the last stage
+    assert callback.calls["on_after_backward"] == updates
+    assert callback.calls["on_before_optimizer_step"] == updates
+    assert callback.calls["on_before_backward"] == [None] * (2 * STEPS)  # not within an update
+    assert model.trainer.strategy.update is None
+
+
+def test_gpipe_hooks_see_every_stages_gradient_of_the_step():
+    pl.seed_everything(0)
+    model = Watching(lr=0.0)
+    reference = plain_gradients(copy.deepcopy(model))
+    strategy = PipeMareStrategy(stages=3, microbatches=3, schedule="gpipe", balance=[2, 2, 1])
+    quiet_trainer(strategy, max_steps=STEPS).fit(model, data())
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    for (_, k), grads in model.after_backward:
+        assert not set(grads) & set(seen.get(k, {}))  # each parameter once per minibatch
+        seen.setdefault(k, {}).update(grads)
+    for k in range(STEPS):
+        assert set(seen[k]) == set(reference[k])
+        for name, g in seen[k].items():
+            torch.testing.assert_close(g, reference[k][name], rtol=1e-5, atol=1e-7)
+
+
+class ClipsItself(Tiny):
+    def __init__(self, value=None, algorithm=None) -> None:
+        super().__init__()
+        self.value, self.algorithm = value, algorithm
+
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ):
+        if self.value is not None:
+            self.clip_gradients(optimizer, self.value, self.algorithm)
+
+
+def _train(model, schedule, **trainer_options):
+    strategy = PipeMareStrategy(stages=3, microbatches=2, schedule=schedule, balance=[2, 2, 1])
+    quiet_trainer(strategy, max_steps=STEPS, **trainer_options).fit(model, data())
+    return weights(model)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "algorithm"), [("pipemare", "norm"), ("gpipe", "value"), ("async", "value")]
+)
+def test_configure_gradient_clipping_clips_as_the_trainers_setting_does(schedule, algorithm):
+    pl.seed_everything(0)
+    base = Tiny()
+    value = 0.3 if algorithm == "norm" else 0.02
+    by_trainer = _train(
+        copy.deepcopy(base), schedule, gradient_clip_val=value, gradient_clip_algorithm=algorithm
+    )
+    own = ClipsItself(value, algorithm)
+    own.load_state_dict(base.state_dict())
+    by_hook = _train(own, schedule)
+    unclipped = _train(copy.deepcopy(base), schedule)
+    for a, b in zip(by_hook, by_trainer, strict=True):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(by_hook, unclipped, strict=True))
+
+
+def test_an_override_that_does_not_clip_replaces_the_trainers_clipping():
+    pl.seed_everything(0)
+    base = Tiny()
+    own = ClipsItself()  # clips nothing
+    own.load_state_dict(base.state_dict())
+    ignored = _train(own, "pipemare", gradient_clip_val=0.3)
+    unclipped = _train(copy.deepcopy(base), "pipemare")
+    clipped = _train(copy.deepcopy(base), "pipemare", gradient_clip_val=0.3)
+    for a, b in zip(ignored, unclipped, strict=True):
+        assert torch.equal(a, b)
+    assert not all(torch.equal(a, b) for a, b in zip(ignored, clipped, strict=True))
+
+
+def test_watching_hooks_leave_training_bit_identical():
+    pl.seed_everything(0)
+    base = Tiny()
+    watched = Watching()
+    watched.load_state_dict(base.state_dict())
+    hooked = _train(watched, "pipemare", gradient_clip_val=0.3)
+    plain = _train(copy.deepcopy(base), "pipemare", gradient_clip_val=0.3)
+    assert watched.after_backward  # the hooks ran
+    for a, b in zip(hooked, plain, strict=True):
+        assert torch.equal(a, b)
+
+
+class LogsNorms(Tiny):
+    """Logs each parameter's gradient norm and the update's minibatch, as many modules do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norms: dict[int, dict[str, float]] = {}
+
+    def on_before_optimizer_step(self, optimizer):
+        _, k = self.trainer.strategy.update
+        for name, p in self.named_parameters():
+            if p.grad is not None:
+                norm = float(p.grad.norm())
+                self.norms.setdefault(k, {})[f"grad/{name}"] = norm
+                self.log(f"grad/{name}", norm)
+        self.log("updated", float(k), reduce_fx="max")
+
+
+class Snapshot(pl.Callback):
+    def __init__(self) -> None:
+        self.logged: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.logged.append({k: float(v) for k, v in trainer.logged_metrics.items()})
+
+
+def test_values_logged_in_the_hooks_reach_lightning_per_minibatch_at_a_fixed_lag():
+    pl.seed_everything(0)
+    model, snap = LogsNorms(), Snapshot()
+    strategy = PipeMareStrategy(stages=3, microbatches=2, schedule="pipemare", balance=[2, 2, 1])
+    quiet_trainer(strategy, max_steps=STEPS, callbacks=[snap]).fit(model, data())
+    lag = snapshot_lag("pipemare", 3, 2) + 1
+    names = {f"grad/{n}" for n, _ in model.named_parameters()}
+    for t, logged in enumerate(snap.logged):
+        k = t - lag
+        if k < 0:
+            assert "updated" not in logged
+            continue
+        assert logged["updated"] == k
+        assert {n for n in logged if n.startswith("grad/")} == names
+        for name in names:
+            assert logged[name] == pytest.approx(model.norms[k][name], rel=1e-6)
+
+
+def test_nothing_is_installed_where_no_hook_is_overridden():
+    pl.seed_everything(0)
+    strategy = PipeMareStrategy(stages=2, microbatches=2, balance=[2, 3])
+    quiet_trainer(strategy, max_steps=2, gradient_clip_val=0.3).fit(Tiny(), data())
+    executor = strategy.pipeline.executor
+    assert strategy._runner.hooks is None
+    assert executor.on_update is None and executor.on_loss is None
+    assert executor.clip is not None and executor.clip.value == 0.3  # the Trainer's clipping
+
+
+class TwoOptimisers(Watching):
+    """Manual optimisation with two optimisers: weights and biases apart."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.0)
+        self.automatic_optimization = False
+        self.optimisers_seen: list[object] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.manual_backward(loss)
+        for opt in self.optimizers():
+            opt.step()
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        self.optimisers_seen.append(optimizer)
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        return [
+            torch.optim.SGD([p for n, p in named if n.endswith("weight")], lr=0.0),
+            torch.optim.SGD([p for n, p in named if n.endswith("bias")], lr=0.0),
+        ]
+
+
+def test_manual_optimisation_gets_one_on_before_optimizer_step_per_optimiser():
+    pl.seed_everything(0)
+    model = TwoOptimisers()
+    reference = plain_gradients(copy.deepcopy(model))
+    strategy = PipeMareStrategy(stages=2, microbatches=2, balance=[2, 3])
+    quiet_trainer(strategy, max_steps=2 * STEPS).fit(model, data())  # two steps per batch
+    updates = [u for u, _ in model.after_backward]
+    assert sorted(updates) == [(i, k) for i in (0, 1) for k in range(STEPS)]
+    assert model.optimisers_seen == model.trainer.optimizers * len(updates)
+    for (_, k), grads in model.after_backward:
+        for name, g in grads.items():
+            torch.testing.assert_close(g, reference[k][name], rtol=1e-5, atol=1e-7)
