@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -159,12 +158,14 @@ def _round_trips(peer: int, nbytes: int, first: bool, repeats: int, group: Any) 
 
 
 def measure_links(
-    stage_ranks: list[int], nbytes: list[int], repeats: int = 5, group: Any = None
+    stage_ranks: list[int], nbytes: list[int], repeats: int = 7, group: Any = None
 ) -> list[Link]:
     """Every link of the pipeline whose stage ``i`` runs on rank ``stage_ranks[i]``: the
     latency from the round trip of a tiny message, the bandwidth from the round trip of
-    ``nbytes[i]`` (the run's activation across link ``i``), each the median of ``repeats``
-    trips. Every rank of the group calls it alike; each link is measured by its two ranks
+    ``nbytes[i]`` (the run's activation across link ``i``), each the fastest of ``repeats``
+    trips (a pause on a busy machine can only lengthen a trip). Where the large message's trip
+    is no longer than the tiny one's, the bandwidth is taken as carrying it in a microsecond.
+    Every rank of the group calls it alike; each link is measured by its two ranks
     while the others wait (links one apart in turn, so no rank serves two at once), and the
     result is shared with every rank.
     """
@@ -176,8 +177,8 @@ def measure_links(
             if rank not in (a, b):
                 continue
             peer, first = (b if rank == a else a), rank == a
-            small = statistics.median(_round_trips(peer, 4, first, repeats, group))
-            big = statistics.median(_round_trips(peer, nbytes[i], first, repeats, group))
+            small = min(_round_trips(peer, 4, first, repeats, group))
+            big = min(_round_trips(peer, nbytes[i], first, repeats, group))
             found[i] = (small, big)
         dist.barrier(group=group)
     gathered: list[Any] = [None] * dist.get_world_size(group)
@@ -187,6 +188,6 @@ def measure_links(
     for i in range(len(stage_ranks) - 1):
         small, big = trips[i]
         latency = small / 2
-        spent = max(big / 2 - latency, 1e-9)
+        spent = max(big / 2 - latency, 1e-6)
         links.append(Link(latency, max(nbytes[i], 4) / spent))
     return links
