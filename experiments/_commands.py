@@ -9,11 +9,13 @@ _ROLE = re.compile(r":[a-z]+:`(?:([^`<]*?)\s*<[^`>]*>|~?([^`]*))`")
 
 
 def plain_text(doc: str) -> str:
-    """``doc`` (a module's reStructuredText) as a terminal shows it: roles reduced to their
-    name (``:mod:`~a.b``` to ``b``), literals and bold to their text.
+    """``doc`` (a module's reStructuredText) as a terminal shows it: a role reduced to the name
+    it points at (its last part where the target starts with a tilde), literals and bold to
+    their text.
 
     Example:
-        >>> plain_text("``pipemare study``: see :mod:`~pipemare.experiments.main_job`, **now**")
+        >>> role = ":" + "mod:`~pipemare.experiments.main_job`"  # a role, built so that the
+        >>> plain_text("``pipemare study``: see " + role + ", **now**")  # docs do not link it
         'pipemare study: see main_job, now'
     """
 
