@@ -37,3 +37,17 @@ def command_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
         description=None if doc is None else plain_text(doc),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+
+
+def add_tasks_argument(
+    parser: argparse.ArgumentParser, tasks: list[str], default: list[str]
+) -> None:
+    """``--tasks``: the usage line says TASK, the help lists the tasks."""
+    parser.add_argument(
+        "--tasks",
+        nargs="+",
+        default=default,
+        choices=tasks,
+        metavar="TASK",
+        help="tasks to run (default: %(default)s); one of: " + ", ".join(tasks),
+    )

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pipemare.experiments._commands import command_parser
+from pipemare.experiments._commands import add_tasks_argument, command_parser
 from pipemare.experiments.studies.fair_report import (
     measure_step_times,
     plot,
@@ -237,14 +237,7 @@ def run_protocol(
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("pipemare protocol", __doc__)
     parser.add_argument("--out", type=Path, default=Path("runs/protocol"))
-    parser.add_argument(
-        "--tasks",
-        nargs="+",
-        default=list(TASKS),
-        choices=sorted(TASKS),
-        metavar="TASK",
-        help="tasks to run (default: %(default)s); one of: " + ", ".join(sorted(TASKS)),
-    )
+    add_tasks_argument(parser, sorted(TASKS), list(TASKS))
     parser.add_argument(
         "--variants", nargs="+", default=list(DEFAULT_VARIANTS), choices=sorted(VARIANTS)
     )

@@ -45,7 +45,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from pipemare.experiments._commands import command_parser
+from pipemare.experiments._commands import add_tasks_argument, command_parser
 from pipemare.experiments.studies.fair import best_rate, execute, next_rate
 from pipemare.experiments.studies.fair_report import first_reach, plateau, spread
 from pipemare.experiments.studies.grid import Job, load_result
@@ -664,14 +664,7 @@ def run_compare(
 def main(argv: list[str] | None = None) -> None:
     parser = command_parser("pipemare user-protocol", __doc__)
     parser.add_argument("--out", type=Path, default=Path("runs/user-protocol"))
-    parser.add_argument(
-        "--tasks",
-        nargs="+",
-        default=list(USER_TASKS),
-        choices=sorted(TASKS),
-        metavar="TASK",
-        help="tasks to run (default: %(default)s); one of: " + ", ".join(sorted(TASKS)),
-    )
+    add_tasks_argument(parser, sorted(TASKS), list(USER_TASKS))
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2, help="runs at once (one core each)")
     parser.add_argument("--steps", type=int, help="steps per run (default: the task's)")
