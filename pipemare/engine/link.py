@@ -139,12 +139,17 @@ class Links:
         return self._free[edge, forward] + link.latency_s
 
 
-def _round_trips(peer: int, nbytes: int, first: bool, repeats: int, group: Any) -> list[float]:
+def _round_trips(
+    peer: int, nbytes: int, first: bool, repeats: int, group: Any, device: torch.device
+) -> list[float]:
     """Seconds of each of ``repeats`` round trips of ``nbytes`` to ``peer`` and back (after one
-    warm-up trip); ``first``: this rank sends first."""
-    buffer = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32)
+    warm-up trip); ``first``: this rank sends first. On a GPU each trip waits for the device
+    (NCCL's sends and receives are queued on a stream)."""
+    buffer = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     trips = []
     for i in range(repeats + 1):
+        sync()
         start = time.perf_counter()
         if first:
             dist.send(buffer, peer, group=group)
@@ -152,13 +157,18 @@ def _round_trips(peer: int, nbytes: int, first: bool, repeats: int, group: Any) 
         else:
             dist.recv(buffer, peer, group=group)
             dist.send(buffer, peer, group=group)
+        sync()
         if i:
             trips.append(time.perf_counter() - start)
     return trips
 
 
 def measure_links(
-    stage_ranks: list[int], nbytes: list[int], repeats: int = 7, group: Any = None
+    stage_ranks: list[int],
+    nbytes: list[int],
+    repeats: int = 7,
+    group: Any = None,
+    device: torch.device | str = "cpu",
 ) -> list[Link]:
     """Every link of the pipeline whose stage ``i`` runs on rank ``stage_ranks[i]``: the
     latency from the round trip of a tiny message, the bandwidth from the round trip of
@@ -167,7 +177,8 @@ def measure_links(
     is no longer than the tiny one's, the bandwidth is taken as carrying it in a microsecond.
     Every rank of the group calls it alike; each link is measured by its two ranks
     while the others wait (links one apart in turn, so no rank serves two at once), and the
-    result is shared with every rank.
+    result is shared with every rank. ``device``: this process's, whose tensors the backend
+    carries (CUDA for NCCL).
     """
     rank = dist.get_rank()
     found: dict[int, tuple[float, float]] = {}
@@ -177,8 +188,8 @@ def measure_links(
             if rank not in (a, b):
                 continue
             peer, first = (b if rank == a else a), rank == a
-            small = min(_round_trips(peer, 4, first, repeats, group))
-            big = min(_round_trips(peer, nbytes[i], first, repeats, group))
+            small = min(_round_trips(peer, 4, first, repeats, group, torch.device(device)))
+            big = min(_round_trips(peer, nbytes[i], first, repeats, group, torch.device(device)))
             found[i] = (small, big)
         dist.barrier(group=group)
     gathered: list[Any] = [None] * dist.get_world_size(group)

@@ -818,7 +818,7 @@ class PipelineRunner:
         # what crosses a cut is a layer's output before the last layer (the last one's, the
         # logits, stays on the last stage)
         largest = max((max(out[:-1], default=0) for out in sizes.values()), default=0)
-        links = measure_links(ranks, [max(largest, 4)] * edges)
+        links = measure_links(ranks, [max(largest, 4)] * edges, device=place.device)
         why = (
             f"measured now between each pair of neighbouring processes: the round trip of a "
             f"tiny message and of {largest / 1e6:.3g} MB (the largest activation measured); "
