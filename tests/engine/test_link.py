@@ -68,14 +68,23 @@ def test_links_deliver_each_direction_in_series_and_the_directions_apart():
     assert links.arrival(1, True, 1.0) == 3.0
 
 
+@pytest.fixture(scope="module")
+def delayed(tmp_path_factory):
+    """One launch of two processes: messages over a simulated link, then the real link
+    measured."""
+    out = tmp_path_factory.mktemp("link")
+    torchrun(2, SUPPORT / "link_worker.py", "--out", str(out), "--what", "delay", "measure")
+    return out
+
+
 @pytest.mark.distributed
-def test_a_simulated_link_holds_each_message_until_it_has_crossed(tmp_path, one_thread):
+@pytest.mark.xdist_group("link_launch")  # the tests sharing the launch: one worker
+def test_a_simulated_link_holds_each_message_until_it_has_crossed(delayed):
     """Two processes: three 100 kB messages sent at once over 8 Mb/s (1 MB/s) with 50 ms of
     latency become receivable no sooner than 0.15, 0.25 and 0.35 s after they were sent (a
     lower bound only: the machine may be slower, never faster)."""
-    torchrun(2, SUPPORT / "link_worker.py", "--out", str(tmp_path), "--what", "delay")
-    sent = json.loads((tmp_path / "delay-rank0.json").read_text())["sent"]
-    record = json.loads((tmp_path / "delay-rank1.json").read_text())
+    sent = json.loads((delayed / "delay-rank0.json").read_text())["sent"]
+    record = json.loads((delayed / "delay-rank1.json").read_text())
     assert record["values"] == [0.0, 1.0, 2.0]
     for k, got in enumerate(record["got"]):
         assert got - sent[0] >= 0.05 + 0.1 * (k + 1) - 1e-3
@@ -105,9 +114,9 @@ def test_training_over_a_simulated_link_gives_the_same_weights(tmp_path, one_thr
 
 
 @pytest.mark.distributed
-def test_the_links_are_measured_alike_on_every_rank(tmp_path, one_thread):
-    torchrun(2, SUPPORT / "link_worker.py", "--out", str(tmp_path), "--what", "measure")
-    seen = [json.loads((tmp_path / f"measure-rank{r}.json").read_text()) for r in (0, 1)]
+@pytest.mark.xdist_group("link_launch")
+def test_the_links_are_measured_alike_on_every_rank(delayed):
+    seen = [json.loads((delayed / f"measure-rank{r}.json").read_text()) for r in (0, 1)]
     assert seen[0] == seen[1] and len(seen[0]) == 1
     latency, bandwidth = seen[0][0]
     assert latency > 0 and bandwidth > 0

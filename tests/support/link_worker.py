@@ -57,7 +57,8 @@ def train(out: Path, link: str) -> None:
 
 
 def measure(out: Path) -> None:
-    DistributedTransport(2, heartbeat_timeout=None)  # the process group
+    if not dist.is_initialized():
+        DistributedTransport(2, heartbeat_timeout=None)  # the process group
     links = measure_links([0, 1], [SIZE * 4])
     record = [[link.latency_s, link.bandwidth] for link in links]
     (out / f"measure-rank{dist.get_rank()}.json").write_text(json.dumps(record))
@@ -66,16 +67,17 @@ def measure(out: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--what", choices=["delay", "train", "measure"], required=True)
+    parser.add_argument("--what", nargs="+", choices=["delay", "train", "measure"], required=True)
     parser.add_argument("--link", default="8Mb/s@50ms")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.what == "delay":
-        delay(args.out, args.link)
-    elif args.what == "train":
-        train(args.out, args.link)
-    else:
-        measure(args.out)
+    for what in args.what:  # in one launch, one after another
+        if what == "delay":
+            delay(args.out, args.link)
+        elif what == "train":
+            train(args.out, args.link)
+        else:
+            measure(args.out)
 
 
 if __name__ == "__main__":
