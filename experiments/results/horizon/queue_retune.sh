@@ -6,7 +6,10 @@ COMMIT=509e7b900d655f13cd4f83f45304db9da311f47d
 CODE=/tmp/horizon_code/${COMMIT:0:7}
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 WANDB_MODE=disabled PYTHONPATH=$CODE HORIZON_CODE_COMMIT=$COMMIT
 OUT=experiments/results/horizon
-for spec in "gpipe 2 0 0.004" "pipemare 4 0 0.002" "pipemare 8 0 0.002" "async 4 0 0.002" "gpipe 2 1 0.002" "pipemare 4 1 0.002"; do
+# two lists, so two runs go at once: a (one device and async) and b (pipemare)
+if [ "${1:-a}" = b ]; then SPECS=("pipemare 4 0 0.002" "pipemare 8 0 0.002" "pipemare 4 1 0.002")
+else SPECS=("gpipe 2 0 0.004" "async 4 0 0.002" "gpipe 2 1 0.002"); fi
+for spec in "${SPECS[@]}"; do
   set -- $spec
   v=$1 p=$2 s=$3 lr=$4
   n=$p; [ "$v" = gpipe ] && { p=2; n=1; }
