@@ -184,6 +184,13 @@ def write_answer_page(study: Path, out: Path | None = None) -> Path:
         "</head><body>",
         "<h1>Does pipemare reach your quality sooner than 1F1B?</h1>",
         "<ul>" + "".join(f"<li>{html.escape(line)}</li>" for line in results["answer"]) + "</ul>",
+        *(
+            ["<p><b>Stored, not run now</b> (a longer study, labelled with its length):</p><ul>"]
+            + [f"<li>{html.escape(line)}</li>" for line in results["stored"]]
+            + ["</ul>"]
+            if results.get("stored")
+            else []
+        ),
         "<p class='note'>Every schedule at the rate tuned on one device; pipemare and async at "
         "the strategy's default N, gpipe at the same N, 1F1B at its fastest N (its curve per "
         "step is gpipe's). Pipeline time: each configuration's actions timed once, alone, and "

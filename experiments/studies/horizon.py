@@ -117,9 +117,9 @@ def _fmt(values: list[float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values)
 
 
-def _reach(curve: list[list[float]], target: float) -> str:
-    """The first evaluated step whose loss is within 1% of ``target``, or ``never``."""
-    return next((f"{s:.0f}" for s, m in curve if m <= 1.01 * target), "never")
+def _first_within(curve: list[list[float]], target: float) -> int | None:
+    """The first evaluated step whose loss is within 1% of ``target`` (None: never)."""
+    return next((int(s) for s, m in curve if m <= 1.01 * target), None)
 
 
 #: the links the pipeline-time table replays beside the free one (issue 62): Ethernet between
@@ -160,20 +160,17 @@ def _times(args: argparse.Namespace) -> None:
             path.write_text(json.dumps(times, indent=1, sort_keys=True))
 
 
-def _time_rows(
+def _time_cells(
     times: dict[str, float],
     cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]],
     link: str = "",
-) -> list[str]:
+) -> list[dict[str, Any]]:
     """Per horizon and P: 1F1B at its fastest N (over ``link``; "": communication free)
     reaches its own final quality (one device's: it computes what one device computes) at one
-    device's reach step; every other cell at its own."""
+    device's reach step; every other cell at its own. One dict per row: steps, P, schedule, N,
+    step_s, step_vs_1f1b, reach (None: never), time_s, time_vs_1f1b (None: never)."""
     at = f"@{link}" if link else ""
-    rows = [
-        "| steps | P | schedule | N | step (ms) | step × 1F1B's | step within 1% of 1F1B's final "
-        "(seed-mean curve) | pipeline time to it (s) | × 1F1B's time |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    out: list[dict[str, Any]] = []
     for (v, _, _, steps), seeds in sorted(cells.items(), key=lambda c: c[0][3]):
         if v != "gpipe":
             continue
@@ -194,9 +191,18 @@ def _time_rows(
             base_step = ns[n_star]
             reach = _mean_reach(list(seeds.values()), target)
             base = reach * base_step if reach is not None else math.nan
-            rows.append(
-                f"| {steps} | {p} | 1f1b (its fastest N; one device's curve) | {n_star} | "
-                f"{1000 * base_step:.1f} | 1.00 | {_shown(reach)} | {base:.1f} | 1.00 |"
+            out.append(
+                {
+                    "steps": steps,
+                    "P": p,
+                    "schedule": "1f1b",
+                    "N": n_star,
+                    "step_s": base_step,
+                    "step_vs_1f1b": 1.0,
+                    "reach": reach,
+                    "time_s": base,
+                    "time_vs_1f1b": 1.0,
+                }
             )
             for (cv, cp, n, st), runs in sorted(cells.items()):
                 if cp != p or cv == "gpipe" or st != steps:
@@ -204,11 +210,42 @@ def _time_rows(
                 step = times.get(f"{_TASK}-{cv}-P{p}-N{n}{at}", math.nan)
                 reach = _mean_reach(list(runs.values()), target)
                 time = reach * step if reach is not None else math.nan
-                ratio = f"{time / base:.2f}" if reach is not None else "never"
-                rows.append(
-                    f"| {steps} | {p} | {cv} | {n} | {1000 * step:.1f} | "
-                    f"{step / base_step:.2f} | {_shown(reach)} | {time:.1f} | {ratio} |"
+                out.append(
+                    {
+                        "steps": steps,
+                        "P": p,
+                        "schedule": cv,
+                        "N": n,
+                        "step_s": step,
+                        "step_vs_1f1b": step / base_step,
+                        "reach": reach,
+                        "time_s": time,
+                        "time_vs_1f1b": time / base if reach is not None else None,
+                    }
                 )
+    return out
+
+
+def _time_rows(
+    times: dict[str, float],
+    cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]],
+    link: str = "",
+) -> list[str]:
+    """:func:`_time_cells` as a Markdown table."""
+    rows = [
+        "| steps | P | schedule | N | step (ms) | step × 1F1B's | step within 1% of 1F1B's final "
+        "(seed-mean curve) | pipeline time to it (s) | × 1F1B's time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in _time_cells(times, cells, link):
+        name = c["schedule"]
+        if name == "1f1b":
+            name = "1f1b (its fastest N; one device's curve)"
+        ratio = "never" if c["time_vs_1f1b"] is None else f"{c['time_vs_1f1b']:.2f}"
+        rows.append(
+            f"| {c['steps']} | {c['P']} | {name} | {c['N']} | {1000 * c['step_s']:.1f} | "
+            f"{c['step_vs_1f1b']:.2f} | {_shown(c['reach'])} | {c['time_s']:.1f} | {ratio} |"
+        )
     return rows
 
 
@@ -297,44 +334,145 @@ def _shown(reach: float | None) -> str:
     return "never" if reach is None else f"{reach:.0f}"
 
 
-def _table(args: argparse.Namespace) -> None:
-    out = Path(args.out)
-    every = [json.loads(p.read_text()) for p in sorted(out.glob(f"{_TASK}-*steps*.json"))]
-    records = [r for r in every if r["lr"] == _RATE]
-    cells: dict[tuple[str, int, int, int], dict[int, dict[str, Any]]] = {}
+Cells = dict[tuple[str, int, int, int], dict[int, dict[str, Any]]]
+
+
+def _cells(records: list[dict[str, Any]]) -> Cells:
+    """(schedule, P, N, steps) -> seed -> its run."""
+    cells: Cells = {}
     for r in records:
         key = (r["schedule"], r["stages"], r["microbatches"], r["steps"])
         cells.setdefault(key, {})[r["seed"]] = r
+    return cells
+
+
+def _quality(cells: Cells) -> list[dict[str, Any]]:
+    """One dict per cell: its seeds' finals, mean, spread (half the range), gap to one
+    device's mean at the same horizon (None for one device), and its reach (the seed-mean
+    curve's first step within 1% of one device's final mean; None: never) with each seed's."""
     order = {"gpipe": 0, "pipemare": 1, "async": 2}
-    rows = [
-        "| schedule | P | N | steps | seeds | final validation loss per seed | mean | spread "
-        "(half-range) | gap to one device (mean) | step within 1% of one device's final: "
-        "seed-mean curve (per seed) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
     base: dict[int, float] = {}
     for (v, _, _, steps), seeds in cells.items():
         if v == "gpipe":
             base[steps] = statistics.fmean(r["final_val_loss"] for r in seeds.values())
+    out = []
     for (v, p, n, steps), seeds in sorted(
         cells.items(), key=lambda c: (order.get(c[0][0], 9), *c[0][1:])
     ):
         runs = [seeds[s] for s in sorted(seeds)]
         values = [r["final_val_loss"] for r in runs]
         mean = statistics.fmean(values)
-        half = (max(values) - min(values)) / 2
-        gap = "" if v == "gpipe" or steps not in base else f"{100 * (mean / base[steps] - 1):+.1f}%"
-        reach = ""
+        cell: dict[str, Any] = {
+            "schedule": v,
+            "P": None if v == "gpipe" else p,
+            "N": None if v == "gpipe" else n,
+            "steps": steps,
+            "seeds": sorted(seeds),
+            "finals": values,
+            "mean": mean,
+            "spread": (max(values) - min(values)) / 2,
+            "gap": None if v == "gpipe" or steps not in base else mean / base[steps] - 1,
+            "reach": None,
+            "reach_per_seed": None,
+        }
         if steps in base and all(len(r["curve"]) == len(runs[0]["curve"]) for r in runs):
             curve = [list(point) for point in _mean_curve(runs)]
-            each = ", ".join(_reach(r["curve"], base[steps]) for r in runs)
-            reach = f"{_reach(curve, base[steps])} ({each})"
-        where = "one device" if v == "gpipe" else f"{p}"
+            cell["reach"] = _first_within(curve, base[steps])
+            cell["reach_per_seed"] = [_first_within(r["curve"], base[steps]) for r in runs]
+        out.append(cell)
+    return out
+
+
+def _quality_rows(cells: Cells) -> list[str]:
+    rows = [
+        "| schedule | P | N | steps | seeds | final validation loss per seed | mean | spread "
+        "(half-range) | gap to one device (mean) | step within 1% of one device's final: "
+        "seed-mean curve (per seed) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in _quality(cells):
+        gap = "" if c["gap"] is None else f"{100 * c['gap']:+.1f}%"
+        reach = ""
+        if c["reach_per_seed"] is not None:
+            each = ", ".join(_shown(r) for r in c["reach_per_seed"])
+            reach = f"{_shown(c['reach'])} ({each})"
+        where = "one device" if c["schedule"] == "gpipe" else f"{c['P']}"
         rows.append(
-            f"| {v} | {where} | {'' if v == 'gpipe' else n} | {steps} | "
-            f"{', '.join(map(str, sorted(seeds)))} | {_fmt(values)} | {mean:.3f} | "
-            f"±{half:.3f} | {gap} | {reach} |"
+            f"| {c['schedule']} | {where} | {'' if c['N'] is None else c['N']} | {c['steps']} | "
+            f"{', '.join(map(str, c['seeds']))} | {_fmt(c['finals'])} | {c['mean']:.3f} | "
+            f"±{c['spread']:.3f} | {gap} | {reach} |"
         )
+    return rows
+
+
+def _retuned(every: list[dict[str, Any]], times: dict[str, float]) -> list[str]:
+    """The same tables at each other rate where a schedule besides one device ran."""
+    out: list[str] = []
+    for lr in sorted({r["lr"] for r in every} - {_RATE}):
+        at = [r for r in every if r["lr"] == lr]
+        if not any(r["schedule"] != "gpipe" for r in at):
+            continue
+        cells = _cells(at)
+        timed = _time_rows(times, cells) if times else []
+        out += [
+            "",
+            f"### At {lr:g}, every schedule (one device included) at this rate",
+            "",
+            *_quality_rows(cells),
+            "",
+            "Pipeline time to 1F1B's final quality at this rate (step times as below):",
+            "",
+            *(timed or ["(no step times measured yet)"]),
+        ]
+    return out or ["(no schedule besides one device has finished at another rate yet)"]
+
+
+def _verdict(every: list[dict[str, Any]], times: dict[str, float]) -> dict[str, Any]:
+    """What the product's verdicts read (the main job's stored study, the README): per rate,
+    each cell's quality and, where the step times are measured, its pipeline time to 1F1B's
+    final quality, communication free."""
+    cells = []
+    for lr in sorted({r["lr"] for r in every}):
+        at = _cells([r for r in every if r["lr"] == lr])
+        timed = {(c["steps"], c["P"], c["schedule"], c["N"]): c for c in _time_cells(times, at)}
+        for c in _quality(at):
+            t = timed.get((c["steps"], c["P"], c["schedule"], c["N"]), {})
+            ones = [v for k, v in timed.items() if k[:3] == (c["steps"], c["P"], "1f1b")]
+            cells.append(
+                {
+                    "lr": lr,
+                    **c,
+                    "step_vs_1f1b": _finite(t.get("step_vs_1f1b")),
+                    "time_vs_1f1b": _finite(t.get("time_vs_1f1b")),
+                    "one_f_one_b_n": ones[0]["N"] if ones else None,
+                }
+            )
+    return {
+        "about": (
+            f"{_TASK} (a GPT whose stages cost about their rows) trained for the steps named, "
+            "every stage simulated in one process with one process per stage's staleness; "
+            "gap: the seed-mean final validation loss against one device's at the same rate "
+            "and steps; time_vs_1f1b: pipeline time to 1F1B's final quality (one device's) "
+            "against 1F1B's at its fastest N, from per-action times measured alone and "
+            "replayed, communication free (null: never within the run). Written by "
+            "`python experiments/studies/horizon.py table` from the curves in this folder."
+        ),
+        "task": _TASK,
+        "task_rate": _RATE,
+        "main_job_steps": 240,
+        "cells": cells,
+    }
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _table(args: argparse.Namespace) -> None:
+    out = Path(args.out)
+    every = [json.loads(p.read_text()) for p in sorted(out.glob(f"{_TASK}-*steps*.json"))]
+    records = [r for r in every if r["lr"] == _RATE]
+    cells = _cells(records)
     sittings = [json.loads(p.read_text()) for p in sorted(out.glob("step_times-*.json"))]
     times = {  # the median over the sittings of each configuration
         k: statistics.median(s[k] for s in sittings if k in s)
@@ -343,13 +481,16 @@ def _table(args: argparse.Namespace) -> None:
     timed = _time_rows(times, cells) if times else []
     template = (out / "README.template.md").read_text()
     (out / "README.md").write_text(
-        template.replace("{{TABLE}}", "\n".join(rows))
+        template.replace("{{TABLE}}", "\n".join(_quality_rows(cells)))
         .replace("{{COUNT}}", str(len(records)))
         .replace("{{TIMES}}", "\n".join(timed) or "(no step times measured yet)")
         .replace("{{LINKS}}", "\n".join(_link_tables(times, cells)) or "(no link replayed yet)")
         .replace("{{ALONG}}", "\n".join(_along_rows(cells)))
         .replace("{{RATES}}", "\n".join(_rate_rows(every)))
+        .replace("{{RETUNED}}", "\n".join(_retuned(every, times)))
     )
+    verdict = json.dumps(_verdict(every, times), indent=1, allow_nan=False)
+    (out / "verdict.json").write_text(verdict + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:

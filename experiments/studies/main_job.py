@@ -54,12 +54,15 @@ from pipemare.experiments.studies.user_protocol import (
     task_table,
 )
 
-__all__ = ["RUNS", "STAGES", "answer_lines", "run_main_job", "schedule_series"]
+__all__ = ["RUNS", "STAGES", "answer_lines", "run_main_job", "schedule_series", "stored_lines"]
 
 #: task -> (its one-device rate, the steps of each run): the rate is gpipe's best on the 1-3-10
 #: grid at that length, seed 0 (``pipemare user-protocol --tasks T --stages 4 --steps S``;
 #: experiments/results/main_job/README.md)
 RUNS: dict[str, tuple[float, int]] = {"gpt_c64s": (1e-3, 240), "char_gpt@adamw": (1e-2, 400)}
+
+#: the stored long-horizon study shown beside the fresh short answer (``horizon.py table``)
+HORIZON = Path(__file__).resolve().parents[1] / "results" / "horizon" / "verdict.json"
 
 #: the layout the main job answers for
 STAGES = (4,)
@@ -122,16 +125,72 @@ def run_main_job(
         "stages": list(STAGES),
     }
     results["answer"] = answer_lines(results)
+    results["stored"] = stored_lines()
     (out / "results.json").write_text(json.dumps(results, indent=1))
+    stored = "".join(f"- {line}\n" for line in results["stored"])
     (out / "results.md").write_text(
-        "\n".join(f"- {line}" for line in results["answer"]) + "\n\n" + markdown(results)
+        "\n".join(f"- {line}" for line in results["answer"])
+        + "\n\n"
+        + (f"Stored, not run now:\n\n{stored}\n" if stored else "")
+        + markdown(results)
     )
     if wandb:
         log_to_wandb(out, results, cells)
     print(f"done in {time.perf_counter() - start:.0f} s: {out / 'results.md'}", flush=True)
     for line in results["answer"]:
         print(line, flush=True)
+    if results["stored"]:
+        print("Stored, not run now:", flush=True)
+        for line in results["stored"]:
+            print(f"  {line}", flush=True)
     return results
+
+
+def stored_lines(path: Path = HORIZON) -> list[str]:
+    """The stored long-horizon study beside the fresh answer, each line labelled with its
+    length, its rate and how it was produced: per P, the default pipemare (N = P) and
+    uncorrected async against 1F1B at the longest horizon measured, at the task's rate and at
+    any rate re-tuned on one device where pipemare ran at it. Nothing if the file is absent
+    (an install without the repository's results)."""
+    if not path.exists():
+        return []
+    study = json.loads(path.read_text())
+    cells = [c for c in study["cells"] if c["schedule"] != "gpipe" and c["N"] == c["P"]]
+    if not cells:
+        return []
+    longest = max(c["steps"] for c in cells)
+    source = f"{path.relative_to(path.parents[3])}" if len(path.parents) > 3 else str(path)
+    lines = []
+    for lr in sorted({c["lr"] for c in cells if c["steps"] == longest}):
+        at = {(c["schedule"], c["P"]): c for c in cells if c["steps"] == longest and c["lr"] == lr}
+        for p in sorted({p for s, p in at if s == "pipemare"}):
+            pm, asy = at[("pipemare", p)], at.get(("async", p))
+            rate = "the task's rate" if lr == study["task_rate"] else "re-tuned on one device"
+            text = (
+                f"{study['task']}, {longest:,} steps "
+                f"({longest / study['main_job_steps']:.0f}x this job's {study['main_job_steps']}),"
+                f" rate {lr:g} ({rate}), P = {p}, every stage simulated in one process "
+                f"({source}, `python experiments/studies/horizon.py table`): pipemare "
+                f"(N = {p}) ends {_stored_cell(pm)}"
+            )
+            if asy is not None:
+                text += f"; uncorrected async (N = {p}): {_stored_cell(asy)}"
+            lines.append(text + ".")
+    return lines
+
+
+def _stored_cell(c: dict[str, Any]) -> str:
+    seeds = len(c["seeds"])
+    quality = (
+        f"{100 * c['gap']:+.1f}% (± {100 * c['spread'] / (c['mean'] / (1 + c['gap'])):.1f}% "
+        f"over {seeds} seed{'s' if seeds > 1 else ''}) against 1F1B at equal steps"
+    )
+    ratio = c.get("time_vs_1f1b")
+    if ratio is not None:
+        return f"{quality}, and reaches 1F1B's quality in {ratio:.2f}x 1F1B's time"
+    if c.get("reach") is None:
+        return f"{quality}, and does not reach 1F1B's quality within the run"
+    return f"{quality} (its step time not measured)"
 
 
 def _reach(row: dict[str, Any], base: dict[str, Any]) -> str:

@@ -49,6 +49,9 @@ def test_the_main_job_trains_what_it_reports_and_keeps_its_times(tmp_path, monke
     assert f"pipemare (N = {default_n})" in line and f"1F1B (N = {stage['1f1b']['N']})" in line
     assert "P = 4" in line and "at equal steps" in line and "rate 0.003" in line
     assert (out / "results.md").read_text().startswith(f"- {line}")
+    # beside it, the stored long-horizon study, labelled as such (the repository's file)
+    assert first["stored"] == main_job.stored_lines() and first["stored"]
+    assert "Stored, not run now:" in (out / "results.md").read_text()
     # one W&B run per reported series and seed (1F1B, gpipe, async, pipemare), offline
     assert len(list((out / "wandb").glob("offline-run-*"))) == 8
     times = (out / "step_times.json").read_text()
@@ -84,3 +87,41 @@ def test_the_dashboard_says_what_to_run_without_results(tmp_path):
 
     with pytest.raises(ValueError, match="pipemare study default"):
         write_answer_page(tmp_path)
+
+
+def _verdict_file(path, cells):
+    base = {"steps": 2400, "lr": 1e-3, "seeds": [0, 1], "spread": 0.01, "reach": 1900}
+    path.write_text(
+        json.dumps(
+            {
+                "task": "gpt_c64s",
+                "task_rate": 1e-3,
+                "main_job_steps": 240,
+                "cells": [{**base, **c} for c in cells],
+            }
+        )
+    )
+    return path
+
+
+def test_the_stored_study_is_shown_at_its_longest_horizon_with_its_length_and_rate(tmp_path):
+    one = {"schedule": "gpipe", "P": None, "N": None, "mean": 2.0, "gap": None}
+    cells = [
+        one,
+        {"schedule": "pipemare", "P": 4, "N": 4, "mean": 1.98, "gap": -0.01, "time_vs_1f1b": 0.8},
+        {"schedule": "async", "P": 4, "N": 4, "mean": 2.06, "gap": 0.03, "reach": None},
+        {"schedule": "pipemare", "P": 4, "N": 8, "mean": 1.9, "gap": -0.05, "time_vs_1f1b": 0.5},
+        {"schedule": "pipemare", "P": 4, "N": 4, "steps": 960, "mean": 2.2, "gap": 0.1},
+        {"schedule": "pipemare", "P": 8, "N": 8, "lr": 2e-3, "mean": 2.0, "gap": 0.002},
+    ]
+    lines = main_job.stored_lines(_verdict_file(tmp_path / "verdict.json", cells))
+    # the longest horizon only, at the default N only (N = 8 at P = 4 is not the default)
+    assert len(lines) == 2 and not any("960" in line or "0.50x" in line for line in lines)
+    first, retuned = lines
+    assert "2,400 steps (10x this job's 240)" in first and "the task's rate" in first
+    assert "pipemare (N = 4) ends -1.0% (± 0.5% over 2 seeds)" in first
+    assert "0.80x 1F1B's time" in first
+    assert "async (N = 4): +3.0%" in first and "does not reach 1F1B's quality" in first
+    assert "rate 0.002 (re-tuned on one device), P = 8" in retuned
+    assert "step time not measured" in retuned
+    assert main_job.stored_lines(tmp_path / "absent.json") == []
