@@ -169,3 +169,19 @@ def test_a_docstring_naming_a_missing_object_fails_the_build(tmp_path):
     assert "here` names no object" not in done.stderr
     page = (site / "index.html").read_text()
     assert 'href="#tiny.here"' in page
+
+
+def test_the_scaling_pages_launchers_agree_with_its_trainers():
+    """docs/scaling-up.md's multi-node recipes, read as the launch tests read them: each
+    launcher starts as many processes per node, and as many nodes, as its Trainer asks for."""
+    from support import recipes
+
+    torchrun = recipes.options(recipes.command("torchrun-nodes"))
+    trainer = recipes.trainer_counts("nodes-train")
+    assert int(torchrun["nproc-per-node"]) == trainer["devices"]
+    assert int(torchrun["nnodes"]) == trainer["num_nodes"]
+    assert trainer["devices"] % trainer["stages"] == 0  # each pipeline inside a node
+    slurm, _ = recipes.sbatch("slurm-batch")
+    trainer = recipes.trainer_counts("slurm-train")
+    assert int(slurm["ntasks-per-node"]) == int(slurm["gpus-per-node"]) == trainer["devices"]
+    assert int(slurm["nodes"]) == trainer["num_nodes"]

@@ -14,7 +14,7 @@ import torch
 
 from pipemare.engine.replicas import _buckets
 from pipemare.lightning.steps import Record, merge_published
-from support import replica_worker
+from support import recipes, replica_worker
 from support.launch import environment, free_port, reports, run_all, run_here
 
 # one worker runs the module: its tests share module-scoped fixtures
@@ -76,18 +76,22 @@ def test_copies_split_the_batches_and_agree_on_everything(gpipe_runs):
 
 @pytest.mark.distributed
 def test_torchrun_on_two_nodes_keeps_each_pipeline_inside_a_node(gpipe_runs, tmp_path):
-    """2 nodes x 2 processes (torchrun), stages=2: each node runs one copy of the pipeline,
-    only the gradient average crosses nodes; the result is the one-device run's."""
+    """docs/scaling-up.md's torchrun recipe across nodes, as the page writes it: 2 nodes x 2
+    processes, stages=2, both nodes on 127.0.0.1. Each node runs one copy of the pipeline, only
+    the gradient average crosses nodes; the result is the one-device run's."""
     _, single, _, ref = gpipe_runs
-    port = free_port()
+    counts = recipes.worker_arguments("nodes-train")
+    assert counts == ["--devices", "2", "--num-nodes", "2", "--stages", "2"]  # the reference's
+    endpoint = f"127.0.0.1:{free_port()}"
     commands = []
     for node in (0, 1):
+        torchrun = recipes.command(
+            "torchrun-nodes", {"$NODE_RANK": str(node), "$HEAD:29500": endpoint}
+        )
+        assert torchrun[0] == "torchrun" and torchrun[-1] == "train.py", torchrun
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2",
-            f"--node-rank={node}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=pipemare-copies",
-            *launch(tmp_path, "--devices", "2", "--num-nodes", "2", "--stages", "2")[1:],
-            "--batch", "16",
+            sys.executable, "-m", "torch.distributed.run", *torchrun[1:-1],
+            *launch(tmp_path, *counts)[1:], "--batch", "16",
         ]  # fmt: skip
         commands.append((cmd, environment()))
     run_all(commands, timeout=600)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support import lightning_worker
+from support import lightning_worker, recipes
 from support.data import DigitsDataModule
 from support.launch import environment, free_port, reports, run_all, run_here
 from support.models import DigitsCNN, quiet_trainer
@@ -126,24 +126,17 @@ def test_torchrun_on_two_nodes_matches_one_node(lightning_run, tmp_path):
 
 
 def test_slurm_tasks_match_lightnings_launcher(lightning_run, tmp_path):
+    """docs/scaling-up.md's SLURM recipe, as the page writes it: one process per task of its
+    batch script, each with the environment ``srun`` would give it (every node on this
+    machine), running a worker with the counts of the page's Trainer."""
+    _, srun = recipes.sbatch("slurm-batch")
+    assert srun == ["srun", "python", "train.py"], srun
+    tasks = recipes.slurm_environments("slurm-batch")
+    assert len(tasks) == 2  # the two processes of the reference launch
+    counts = recipes.worker_arguments("slurm-train")
+    worker = [sys.executable, WORKER, "--out", str(tmp_path), *counts]
     port = str(free_port())
-    commands = []
-    for rank in (0, 1):  # what `srun --ntasks=2 python worker.py` would start
-        env = environment(
-            SLURM_NTASKS="2",
-            SLURM_NTASKS_PER_NODE="2",
-            SLURM_NNODES="1",
-            SLURM_PROCID=str(rank),
-            SLURM_LOCALID=str(rank),
-            SLURM_NODEID="0",
-            SLURM_JOB_NAME="pipemare-test",
-            SLURM_JOB_ID="4242",
-            SLURM_NODELIST="127.0.0.1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        commands.append(([sys.executable, WORKER, "--out", str(tmp_path), "--devices", "2"], env))
-    run_all(commands)
+    run_all([(worker, environment(**t, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)) for t in tasks])
     ranks = reports(tmp_path, 2)
     assert {r["environment"] for r in ranks} == {"SLURMEnvironment"}
     ours, theirs = (
