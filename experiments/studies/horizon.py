@@ -447,6 +447,13 @@ def _verdict(every: list[dict[str, Any]], times: dict[str, float]) -> dict[str, 
                     "one_f_one_b_n": ones[0]["N"] if ones else None,
                 }
             )
+    links = {  # the same cells' pipeline time replayed over each link (the task's rate)
+        name: [
+            {k: _finite(c[k]) if k.endswith("_1f1b") else c[k] for k in _LINK_KEYS}
+            for c in _time_cells(times, _cells([r for r in every if r["lr"] == _RATE]), name)
+        ]
+        for name in sorted({k.split("@", 1)[1] for k in times if "@" in k})
+    }
     return {
         "about": (
             f"{_TASK} (a GPT whose stages cost about their rows) trained for the steps named, "
@@ -461,7 +468,11 @@ def _verdict(every: list[dict[str, Any]], times: dict[str, float]) -> dict[str, 
         "task_rate": _RATE,
         "main_job_steps": 240,
         "cells": cells,
+        "over_links": links,
     }
+
+
+_LINK_KEYS = ("steps", "P", "schedule", "N", "step_vs_1f1b", "time_vs_1f1b")
 
 
 def _finite(value: float | None) -> float | None:
