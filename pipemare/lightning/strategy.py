@@ -460,11 +460,12 @@ class PipeMareStrategyMixin(_StrategyBase):
         return None if pipe is None else pipe.optimizer.set_run_length(total_steps)
 
     @property
-    def update(self) -> tuple[int, int] | None:
+    def update(self) -> tuple[int | None, int] | None:
         """``(stage, minibatch)`` of the update whose gradient hooks are running (0-based
         minibatch), None outside them: in a pipeline ``trainer.global_step`` is the step
-        running, and a stage applies an earlier minibatch's update
-        (:mod:`~pipemare.lightning.hooks`)."""
+        running, and a stage applies an earlier minibatch's update. The stage is None where
+        the hooks see every stage at once (one process, ``gpipe`` or ``1f1b``;
+        :mod:`~pipemare.lightning.hooks`)."""
         hooks = self._runner.hooks
         return None if hooks is None else hooks.update
 
