@@ -291,6 +291,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         self._num_nodes = 1
         self._failed = False
         self._divergence_delegated = False
+        self._stepping = False  # inside optimizer_step, which runs Lightning's closure
         self._runner = PipelineRunner(
             self._options,
             self._package,
@@ -542,6 +543,8 @@ class PipeMareStrategyMixin(_StrategyBase):
         module = self.lightning_module
         assert module is not None, "the strategy has no LightningModule yet"
         checks.check_trainer(module, trainer)
+        if trainer.state.fn == "fit":
+            checks.check_hooks(module)
         self._runner.setup(module, self._placement(), self.precision_plugin.forward_context)
         with checks.one_optimizer():
             super().setup(trainer)
@@ -626,6 +629,7 @@ class PipeMareStrategyMixin(_StrategyBase):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch, batch_idx, *rest = args
+        checks.check_step_in_optimizer_step(self._runner.module, self._stepping)
         loss = self._runner.train(batch, (batch_idx, *rest), monitored=self._divergence_delegated)
         lag = self._runner.lag
         if lag:
@@ -643,7 +647,11 @@ class PipeMareStrategyMixin(_StrategyBase):
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         self._runner.steps.manual.check_step()  # manual optimisation: the engine steps
-        result = closure()  # runs training_step, in which the stages applied their updates
+        self._stepping = True
+        try:
+            result = closure()  # runs training_step, in which the stages applied their updates
+        finally:
+            self._stepping = False
         self._runner.restore_grads()
         return result
 

@@ -400,3 +400,100 @@ def test_manual_optimisation_gets_one_on_before_optimizer_step_per_optimiser():
     for (_, k), grads in model.after_backward:
         for name, g in grads.items():
             torch.testing.assert_close(g, reference[k][name], rtol=1e-5, atol=1e-7)
+
+
+# -- what a pipeline cannot honour is refused; what it can, it honours ---------------------------
+
+
+class OwnBackward(Tiny):
+    def backward(self, loss, *args, **kwargs):
+        loss.backward(retain_graph=True)
+
+
+class OwnZeroGrad(Tiny):
+    def optimizer_zero_grad(self, epoch, batch_idx, optimizer):
+        if batch_idx % 2 == 0:  # accumulate over two batches
+            optimizer.zero_grad()
+
+
+class OwnManualBackward(TwoOptimisers):
+    def manual_backward(self, loss, *args, **kwargs):
+        super().manual_backward(loss * 0.5, *args, **kwargs)
+
+
+class ClosureOutsideStep(Tiny):
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        optimizer_closure()  # e.g. to step only every other batch
+        if batch_idx % 2 == 0:
+            optimizer.step()
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        (
+            OwnBackward,
+            r"OwnBackward overrides backward, but pipemare runs each microbatch's backward "
+            r"pass itself, stage by stage, so Lightning never calls it. Remove the override",
+        ),
+        (
+            OwnZeroGrad,
+            r"OwnZeroGrad overrides optimizer_zero_grad, but pipemare zeroes each stage's "
+            r"gradients itself, right after that stage's update .* Remove it; to accumulate "
+            r"over more samples, raise PipeMareStrategy\(microbatches=N\)",
+        ),
+        (
+            OwnManualBackward,
+            r"OwnManualBackward overrides manual_backward, but pipemare takes the loss passed "
+            r"to self.manual_backward .* Remove it; to scale the loss, scale it before",
+        ),
+        (
+            ClosureOutsideStep,
+            r"ClosureOutsideStep.optimizer_step ran training_step by calling the closure "
+            r"itself, not through optimizer.step\(closure=optimizer_closure\); .* cannot skip "
+            r"or defer them. Call optimizer.step\(closure=optimizer_closure\) once in it",
+        ),
+    ],
+    ids=["backward", "optimizer_zero_grad", "manual_backward", "closure-outside-step"],
+)
+def test_an_override_the_pipeline_cannot_honour_is_refused_before_any_update(model, message):
+    pl.seed_everything(0)
+    module = model()
+    before = weights(module)
+    strategy = PipeMareStrategy(stages=2, microbatches=2, schedule="gpipe", balance=[2, 3])
+    with pytest.raises(ValueError, match=message):
+        quiet_trainer(strategy, max_steps=STEPS).fit(module, data())
+    for a, b in zip(weights(module), before, strict=True):
+        assert torch.equal(a, b)
+
+
+class WarmsUp(Tiny):
+    """A learning-rate warm-up in optimizer_step, as Lightning's docs show it."""
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure):
+        for group in optimizer.param_groups:
+            group["lr"] = self.lr * min(1.0, (self.trainer.global_step + 1) / 4)
+        optimizer.step(closure=optimizer_closure)
+
+
+class ClipsByValue(Tiny):
+    def clip_gradients(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        super().clip_gradients(optimizer, 0.02, "value")
+
+
+@pytest.mark.parametrize("model", [WarmsUp, ClipsByValue])
+def test_an_override_of_optimizer_step_or_clip_gradients_runs_as_on_one_device(model):
+    pl.seed_everything(0)
+    base = model()
+    trained = []
+    for strategy in ("auto", PipeMareStrategy(stages=2, schedule="gpipe", balance=[2, 3])):
+        module = model()
+        module.load_state_dict(base.state_dict())
+        quiet_trainer(strategy, max_steps=STEPS).fit(module, data())
+        trained.append(weights(module))
+    for a, b in zip(trained[1], trained[0], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    plain = Tiny()  # without the override, one device ends elsewhere: the override did act
+    plain.load_state_dict(base.state_dict())
+    quiet_trainer("auto", max_steps=STEPS).fit(plain, data())
+    assert not all(torch.allclose(a, b) for a, b in zip(weights(plain), trained[0], strict=True))
