@@ -112,8 +112,9 @@ class GradClip:
         self.board.post(stage, update, sq)
 
     def ready(self, stage: int, update: int) -> bool:
-        """Whether ``stage`` can clip ``update`` now (a distributed board always answers True)."""
-        if self.algorithm != "norm":
+        """Whether ``stage`` can clip ``update`` now (a distributed board always answers True,
+        and so does a norm already read for it)."""
+        if self.algorithm != "norm" or (stage, update) in self._norms:
             return True
         assert self.board is not None
         if self.lag == 0:

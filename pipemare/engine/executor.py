@@ -106,6 +106,9 @@ class Executor:
         #: each microbatch's forward: the loss its backward pass will propagate (the
         #: microbatch's loss times ``share``, its share of the minibatch)
         self.on_loss: Callable[[int, torch.Tensor, float], None] | None = None
+        #: called with ``(stage, minibatch)`` before each update could run, ahead of every other
+        #: check; False holds the update back (it is asked again). None: no such gate
+        self.update_gate: Callable[[int, int], bool] | None = None
         #: per local stage, the index of the latest action of each kind it ran
         self.done: dict[int, dict[Op, int]] = {s.index: {} for s in stages}
         #: called with ``(stage, action)`` after each action (see :mod:`pipemare.engine.snapshot`)
@@ -156,6 +159,8 @@ class Executor:
             return i == 0 or self.transport.ready(i - 1, i, ACT)
         if a.op is Op.BACKWARD:
             return i == self.num_stages - 1 or self.transport.ready(i + 1, i, GRAD)
+        if self.update_gate is not None and not self.update_gate(i, a.index):
+            return False
         if self.reducer is not None:  # the replicas' mean, before anything reads the gradients
             self.reducer.finish(i, a.index)
         if self.ties is not None and not self.ties.gradients_ready(i, a.index):
@@ -163,6 +168,17 @@ class Executor:
         if self.clip is not None:  # the update's gradients are complete: publish their norm
             self.clip.post(i, a.index, self.optimizer.stage_parameters(i))
             return self.clip.ready(i, a.index)
+        return True
+
+    def at_update(self, minibatch: int) -> bool:
+        """Whether every local stage has run all its backward passes of ``minibatch`` and no
+        later action: each is about to apply that update, or has applied it. In a flushing
+        schedule this is the moment each stage's gradient of the minibatch is whole."""
+        for w in self.workers:
+            a = w.next
+            waiting = a is not None and a.op is Op.UPDATE and a.index == minibatch
+            if not waiting and self.done[w.stage.index].get(Op.UPDATE, -1) < minibatch:
+                return False
         return True
 
     def _timing(self) -> bool:

@@ -156,6 +156,7 @@ class TiedWeights:
         self.installed = {(t, s): 0 for t, tie in enumerate(ties) for s in tie.copies}
         self._version = [0] * len(ties)  # the owner's updates applied, where it runs here
         self._added: set[tuple[int, int]] = set()  # (owner stage, update) contributions added
+        self._sent: set[tuple[int, int]] = set()  # (holder stage, update) contributions sent
         self._updates = {s: 0 for tie in ties for s in tie.copies}  # a holder's updates so far
         #: per (tie, holder): the delay, in updates, of the weights each of its latest N
         #: forwards ran on (the minibatch's index minus the owner's version then)
@@ -176,6 +177,7 @@ class TiedWeights:
         self.sent = [-1] * len(self.ties)  # whatever the copies hold, send the owner's again
         self.installed = dict.fromkeys(self.installed, -1)  # and the holders receive them
         self._updates = dict.fromkeys(self._updates, minibatches)
+        self._sent.clear()
 
     def follow_modes(self) -> None:
         """Copied layers take their originals' train/eval mode (dropout, BatchNorm)."""
@@ -269,7 +271,11 @@ class TiedWeights:
         self.transport.release(tie.owner, stage, TIE_WEIGHT, tag)
 
     def contribute(self, stage: int, update: int) -> None:
-        """Holder ``stage`` at its ``update``: send its copies' gradients to their owners."""
+        """Holder ``stage`` at its ``update``: send its copies' gradients to their owners (once;
+        :meth:`gather` may have sent them already)."""
+        if (stage, update) in self._sent:
+            return
+        self._sent = {(s, u) for s, u in self._sent if u >= update - 1} | {(stage, update)}
         for tie in self._moving():
             if stage in tie.copies:
                 twin = tie.copies[stage][1]
@@ -278,6 +284,18 @@ class TiedWeights:
                 twin.grad = None
         if stage in self._updates:
             self._updates[stage] += 1
+
+    def gather(self, update: int) -> None:
+        """In one process, before any stage applies ``update``: every holder's contribution
+        added to its owner now, so each owner's gradient is the whole tie's (Lightning's
+        gradient hooks then see the whole model's gradient). The holders' updates send nothing
+        more."""
+        moving = self._moving()
+        for s in sorted({s for tie in moving for s in tie.copies}):
+            self.contribute(s, update)
+        for owner in sorted({tie.owner for tie in moving}):
+            if not self.gradients_ready(owner, update):
+                raise RuntimeError(f"stage {owner} did not receive its ties' gradients")
 
     # -- after a drain ------------------------------------------------------------------------
 

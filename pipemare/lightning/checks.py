@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from pipemare.engine.build import check_arguments
+from pipemare.lightning.hooks import overrides
 from pipemare.lightning.launching import START_METHODS
 from pipemare.lightning.packages import LightningPackage
 from pipemare.model.segments import DYNAMIC_SHAPES
@@ -21,10 +22,12 @@ from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import check_for_schedule, resolve
 
 __all__ = [
+    "check_hooks",
     "check_layout",
     "check_optimizer",
     "check_precision",
     "check_split_points",
+    "check_step_in_optimizer_step",
     "check_strategy_arguments",
     "check_trainer",
     "ignore_moot_warnings",
@@ -176,6 +179,53 @@ def check_trainer(module: Any, trainer: Any) -> None:
             f"gradient_clip_val={clip!r}: a clipping threshold must be a positive number; "
             "pass one, or 0 or None for no clipping"
         )
+
+
+#: LightningModule methods a pipeline never calls as Lightning would, with what to do instead
+_UNHONOURED = {
+    "backward": (
+        "pipemare runs each microbatch's backward pass itself, stage by stage, so Lightning "
+        "never calls it. Remove the override; to read or change the gradients use "
+        "on_after_backward or on_before_optimizer_step, to clip them "
+        "configure_gradient_clipping"
+    ),
+    "manual_backward": (
+        "pipemare takes the loss passed to self.manual_backward and runs its backward pass "
+        "itself, per microbatch and stage, so the override would never run. Remove it; to "
+        "scale the loss, scale it before passing it"
+    ),
+    "optimizer_zero_grad": (
+        "pipemare zeroes each stage's gradients itself, right after that stage's update (they "
+        "accumulate over the minibatch's microbatches, and in a non-flushing schedule across "
+        "steps), so the override could not decide when gradients are zeroed. Remove it; to "
+        "accumulate over more samples, raise PipeMareStrategy(microbatches=N) or the batch size"
+    ),
+}
+
+
+def check_hooks(module: Any) -> None:
+    """Refuse, at setup of fit, a LightningModule method the module overrides that a pipeline
+    cannot honour (:mod:`pipemare.lightning.hooks` fires the gradient hooks it can)."""
+    for name, why in _UNHONOURED.items():
+        if name == "manual_backward" and module.automatic_optimization:
+            continue  # Lightning calls it only under manual optimisation
+        if overrides(module, name):
+            raise ValueError(f"{type(module).__name__} overrides {name}, but {why}")
+
+
+def check_step_in_optimizer_step(module: Any, stepping: bool) -> None:
+    """Refuse, before the step's updates, a training step run outside ``optimizer.step``
+    (``stepping`` False): an ``optimizer_step`` override that calls the closure itself would
+    expect to skip or defer the update, and the pipeline applies it inside the closure."""
+    if stepping or not module.automatic_optimization:
+        return
+    raise ValueError(
+        f"{type(module).__name__}.optimizer_step ran training_step by calling the closure "
+        "itself, not through optimizer.step(closure=optimizer_closure); pipemare applies the "
+        "stages' updates inside the closure, so the override cannot skip or defer them. Call "
+        "optimizer.step(closure=optimizer_closure) once in it (code before and after that "
+        "call runs as on one device, e.g. a learning-rate warm-up), or remove the override"
+    )
 
 
 @contextlib.contextmanager

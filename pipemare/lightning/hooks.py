@@ -24,6 +24,18 @@ whole model's gradient of a minibatch: stage ``i`` applies update ``k`` when its
   (:func:`~pipemare.engine.lagged.snapshot_lag`). The last ``S + 1`` minibatches of a run are
   not replayed.
 
+In one process with a flushing schedule (``gpipe``, ``1f1b``: every stage simulated here, every
+stage's gradient of minibatch ``k`` whole before any stage moves on) the hooks run as on one
+device instead: once per step, when every stage has run its last backward pass of the
+minibatch and before any stage applies it, with every parameter's gradient in ``.grad``
+(tied weights' contributions summed into the owner's). ``on_before_backward`` then also fires
+once, right before ``on_after_backward``, with the minibatch's loss (the sum of its
+microbatches' losses times their shares); ``configure_gradient_clipping``'s
+``self.clip_gradients`` clips every stage at once; the records are replayed at the step
+itself; :attr:`GradientHooks.update` is ``(None, k)``. Non-flushing schedules keep the per
+stage update hooks in one process too: there the stages apply a minibatch at different steps,
+so a whole gradient of one minibatch never exists.
+
 Nothing of this is installed unless the module or a callback overrides one of these hooks.
 """
 
@@ -42,8 +54,9 @@ from torch import nn
 from pipemare.engine.lagged import snapshot_lag
 from pipemare.engine.pipeline import Pipeline
 from pipemare.lightning.steps import LogRecorder, Record, merge_records
+from pipemare.schedule.actions import spec
 
-__all__ = ["GRADIENT_HOOKS", "GradientHooks", "HookLogs", "overridden_hooks"]
+__all__ = ["GRADIENT_HOOKS", "GradientHooks", "HookLogs", "overridden_hooks", "overrides"]
 
 #: the hooks fired here; ``configure_gradient_clipping`` is the module's only
 GRADIENT_HOOKS = (
@@ -67,15 +80,23 @@ def _base(obj: object, name: str) -> type | None:
     return None
 
 
+def overrides(obj: Any, name: str) -> bool:
+    """Whether ``obj`` (a LightningModule or a Callback) overrides Lightning's ``name``."""
+    base = _base(obj, name)
+    return base is not None and is_overridden(name, obj, base)
+
+
 def overridden_hooks(module: Any, callbacks: Sequence[Any]) -> set[str]:
-    """The gradient hooks that the module or a callback overrides."""
+    """The gradient hooks that the module or a callback overrides. An overridden
+    ``clip_gradients`` counts as ``configure_gradient_clipping``: Lightning's own
+    ``configure_gradient_clipping`` calls it with the Trainer's settings."""
     found = set()
     for name in GRADIENT_HOOKS:
         owners = [module] if name == "configure_gradient_clipping" else [module, *callbacks]
-        for obj in owners:
-            base = _base(obj, name)
-            if base is not None and is_overridden(name, obj, base):
-                found.add(name)
+        if any(overrides(obj, name) for obj in owners):
+            found.add(name)
+    if overrides(module, "clip_gradients"):
+        found.add("configure_gradient_clipping")
     return found
 
 
@@ -166,14 +187,26 @@ class GradientHooks:
 
     def __init__(self, module: Any, pipe: Pipeline, names: set[str], logs: HookLogs) -> None:
         self.module, self.pipe, self.names, self.logs = module, pipe, names, logs
-        #: ``(stage, minibatch)`` of the update whose hooks are running; None between them
-        self.update: tuple[int, int] | None = None
+        #: ``(stage, minibatch)`` of the update whose hooks are running, ``(None, minibatch)``
+        #: where they see every stage at once (:attr:`whole`); None between them
+        self.update: tuple[int | None, int] | None = None
+        #: one process and a flushing schedule: the hooks fire once per step, as on one device
+        self.whole = spec(pipe.schedule).flushes and len(pipe.local_stages) == pipe.num_stages
         self._recorder = LogRecorder(module)
         self._records: dict[int, Payload] = {}  # this process's records per minibatch
         self._minibatch: int | None = None  # the minibatch whose hooks are running
         self._lag = snapshot_lag(pipe.schedule, pipe.num_stages, pipe.microbatches)
         self._next = pipe.minibatches_fed  # the next minibatch to post
+        self._fired = pipe.minibatches_fed - 1  # whole: the last minibatch whose hooks ran
+        self._losses: dict[int, torch.Tensor] = {}  # whole: each minibatch's loss so far
         executor = pipe.executor
+        if self.whole:
+            executor.update_gate = self.gate
+            if "configure_gradient_clipping" in names:  # clipped by the hook: settle per stage
+                executor.on_update = self._settle
+            if "on_before_backward" in names:
+                executor.on_loss = self._add_loss
+            return
         if names - {"on_before_backward"}:
             executor.on_update = self.on_update
         if "on_before_backward" in names:
@@ -198,7 +231,7 @@ class GradientHooks:
                     if not module.automatic_optimization:
                         continue  # as in Lightning: no clipping under manual optimisation
                     if "configure_gradient_clipping" in self.names:
-                        self._user_clipping(optimizer, stage, minibatch, params)
+                        self._user_clipping(optimizer, minibatch, [(stage, params)])
                     elif clip is not None:
                         clip.apply(stage, minibatch, params)
             finally:
@@ -211,11 +244,64 @@ class GradientHooks:
         with self._logging(microbatch // self.pipe.microbatches, share):
             self._call("on_before_backward", loss)
 
+    # -- one process, a flushing schedule: once per step ----------------------------------------
+
+    def gate(self, stage: int, minibatch: int) -> bool:
+        """The executor's ``update_gate`` (:attr:`whole`): hold every update of ``minibatch``
+        until each stage's gradient of it is whole, then run the hooks once, before any
+        stage applies it."""
+        if minibatch <= self._fired:
+            return True
+        if not self.pipe.executor.at_update(minibatch):
+            return False
+        self._fired = minibatch
+        self._whole_step(minibatch)
+        return True
+
+    def _whole_step(self, minibatch: int) -> None:
+        """The hooks of ``minibatch`` in Lightning's order, with every stage's gradient."""
+        pipe, module = self.pipe, self.module
+        stages = [(j, pipe.optimizer.stage_parameters(j)) for j in pipe.local_stages]
+        if pipe.ties:
+            pipe.ties.gather(minibatch)
+        if pipe.clip is not None:  # every stage's norm on the board before anything clips
+            for j, params in stages:
+                pipe.clip.post(j, minibatch, params)
+        loss = self._losses.pop(minibatch, None)
+        with self._logging(minibatch, 1.0):
+            self.update = (None, minibatch)
+            try:
+                if loss is not None:
+                    self._call("on_before_backward", loss)
+                self._call("on_after_backward")
+                for optimizer in module.trainer.optimizers:
+                    self._call("on_before_optimizer_step", optimizer)
+                    clips = "configure_gradient_clipping" in self.names
+                    if module.automatic_optimization and clips:
+                        self._user_clipping(optimizer, minibatch, stages)
+            finally:
+                self.update = None
+
+    def _settle(self, stage: int, minibatch: int, params: list[nn.Parameter]) -> None:
+        """The executor's ``on_update`` where ``configure_gradient_clipping`` clipped every
+        stage at once: each stage's update only settles its share of the norms."""
+        assert self.pipe.clip is not None  # the runner builds one when the hook is overridden
+        self.pipe.clip.settle(stage, minibatch)
+
+    def _add_loss(self, microbatch: int, loss: torch.Tensor, share: float) -> None:
+        """The executor's ``on_loss`` (:attr:`whole`): the minibatch's loss, summed."""
+        k = microbatch // self.pipe.microbatches
+        have = self._losses.get(k)
+        self._losses[k] = loss if have is None else have + loss
+
+    # -- clipping --------------------------------------------------------------------------------
+
     def _user_clipping(
-        self, optimizer: Any, stage: int, minibatch: int, params: list[nn.Parameter]
+        self, optimizer: Any, minibatch: int, stages: list[tuple[int, list[nn.Parameter]]]
     ) -> None:
         """The module's ``configure_gradient_clipping``, its ``self.clip_gradients`` clipping
-        this stage by the engine's rule (the precision plugin's ``clip_gradients``, rerouted)."""
+        ``stages`` (``(stage, its parameters)``) by the engine's rule (the precision plugin's
+        ``clip_gradients``, rerouted)."""
         clip, trainer = self.pipe.clip, self.module.trainer
         assert clip is not None  # the runner builds a norm board when the hook is overridden
 
@@ -225,7 +311,8 @@ class GradientHooks:
             if clip_val <= 0:
                 return
             algorithm = str(getattr(gradient_clip_algorithm, "value", gradient_clip_algorithm))
-            clip.apply(stage, minibatch, params, algorithm=algorithm, value=float(clip_val))
+            for stage, params in stages:
+                clip.apply(stage, minibatch, params, algorithm=algorithm, value=float(clip_val))
 
         plugin = trainer.precision_plugin
         plugin.clip_gradients = clip_gradients
@@ -308,13 +395,21 @@ class GradientHooks:
 
     def after_step(self, device: torch.device) -> None:
         """After a training step: replay the records posted at the previous step, then post
-        those of every minibatch each stage has now applied."""
-        for _, payload in self.logs.take():
-            self._replay(payload, device)
+        those of every minibatch each stage has now applied. Where the hooks ran once per
+        step (:attr:`whole`), nothing travels: the step's own records replay at once, as
+        Lightning logs them on one device."""
+        if not self.whole:
+            self._replay_posted(device)
         applied = self.pipe.minibatches_fed - 1 - self._lag
         while self._next <= applied:
             self.logs.post(self._next, self._records.pop(self._next, {}))
             self._next += 1
+        if self.whole:
+            self._replay_posted(device)
+
+    def _replay_posted(self, device: torch.device) -> None:
+        for _, payload in self.logs.take():
+            self._replay(payload, device)
 
     def _replay(self, payload: Payload, device: torch.device) -> None:
         module = self.module
@@ -330,3 +425,4 @@ class GradientHooks:
         """At the end of fit: finish the exchanges in flight (their records are not replayed)."""
         self.logs.take()
         self._records.clear()
+        self._losses.clear()

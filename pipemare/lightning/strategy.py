@@ -291,6 +291,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         self._num_nodes = 1
         self._failed = False
         self._divergence_delegated = False
+        self._stepping = False  # inside optimizer_step, which runs Lightning's closure
         self._runner = PipelineRunner(
             self._options,
             self._package,
@@ -460,11 +461,12 @@ class PipeMareStrategyMixin(_StrategyBase):
         return None if pipe is None else pipe.optimizer.set_run_length(total_steps)
 
     @property
-    def update(self) -> tuple[int, int] | None:
+    def update(self) -> tuple[int | None, int] | None:
         """``(stage, minibatch)`` of the update whose gradient hooks are running (0-based
         minibatch), None outside them: in a pipeline ``trainer.global_step`` is the step
-        running, and a stage applies an earlier minibatch's update
-        (:mod:`~pipemare.lightning.hooks`)."""
+        running, and a stage applies an earlier minibatch's update. The stage is None where
+        the hooks see every stage at once (one process, ``gpipe`` or ``1f1b``;
+        :mod:`~pipemare.lightning.hooks`)."""
         hooks = self._runner.hooks
         return None if hooks is None else hooks.update
 
@@ -541,6 +543,8 @@ class PipeMareStrategyMixin(_StrategyBase):
         module = self.lightning_module
         assert module is not None, "the strategy has no LightningModule yet"
         checks.check_trainer(module, trainer)
+        if trainer.state.fn == "fit":
+            checks.check_hooks(module)
         self._runner.setup(module, self._placement(), self.precision_plugin.forward_context)
         with checks.one_optimizer():
             super().setup(trainer)
@@ -625,6 +629,7 @@ class PipeMareStrategyMixin(_StrategyBase):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         batch, batch_idx, *rest = args
+        checks.check_step_in_optimizer_step(self._runner.module, self._stepping)
         loss = self._runner.train(batch, (batch_idx, *rest), monitored=self._divergence_delegated)
         lag = self._runner.lag
         if lag:
@@ -642,7 +647,11 @@ class PipeMareStrategyMixin(_StrategyBase):
         self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
     ) -> Any:
         self._runner.steps.manual.check_step()  # manual optimisation: the engine steps
-        result = closure()  # runs training_step, in which the stages applied their updates
+        self._stepping = True
+        try:
+            result = closure()  # runs training_step, in which the stages applied their updates
+        finally:
+            self._stepping = False
         self._runner.restore_grads()
         return result
 
