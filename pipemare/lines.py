@@ -33,9 +33,9 @@ PREFIXES = ("pipemare:", "pipemare layout:")
 
 #: The kinds of line, in the order the reference lists them, and how each reaches the user.
 KINDS = {
-    "info": "logged on global rank 0 (Lightning's logger) or printed",
-    "warning": "a Python warning, on global rank 0 unless said otherwise",
-    "error": "the message of an exception that stops the run",
+    "info": "Logged on global rank 0 through Lightning's logger, or printed.",
+    "warning": "Python warnings, raised on global rank 0 unless the entry says otherwise.",
+    "error": "The messages of exceptions that stop the run.",
 }
 
 
@@ -529,7 +529,7 @@ def reference() -> str:
         "",
     ]
     for kind, how in KINDS.items():
-        out += [f"## {kind.capitalize()} lines", "", f"Each {how}.", ""]
+        out += [f"## {kind.capitalize()} lines", "", how, ""]
         for line in (entry for entry in LINES.values() if entry.kind == kind):
             out += [
                 f"### `{line.key}`",
