@@ -28,8 +28,9 @@ __all__ = [
     "write_reference",
 ]
 
-#: How a line of this table starts; nothing outside this module builds a string starting so.
-PREFIXES = ("pipemare:", "pipemare layout:")
+#: How a line of this table starts; nothing outside this module builds a string starting so
+#: (a schedule and its P written ``"pipemare:4"`` is no line: the prefix ends in a space).
+PREFIXES = ("pipemare: ", "pipemare layout: ")
 
 #: The kinds of line, in the order the reference lists them, and how each reaches the user.
 KINDS = {

@@ -111,7 +111,7 @@ def f(x):
     print(f"pipemare: {x} stages")
     warnings.warn("pipemare: " + x)
     raise RuntimeError("pipemare layout: " f"{x}")
-    return f"not pipemare: {x}", "the pipemare: word inside"
+    return f"not pipemare: {x}", "the pipemare: word inside", f"pipemare:{x}"
 '''
     assert prefixed(ast.parse(source)) == [6, 7, 8]
 
