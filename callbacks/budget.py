@@ -13,6 +13,7 @@ from typing_extensions import override
 from pipemare.callbacks import _common as common
 from pipemare.callbacks.pipeline import PipelineMonitor
 from pipemare.lightning.manual import steps_per_batch
+from pipemare.lines import text
 
 __all__ = ["PipelineTimeBudget"]
 
@@ -103,8 +104,9 @@ class PipelineTimeBudget(Callback):
         self.estimated_steps = allowed
         trainer.fit_loop.epoch_loop.max_steps = allowed * steps_per_batch(trainer)
         rank_zero_info(
-            f"pipemare: the pipeline-time budget of {self.seconds:g} s allows {allowed} steps "
-            f"({self.step_seconds:.4g} s per step, replayed from measured action times)"
+            text(
+                "budget.steps", seconds=self.seconds, steps=allowed, step_seconds=self.step_seconds
+            )
         )
 
     def _size_run(self, trainer: pl.Trainer, spent: float) -> None:
@@ -130,9 +132,15 @@ class PipelineTimeBudget(Callback):
         horizon = strategy.set_run_length(estimate)
         if horizon is not None and horizon != was:
             rank_zero_info(
-                f"pipemare: T1's horizon {was} -> {horizon} steps: the pipeline-time budget of "
-                f"{self.seconds:g} s allows about {estimate} steps ({why}), not the {known} of "
-                "max_steps"
+                text(
+                    "budget.horizon",
+                    was=was,
+                    horizon=horizon,
+                    seconds=self.seconds,
+                    estimate=estimate,
+                    why=why,
+                    known=known,
+                )
             )
 
     @override

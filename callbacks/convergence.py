@@ -11,6 +11,7 @@ import pytorch_lightning as pl
 from pytorch_lightning.utilities import rank_zero_warn
 
 from pipemare.callbacks import _common as common
+from pipemare.lines import text
 
 _ON_DIVERGENCE = ("raise", "stop", "warn")
 
@@ -26,9 +27,8 @@ class Divergence:
 
     def message(self) -> str:
         """The one line a divergence is reported with: step, stage, reason and loss."""
-        return (
-            f"pipemare: training diverged at step {self.step} in stage {self.stage}: "
-            f"{self.reason} (loss {self.loss:.4g})"
+        return text(
+            "diverged", step=self.step, stage=self.stage, reason=self.reason, loss=self.loss
         )
 
 

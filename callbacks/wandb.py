@@ -16,6 +16,7 @@ from pytorch_lightning.utilities import rank_zero_only
 from typing_extensions import override
 
 from pipemare.callbacks._common import pipeline, stage_table
+from pipemare.lines import text
 
 __all__ = ["OfflineSafeWandbLogger", "define_metrics", "find", "log_stage_table", "wandb_logger"]
 
@@ -73,9 +74,9 @@ class OfflineSafeWandbLogger(pl.loggers.WandbLogger):
             return
         if self._offline:
             where = Path(run.dir).parent
-            print(f"pipemare: W&B run saved offline in {where} (upload: wandb sync {where})")
+            print(text("wandb.offline", where=where))
         elif getattr(run, "url", None):
-            print(f"pipemare: W&B run at {run.url}")
+            print(text("wandb.online", url=run.url))
 
 
 def wandb_logger(**kwargs: Any) -> OfflineSafeWandbLogger:

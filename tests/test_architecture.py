@@ -18,15 +18,17 @@ SOURCES = {
 
 #: Each layer and the layers below it that it may import; a layer may always import itself.
 #: ``face`` is the public API (``pipemare/__init__.py``), ``command`` the ``pipemare`` command.
+#: ``lines``, the table of every line a run prints, lies below them all.
 MAY_IMPORT: dict[str, set[str]] = {
-    "schedule": set(),
-    "model": set(),
-    "optim": {"schedule"},
-    "engine": {"schedule", "model", "optim"},
-    "planner": {"schedule", "model", "optim", "engine"},
-    "lightning": {"schedule", "model", "optim", "engine", "planner"},
-    "face": {"schedule", "model", "optim", "engine", "planner", "lightning"},
-    "callbacks": {"schedule", "model", "optim", "engine", "planner", "lightning", "face"},
+    "lines": set(),
+    "schedule": {"lines"},
+    "model": {"lines"},
+    "optim": {"lines", "schedule"},
+    "engine": {"lines", "schedule", "model", "optim"},
+    "planner": {"lines", "schedule", "model", "optim", "engine"},
+    "lightning": {"lines", "schedule", "model", "optim", "engine", "planner"},
+    "face": {"lines", "schedule", "model", "optim", "engine", "planner", "lightning"},
+    "callbacks": {"lines", "schedule", "model", "optim", "engine", "planner", "lightning", "face"},
 }
 #: The library's part of the ``pipemare`` command (Lightning's CLI, the console): never the
 #: experiments, so that ``pipemare fit`` runs on the core install.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pipemare.lines import text
+
 __all__ = ["NonFiniteGradientError", "NonFiniteLossError", "out_of_order"]
 
 
@@ -15,13 +17,7 @@ class NonFiniteLossError(RuntimeError):
 
     def __init__(self, step: int, stage: int, loss: float, where: str = "") -> None:
         self.step, self.stage, self.loss, self.where = step, stage, loss, where
-        super().__init__(
-            f"pipemare: the loss of step {step} is {loss} (computed on stage {stage}, the last"
-            f"{where}); training stopped so that nothing trains on NaN/Inf weights and the last "
-            "good checkpoint stays as it is. Attach pipemare.callbacks.ConvergenceMonitor to "
-            "find the first stage whose output was not finite; lower the learning rate, clip "
-            "gradients (gradient_clip_val) or check the data for NaN."
-        )
+        super().__init__(text("loss.nonfinite", step=step, stage=stage, loss=loss, where=where))
 
     def __reduce__(self) -> tuple[type, tuple[int, int, float, str]]:
         # rebuilt from its fields, not from the message (a process pool sends it back)
@@ -41,11 +37,7 @@ class NonFiniteGradientError(RuntimeError):
         self.step, self.stage, self.names, self.where = step, stage, names, where
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
         super().__init__(
-            f"pipemare: the gradients of step {step} on stage {stage}{where} are not finite "
-            f"({shown}) while the loss was; the update was not applied and training stopped, so "
-            "the weights and the last checkpoint stay finite. Look for an operation whose "
-            "backward overflows (e.g. a sqrt or log at 0, a division by a small number), lower "
-            "the learning rate or clip gradients (gradient_clip_val)."
+            text("gradients.nonfinite", step=step, stage=stage, where=where, names=shown)
         )
 
     def __reduce__(self) -> tuple[type, tuple[int, int, list[str], str]]:

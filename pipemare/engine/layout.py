@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pipemare.lines import text
+
 __all__ = ["RankLayout", "divisors"]
 
 
@@ -83,8 +85,12 @@ class RankLayout:
     def describe(self) -> str:
         """A table for the run's log: one line per pipeline, its ranks and nodes."""
         lines = [
-            f"pipemare layout: {self.replicas} pipeline(s) x {self.stages} stages "
-            f"= {self.world_size} processes"
+            text(
+                "processes",
+                replicas=self.replicas,
+                stages=self.stages,
+                processes=self.world_size,
+            )
         ]
         for r, ranks in enumerate(self.pipelines):
             nodes = sorted({self.node(k) for k in ranks})

@@ -24,6 +24,7 @@ import warnings
 from typing import Any
 
 from pipemare.engine.heartbeat import FatalReporter, Heartbeat, announce, store_address
+from pipemare.lines import text
 
 __all__ = ["Peer", "StageFailedError", "Watchdog", "describe_process"]
 
@@ -108,10 +109,20 @@ class StageFailedError(RuntimeError):
             else "was not waiting on another stage (computing, or in a collective)"
         )
         super().__init__(
-            f"pipemare: stage {peer.stage} (rank {peer.rank}, host {peer.host}, pid {peer.pid}) "
-            f"failed or stopped responding: its process {state or describe_process(peer)}; stage "
-            f"{me.stage} (rank {me.rank}, pid {me.pid}) {doing}; {heard}. "
-            f"Cause: {cause.splitlines()[0] if cause else 'unknown'}"
+            text(
+                "stage.failed",
+                stage=peer.stage,
+                rank=peer.rank,
+                host=peer.host,
+                pid=peer.pid,
+                state=state or describe_process(peer),
+                my_stage=me.stage,
+                my_rank=me.rank,
+                my_pid=me.pid,
+                doing=doing,
+                heard=heard,
+                cause=cause.splitlines()[0] if cause else "unknown",
+            )
         )
 
 
@@ -151,8 +162,13 @@ class Watchdog:
             )
         except Exception as err:  # the job still runs, with stall_timeout alone
             warnings.warn(
-                f"pipemare: no heartbeat (the store at {address[0]}:{address[1]} did not answer: "
-                f"{err}); a stopped stage is found after stall_timeout ({self.timeout}) only",
+                text(
+                    "heartbeat.off",
+                    host=address[0],
+                    port=address[1],
+                    error=err,
+                    timeout=self.timeout,
+                ),
                 stacklevel=2,
             )
             return
@@ -232,11 +248,16 @@ class Watchdog:
             if first.rank != self.me.rank and first.host == socket.gethostname():
                 host = f"; rank 0 (pid {first.pid}) {describe_process(first, settle=1.0)}"
             error: BaseException = RuntimeError(
-                f"pipemare: the job's rendezvous store cannot be reached from stage "
-                f"{self.me.stage} (rank {self.me.rank}, pid {self.me.pid}) "
-                f"({doing}) for {silence:.0f} s: the process that hosts it (rank 0 under "
-                "Lightning's launcher and under torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-                f"=1, else torchrun's agent) is gone, stopped or unreachable{host}. Cause: {cause}"
+                text(
+                    "store.lost",
+                    stage=self.me.stage,
+                    rank=self.me.rank,
+                    pid=self.me.pid,
+                    doing=doing,
+                    silence=silence,
+                    host=host,
+                    cause=cause,
+                )
             )
         else:
             state = describe_process(self.peers[rank], settle=1.0)

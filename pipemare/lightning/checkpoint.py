@@ -42,6 +42,7 @@ from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.snapshot import Snapshot
 from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning.shards import FORMAT, pack, read_local
+from pipemare.lines import text
 from pipemare.model.materialize import materialize, whole_state_collected
 from pipemare.optim.chain import ChainedOptimizer
 
@@ -358,17 +359,14 @@ def load_pipemare_state(pipe: Pipeline, state: dict[str, Any]) -> tuple[list[str
 def warn_layout_changes(notes: list[str], warn: Callable[[str], Any]) -> None:
     """Say through ``warn`` what :func:`load_pipemare_state` could not carry over, if anything."""
     if notes:
-        warn(
-            "pipemare: resuming a checkpoint saved with another layout; the weights, the "
-            "optimiser's state and the step count carry over; " + "; ".join(notes)
-        )
+        warn(text("resume.layout", notes="; ".join(notes)))
 
 
 def warn_run_changes(notes: list[str], warn: Callable[[str], Any]) -> None:
     """Say through ``warn`` where the resumed run differs from the checkpointed run's derived
     settings (:func:`load_pipemare_state`'s second list), if anywhere."""
     if notes:
-        warn("pipemare: resuming continues the checkpointed run; " + "; ".join(notes))
+        warn(text("resume.run", notes="; ".join(notes)))
 
 
 def load_optimizer_states(optimizers: Sequence[Any], states: Sequence[Any]) -> Any:
@@ -587,10 +585,7 @@ class SaveQueue:
             return entry.snapshot.complete
         due = pipe.drained or pipe.minibatches_fed - 1 >= entry.due
         if due and not entry.snapshot.complete:
-            raise RuntimeError(
-                f"pipemare: the checkpoint of step {entry.snapshot.minibatch + 1} should be "
-                "complete in every process by now and is not here; this is a bug, please report it"
-            )
+            raise RuntimeError(text("checkpoint.incomplete", step=entry.snapshot.minibatch + 1))
         return due
 
     def _shard(self, entry: _Entry, module: nn.Module, pipe: Pipeline, names: StateNames) -> bool:
@@ -633,11 +628,7 @@ class SaveQueue:
         self._entries.clear()
         self._current = None
         if lost and warn is not None:
-            warn(
-                f"pipemare: {len(lost)} checkpoint(s) not written, their step's updates had not "
-                f"reached every stage when the run stopped: {', '.join(lost)}; the files written "
-                "before are intact"
-            )
+            warn(text("checkpoint.not_written", count=len(lost), files=", ".join(lost)))
         return lost
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from pipemare.lines import text
+
 if TYPE_CHECKING:
     import pytorch_lightning as pl
 
@@ -91,10 +93,7 @@ class SigtermRelay:
         except RuntimeError as err:
             culprit = watchdog.culprit()
             if culprit is None:
-                raise RuntimeError(
-                    "pipemare: a process did not reach the previous step's SIGTERM check within "
-                    f"stall_timeout ({watchdog.timeout}); see the other processes' errors"
-                ) from err
+                raise RuntimeError(text("sigterm.stalled", timeout=watchdog.timeout)) from err
             raise watchdog.failure(culprit, "step's SIGTERM check", err) from err
         finally:
             watchdog.reporter.waiting = None

@@ -44,6 +44,7 @@ from pipemare.lightning.steps import (
     run_length,
     short_last_batches,
 )
+from pipemare.lines import text
 from pipemare.model import cuts, partition
 from pipemare.model.materialize import (
     has_meta,
@@ -631,7 +632,7 @@ class PipelineRunner:
         try:
             mine = self._stage_memory(pipe, layers, starts, x, ratio)
         except Exception as err:  # a layer the measurement cannot run: the run goes on
-            self.package.rank_zero_warn(f"pipemare: memory not predicted ({err})")
+            self.package.rank_zero_warn(text("memory.not_predicted", error=err))
             mine = None
         every = mine or []
         if place.distributed and dist.is_initialized():
@@ -643,7 +644,7 @@ class PipelineRunner:
         if mine is None:
             return None
         for m in every:
-            self.package.rank_zero_info(f"pipemare: memory, predicted, {m.describe()}")
+            self.package.rank_zero_info(text("memory.predicted", stage=m.describe()))
         limit, where = self._memory_limit()
         check_fits(every, limit, where)
         return every
@@ -982,27 +983,35 @@ class PipelineRunner:
         assert pipe is not None
         if place.layout is not None:
             info(place.layout.describe())
-        run = f"schedule {self.options.schedule!r}, N={self.microbatches}"
+        where = "one per process" if place.distributed else "in one process"
+        shown = {"stages": pipe.num_stages, "where": where, "balance": list(pipe.balance)}
+        schedule, microbatches = self.options.schedule, self.microbatches
         decisions: list[str] = []
         if self.fitting:
-            run += f", corrections: {pipe.settings.describe() or 'none'}"
+            corrections = pipe.settings.describe() or "none"
+            run = text(
+                "run",
+                **shown,
+                schedule=schedule,
+                microbatches=microbatches,
+                corrections=corrections,
+            )
             decisions = [str(d) for d in pipe.settings.decisions]
         elif self.checkpoints.trained is not None:
             trained = self.checkpoints.trained
-            run = (
-                f"evaluating a checkpoint trained with schedule {trained['schedule']!r}, "
-                f"N={trained['microbatches']}, corrections: {trained['described'] or 'none'}"
+            run = text(
+                "run.checkpoint",
+                **shown,
+                schedule=trained["schedule"],
+                microbatches=trained["microbatches"],
+                corrections=trained["described"] or "none",
             )
             decisions = list(trained.get("settings", {}).get("decisions", []))
         else:
-            run += " (evaluation applies no corrections)"
-        info(
-            f"pipemare: {pipe.num_stages} stages "
-            f"({'one per process' if place.distributed else 'in one process'}), "
-            f"layers per stage {list(pipe.balance)}, {run}"
-        )
+            run = text("run.evaluation", **shown, schedule=schedule, microbatches=microbatches)
+        info(run)
         for line in decisions:
-            info(f"pipemare:   {line}")
+            info(text("decision", decision=line))
 
     def results(self, start: int) -> Results:
         """Where the last stage publishes results for every process

@@ -48,6 +48,7 @@ from pipemare.lightning import checks, shards
 from pipemare.lightning.launching import SigtermRelay, restarts_share_the_store
 from pipemare.lightning.packages import LIGHTNING, PYTORCH_LIGHTNING, LightningPackage
 from pipemare.lightning.runner import PipelineOptions, PipelineRunner, Placement
+from pipemare.lines import text
 from pipemare.model.materialize import has_meta, meta_parameters, whole_state_collected
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import RunSettings
@@ -527,12 +528,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         destroy_at_exit()
         if restarts_share_the_store():
-            self._package.rank_zero_warn(
-                "pipemare: torchrun may restart this job (--max-restarts), and its workers share "
-                "the agent's store, which keeps the first attempt's addresses: a restart's gloo "
-                "setup then often fails connecting to the dead processes (pytorch/pytorch#135712)."
-                " Start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment."
-            )
+            self._package.rank_zero_warn(text("torchrun.restarts"))
 
     # -- setup: this process's place, decided; the pipeline is built at the first batch ---------
 

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from pipemare.lines import DECISIONS
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.corrections import (
     Correction,
@@ -93,6 +94,13 @@ class Decision:
     subject: str
     choice: str
     reason: str
+
+    def __post_init__(self) -> None:
+        # every decision line is documented: its subject is one of the reference's
+        if self.subject not in DECISIONS:
+            raise ValueError(
+                f"decision subject {self.subject!r} is not in pipemare.lines.DECISIONS"
+            )
 
     def __str__(self) -> str:
         return f"{self.subject}: {self.choice} ({self.reason})"

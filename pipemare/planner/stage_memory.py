@@ -23,6 +23,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from pipemare.lines import text
 from pipemare.schedule.actions import Op, stream
 
 __all__ = [
@@ -255,8 +256,5 @@ def check_fits(stages: Sequence[StageMemory], limit: int | None, where: str) -> 
         return
     worst = max(over, key=lambda s: s.total)
     raise MemoryError(
-        f"pipemare: {worst.describe()}, more than the {limit / _MB:,.0f} MB {where}. Fixes: more "
-        "stages (devices=...), each holding fewer layers; recompute=True, which keeps only each "
-        "stage's input per microbatch in flight; more microbatches (microbatches=N), each "
-        "smaller; or a smaller batch"
+        text("memory.too_much", stage=worst.describe(), limit_mb=limit / _MB, where=where)
     )
