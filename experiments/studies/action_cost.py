@@ -160,10 +160,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{spec}: step {step:.1f} ms, busy {busy:.1f} ms", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"action_cost-P{p}.json").write_text(json.dumps(found, indent=1))
-    print(table(found))
+    print(cost_table(found))
 
 
-def table(found: dict[str, Any]) -> str:
+def cost_table(found: dict[str, Any]) -> str:
     """Markdown: per run, each kind's ms per step on the busiest stage, busy, step, step/busy,
     and against 1F1B at N = P."""
     runs = found["runs"]

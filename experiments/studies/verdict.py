@@ -152,7 +152,7 @@ def _dispatch(root: Path) -> dict[str, Any]:
     }
 
 
-def verdict(root: Path = ROOT) -> dict[str, Any]:
+def build_verdict(root: Path = ROOT) -> dict[str, Any]:
     return {
         "about": (
             "Where pipemare reaches 1F1B's final quality sooner, per regime: gap, pipemare's "
@@ -169,7 +169,7 @@ def verdict(root: Path = ROOT) -> dict[str, Any]:
 
 
 def main() -> None:
-    OUT.write_text(json.dumps(verdict(), indent=1) + "\n")
+    OUT.write_text(json.dumps(build_verdict(), indent=1) + "\n")
     print(f"{OUT.relative_to(ROOT)} written")
 
 

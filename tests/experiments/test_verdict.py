@@ -41,7 +41,7 @@ def _shown(text: str, value) -> str:
 def test_the_verdict_file_is_what_the_results_give():
     """When it fails: ``python -P experiments/studies/verdict.py`` (after the results moved)."""
     shipped = json.loads(verdict.OUT.read_text())
-    assert json.loads(json.dumps(verdict.verdict(ROOT))) == shipped
+    assert json.loads(json.dumps(verdict.build_verdict(ROOT))) == shipped
     for name, entry in shipped.items():
         if isinstance(entry, dict):
             assert (ROOT / entry["source"]).exists(), name
