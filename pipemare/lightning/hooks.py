@@ -81,9 +81,12 @@ def _base(obj: object, name: str) -> type | None:
 
 
 def overrides(obj: Any, name: str) -> bool:
-    """Whether ``obj`` (a LightningModule or a Callback) overrides Lightning's ``name``."""
+    """Whether ``obj``'s class (a LightningModule's or a Callback's) overrides Lightning's
+    ``name``. The class, not the instance: pipemare itself replaces some methods on the
+    module for the run (manual optimisation's ``clip_gradients``, which refuses), and those
+    are not the user's."""
     base = _base(obj, name)
-    return base is not None and is_overridden(name, obj, base)
+    return base is not None and is_overridden(name, type(obj), base)
 
 
 def overridden_hooks(module: Any, callbacks: Sequence[Any]) -> set[str]:
