@@ -76,6 +76,8 @@ def _long(root: Path) -> dict[str, Any]:
         "task_rate": rate,
         "best_rate": best["lr"],
         "best_gain": best["mean"] / ones[rate]["mean"] - 1,
+        "best_factor": best["lr"] / rate,
+        "rates_tried": len(ones),
         "seeds_at_best": len(best["seeds"]),
     }
     links: dict[str, Any] = {
