@@ -7,8 +7,9 @@ protocol's own (:class:`~pipemare.experiments.studies.grid.Job`, trained by
 :func:`pipemare.experiments.studies.fair.execute` into ``OUT/runs/KEY.json`` with the setup each
 resolved; a stored run set up as the job is today is skipped, so the command resumes).
 
-The queue is seed-major (every cell at seed 0, then seed 1, then seed 2), P = 4 and 8 before
-P = 2, so a queue stopped early leaves whole tables with fewer seeds.
+The queue is seed-major (every cell at seed 0, then seed 1, then seed 2), within a seed P by P
+(both tasks at P = 4, then both at P = 8), P = 4 and 8 before P = 2, so a queue stopped early
+leaves whole tables with fewer seeds.
 
     PYTHONPATH=. OMP_NUM_THREADS=1 WANDB_MODE=disabled nice -n 19 python \
         experiments/results/n_bound/run.py --stages 4 8 --seeds 3
@@ -38,18 +39,22 @@ def cells(task: str, stages: list[int]) -> list[tuple[str, int, int]]:
     batch = TASKS[task].batch
     out = []
     for p in stages:
-        out += [("pipemare", p, n) for n in (p, 2 * p, 4 * p) if batch % n == 0]
-        out.append(("async", p, p))
+        out += [("pipemare", p, p), ("async", p, p)]  # the cheapest pair first
+        out += [("pipemare", p, n) for n in (2 * p, 4 * p) if batch % n == 0]
     return out
 
 
 def jobs(stages: list[int], seeds: int, tasks: list[str]) -> list[Job]:
+    """Seed-major; within a seed, P by P in the order given, both tasks at each P (gpipe
+    first, where the task's seed first comes up)."""
     queue = []
     for seed in range(seeds):
-        for task in tasks:
-            lr, steps = SETUP[task]
-            queue.append(Job(task, "gpipe", 2, 1, lr, seed, steps))
-            queue += [Job(task, v, p, n, lr, seed, steps) for v, p, n in cells(task, stages)]
+        for i, p in enumerate(stages):
+            for task in tasks:
+                lr, steps = SETUP[task]
+                if i == 0:
+                    queue.append(Job(task, "gpipe", 2, 1, lr, seed, steps))
+                queue += [Job(task, v, p, n, lr, seed, steps) for v, p, n in cells(task, [p])]
     return queue
 
 
