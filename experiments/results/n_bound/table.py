@@ -4,7 +4,7 @@
 sittings) where present, else the user's protocol's stored step times
 (experiments/results/user_protocol/step_times.json) for the configurations they cover.
 
-    PYTHONPATH=. python experiments/results/n_bound/table.py > experiments/results/n_bound/tables.md
+    PYTHONPATH=. python experiments/results/n_bound/table.py --readme   # README.md from its template
 
 Quality: the final validation metric at equal steps (the run's last evaluation), per seed, the
 mean and half the range over the seeds run so far, and the gap of the mean to one device's
@@ -150,6 +150,42 @@ def quality(out: Path) -> tuple[list[str], dict[str, Any]]:
     return lines, summary
 
 
+def compact(summary: dict[str, Any]) -> list[str]:
+    """Per task and P: the gap of the seed mean to one device at equal steps, and the step at
+    which the seed-mean curve first comes within the target, per N."""
+    lines = [
+        "| task (regime) | P | async N = P | pipemare N = P | pipemare N = 2P | pipemare N = 4P |",
+        "|---|---|---|---|---|---|",
+    ]
+    for task in SETUP:
+        ref = summary.get(f"{task}-ref")
+        if ref is None:
+            continue
+        higher = ref["higher"]
+        for p in STAGES:
+            shown = []
+            for v, n in (("async", p), ("pipemare", p), ("pipemare", 2 * p), ("pipemare", 4 * p)):
+                row = summary.get(f"{task}-{v}-P{p}-N{n}")
+                if TASKS[task].batch % n:
+                    shown.append("N > batch")
+                elif row is None:
+                    shown.append("not run")
+                else:
+                    seeds = len(row["seeds"])
+                    shown.append(
+                        f"{_gap(row['mean'], ref['final'], higher)} "
+                        f"(±{_half(row['half_range'], ref['final'], higher)}, "
+                        f"{seeds} seed{'s' * (seeds > 1)}), "
+                        f"reach {_shown(row['reach_mean_curve'])}"
+                    )
+            lines.append(f"| {task} (dispatch-bound) | {p} | {' | '.join(shown)} |")
+    return lines
+
+
+def _half(value: float, ref: float, higher: bool) -> str:
+    return f"{100 * value:.1f} pt" if higher else f"{100 * value / ref:.1f}%"
+
+
 def time_table(out: Path, summary: dict[str, Any]) -> list[str]:
     times, source = _times(out)
     lines = [
@@ -246,16 +282,25 @@ def wall_table(out: Path) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=HERE)
+    parser.add_argument(
+        "--readme", action="store_true", help="write OUT/README.md from README.template.md"
+    )
     args = parser.parse_args()
     q, summary = quality(args.out)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     parts = [
+        "## Summary: gap to one device at equal steps, and reach", "", *compact(summary), "",
         "## Quality at equal steps", "", *q,
         "## Time to target (replayed step times)", "", *time_table(args.out, summary), "",
         "## Cost per row (the cap)", "", *cost_table(args.out), "",
         "## Time per run (shared machine, not step times)", "", *wall_table(args.out), "",
     ]
-    print("\n".join(parts))
+    text = "\n".join(parts)
+    if args.readme:
+        template = (args.out / "README.template.md").read_text()
+        (args.out / "README.md").write_text(template.replace("{{TABLES}}", text.rstrip() + "\n"))
+    else:
+        print(text)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ machine was shared throughout. Two sittings, each alone, then the table:
         python experiments/results/n_bound/times.py --sitting $s; \
       PYTHONPATH=. OMP_NUM_THREADS=1 python experiments/results/n_bound/cost_per_row.py \
         --sitting $s; done
-    PYTHONPATH=. python experiments/results/n_bound/table.py > experiments/results/n_bound/tables.md
+    PYTHONPATH=. python experiments/results/n_bound/table.py --readme
 
 (cost_per_row.py's sittings 1-3 stored now were measured on the shared machine: delete them
 before measuring alone.)
