@@ -165,7 +165,9 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
         at = {(c["schedule"], c["P"]): c for c in cells if c["steps"] == longest and c["lr"] == lr}
         for p in sorted({p for s, p in at if s == "pipemare"}):
             pm, asy = at[("pipemare", p)], at.get(("async", p))
-            rate = "the task's rate" if lr == study["task_rate"] else "re-tuned on one device"
+            rate = "the task's rate"
+            if lr != study["task_rate"]:
+                rate = "a rate of the one-device re-tune"
             text = (
                 f"{study['task']}, {longest:,} steps "
                 f"({longest / study['main_job_steps']:.0f}x this job's {study['main_job_steps']}),"

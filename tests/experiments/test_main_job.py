@@ -122,6 +122,6 @@ def test_the_stored_study_is_shown_at_its_longest_horizon_with_its_length_and_ra
     assert "pipemare (N = 4) ends -1.0% (± 0.5% over 2 seeds)" in first
     assert "0.80x 1F1B's time" in first
     assert "async (N = 4): +3.0%" in first and "does not reach 1F1B's quality" in first
-    assert "rate 0.002 (re-tuned on one device), P = 8" in retuned
+    assert "rate 0.002 (a rate of the one-device re-tune), P = 8" in retuned
     assert "step time not measured" in retuned
     assert main_job.stored_lines(tmp_path / "absent.json") == []

@@ -27,7 +27,7 @@ import torch
 from pipemare.experiments.studies.protocol import TASKS
 
 
-def measure(name: str, repeats: int) -> dict[str, dict[str, float]]:
+def _measure(name: str, repeats: int) -> dict[str, dict[str, float]]:
     task = TASKS[name]
     torch.manual_seed(0)
     model = task.build()
@@ -57,7 +57,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     path = args.out / f"cost_per_row-{args.sitting}.json"
-    costs = {name: measure(name, args.repeats) for name in args.tasks}
+    costs = {name: _measure(name, args.repeats) for name in args.tasks}
     path.write_text(json.dumps(costs, indent=1, sort_keys=True) + "\n")
     for name, per in costs.items():
         for how in ("median", "cpu"):

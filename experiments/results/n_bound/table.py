@@ -4,7 +4,7 @@
 sittings) where present, else the user's protocol's stored step times
 (experiments/results/user_protocol/step_times.json) for the configurations they cover.
 
-    PYTHONPATH=. python experiments/results/n_bound/table.py --readme   # README.md from its template
+    PYTHONPATH=. python experiments/results/n_bound/table.py --readme   # README.md, from a template
 
 Quality: the final validation metric at equal steps (the run's last evaluation), per seed, the
 mean and half the range over the seeds run so far, and the gap of the mean to one device's
@@ -56,7 +56,8 @@ def _reached(value: float, target: float, higher: bool) -> bool:
 
 
 def _reach(steps: list[int], metric: list[float], target: float, higher: bool) -> float:
-    return next((s for s, m in zip(steps, metric) if _reached(m, target, higher)), math.inf)
+    pairs = zip(steps, metric, strict=True)
+    return next((s for s, m in pairs if _reached(m, target, higher)), math.inf)
 
 
 def _mean_curve(runs: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
@@ -91,7 +92,7 @@ def _times(out: Path) -> tuple[dict[str, float], str]:
     )
 
 
-def quality(out: Path) -> tuple[list[str], dict[str, Any]]:
+def _quality(out: Path) -> tuple[list[str], dict[str, Any]]:
     lines: list[str] = []
     summary: dict[str, Any] = {}
     for task in SETUP:
@@ -161,7 +162,7 @@ def quality(out: Path) -> tuple[list[str], dict[str, Any]]:
     return lines, summary
 
 
-def compact(summary: dict[str, Any]) -> list[str]:
+def _compact(summary: dict[str, Any]) -> list[str]:
     """Per task and P: the gap of the seed mean to one device at equal steps, and the step at
     which the seed-mean curve first comes within the target, per N."""
     lines = [
@@ -197,7 +198,7 @@ def _half(value: float, ref: float, higher: bool) -> str:
     return f"{100 * value:.1f} pt" if higher else f"{100 * value / ref:.1f}%"
 
 
-def time_table(out: Path, summary: dict[str, Any]) -> list[str]:
+def _time_table(out: Path, summary: dict[str, Any]) -> list[str]:
     times, source = _times(out)
     lines = [
         f"Step times: {source}. 1F1B runs at its fastest N (N*) among the divisors of the "
@@ -243,13 +244,11 @@ def time_table(out: Path, summary: dict[str, Any]) -> list[str]:
                     if math.isfinite(step)
                     else "pending |"
                 )
-                lines.append(
-                    f"| {task} | {p} | {v} | {n} | {shown} | {_shown(reach)} | {ratio} |"
-                )
+                lines.append(f"| {task} | {p} | {v} | {n} | {shown} | {_shown(reach)} | {ratio} |")
     return lines
 
 
-def cost_table(out: Path) -> list[str]:
+def _cost_table(out: Path) -> list[str]:
     sittings = [json.loads(p.read_text()) for p in sorted(out.glob("cost_per_row-*.json"))]
     if not sittings:
         return ["(no cost per row stored)"]
@@ -274,7 +273,7 @@ def cost_table(out: Path) -> list[str]:
     return lines
 
 
-def wall_table(out: Path) -> list[str]:
+def _wall_table(out: Path) -> list[str]:
     path = out / "wall_times.jsonl"
     lines = [
         "| run | training seconds (run_task) | wall seconds incl. setup (shared machine) |",
@@ -297,14 +296,28 @@ def main() -> None:
         "--readme", action="store_true", help="write OUT/README.md from README.template.md"
     )
     args = parser.parse_args()
-    q, summary = quality(args.out)
+    q, summary = _quality(args.out)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
     parts = [
-        "## Summary: gap to one device at equal steps, and reach", "", *compact(summary), "",
-        "## Quality at equal steps", "", *q,
-        "## Time to target (replayed step times)", "", *time_table(args.out, summary), "",
-        "## Cost per row (the cap)", "", *cost_table(args.out), "",
-        "## Time per run (shared machine, not step times)", "", *wall_table(args.out), "",
+        "## Summary: gap to one device at equal steps, and reach",
+        "",
+        *_compact(summary),
+        "",
+        "## Quality at equal steps",
+        "",
+        *q,
+        "## Time to target (replayed step times)",
+        "",
+        *_time_table(args.out, summary),
+        "",
+        "## Cost per row (the cap)",
+        "",
+        *_cost_table(args.out),
+        "",
+        "## Time per run (shared machine, not step times)",
+        "",
+        *_wall_table(args.out),
+        "",
     ]
     text = "\n".join(parts)
     if args.readme:

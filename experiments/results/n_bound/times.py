@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))
 from run import SETUP, cells  # noqa: E402
 
 
-def keys(task: str, stages: list[int]) -> list[tuple[str, int, int]]:
+def _keys(task: str, stages: list[int]) -> list[tuple[str, int, int]]:
     from pipemare.experiments.studies.protocol import TASKS
     from pipemare.experiments.studies.user_protocol import one_f_one_b_ns
 
@@ -59,7 +59,7 @@ def main() -> None:
     path = args.out / f"step_times-{args.sitting}.json"
     times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
     for task in SETUP:
-        for v, p, n in keys(task, args.stages):
+        for v, p, n in _keys(task, args.stages):
             key = f"{task}-{v}-P{p}-N{n}"
             if key in times:
                 continue
