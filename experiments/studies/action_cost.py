@@ -44,21 +44,13 @@ _TASK = "gpt_c64s"
 def _measure(task: Any, schedule: str, stages: int, n: int, steps: int, warm: int) -> dict:
     """One window of ``steps`` steps after ``warm``: per stage and kind the seconds per step,
     the busiest stage's, and the replayed step."""
-    import torch
-
-    from pipemare.engine.telemetry import Probe, replay_timeline
-    from pipemare.experiments.studies.protocol import _pipeline, _timed_model
+    from pipemare.engine.telemetry import replay_timeline
+    from pipemare.experiments.studies.protocol import _pipeline, _timed_model, timed_window
 
     model = copy.deepcopy(_timed_model(task.name))
     x, y, _, _ = task.data()
     pipe = _pipeline(task, model, schedule, stages, n, 1e-4, None, 0)
-    probe = Probe(timeline=True)
-    for k in range(warm + steps):
-        if k == warm:
-            pipe.probe = probe
-        idx = torch.arange(k * task.batch, (k + 1) * task.batch) % len(x)
-        pipe.step((x[idx], y[idx]))
-    spans = probe.take_spans()
+    spans = timed_window(pipe, task, x, y, warm, steps)
     _, makespan = replay_timeline(spans, stages)
     per: dict[str, list[float]] = {kind: [0.0] * stages for kind in ("F", "B", "U", "comm")}
     counts: dict[str, list[int]] = {kind: [0] * stages for kind in ("F", "B", "U")}

@@ -575,19 +575,27 @@ def step_times(
     message = [float(sizes[c - 1]) for c in cuts]
     measured: dict[str, list[float]] = {name: [] for name in named}
     for _ in range(repeats):
-        probe = Probe(timeline=True)
-        pipe.probe = None
-        for k in range(warm + steps):
-            if k == warm:
-                pipe.probe = probe
-            idx = torch.arange(k * task.batch, (k + 1) * task.batch) % len(x)
-            pipe.step((x[idx], y[idx]))
-        spans = probe.take_spans()
+        spans = timed_window(pipe, task, x, y, warm, steps)
         for name, link in named.items():
             replay = None if link is None else Links([link] * len(message), message)
             _, makespan = replay_timeline(spans, stages, replay)
             measured[name].append(makespan / steps)
     return {name: statistics.median(values) for name, values in measured.items()}
+
+
+def timed_window(
+    pipe: Pipeline, task: Task, x: torch.Tensor, y: torch.Tensor, warm: int, steps: int
+) -> list[Any]:
+    """The spans of every action of ``steps`` steps of ``pipe`` after ``warm`` untimed ones,
+    each step a batch of ``task.batch`` rows of ``(x, y)`` taken in order."""
+    probe = Probe(timeline=True)
+    pipe.probe = None
+    for k in range(warm + steps):
+        if k == warm:
+            pipe.probe = probe
+        idx = torch.arange(k * task.batch, (k + 1) * task.batch) % len(x)
+        pipe.step((x[idx], y[idx]))
+    return probe.take_spans()
 
 
 def describe(result: RunResult) -> dict[str, Any]:
