@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,37 +9,21 @@ import pytest
 import torch
 
 from support import dist_worker as worker
+from support.launch import ranks, run_all
 
 pytestmark = pytest.mark.distributed
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 
 
-def torchrun(
-    nproc: int, script: Path, *args: str, timeout: float = 240
-) -> subprocess.CompletedProcess:
-    """Launch ``script`` on ``nproc`` local processes; torchrun --standalone picks a free port."""
-    env = dict(
-        os.environ, OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONPATH=str(SUPPORT.parent)
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        str(script),
-        *args,
-    ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, (
-        f"torchrun failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
-    return proc
+def start_ranks(nproc: int, script: Path, *args: str, timeout: float = 240) -> None:
+    """Run ``script`` on ``nproc`` local processes, each rank started here with the environment
+    torchrun would give it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``)."""
+    run_all(ranks([sys.executable, str(script), *args], nproc), timeout=timeout)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_processes_match_the_simulator(world, tmp_path, one_thread):
-    torchrun(world, SUPPORT / "dist_worker.py", "--out", str(tmp_path))
+    start_ranks(world, SUPPORT / "dist_worker.py", "--out", str(tmp_path))
     for schedule in ("async", "pipemare"):
         model, pipe, _ = worker.train(schedule, world, "inprocess")
         moved = 0.0

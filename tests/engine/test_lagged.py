@@ -19,7 +19,7 @@ from pipemare.engine.lagged import LocalResults, result_lag
 from pipemare.engine.microbatch import combine, scatter
 from pipemare.schedule.actions import SCHEDULES, spec
 from support import lag_worker
-from support.launch import environment, reports, run_all, run_here
+from support.launch import environment, ranks, reports, run_all, run_here
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 WORKER = str(SUPPORT / "lag_worker.py")
@@ -82,19 +82,19 @@ def test_lagged_reports_match_on_every_rank_and_in_the_simulator(tmp_path):
     dist, sim = tmp_path / "dist", tmp_path / "sim"
     dist.mkdir()
     sim.mkdir()
-    run_all([([sys.executable, WORKER, "--out", str(dist), "--devices", "3"], environment())])
+    run_all(ranks([sys.executable, WORKER, "--out", str(dist), "--devices", "3"], 3))
     # the simulator: the same script, the three stages in this process
     run_here(lag_worker.main, "--out", str(sim), "--devices", "1", "--stages", "3")
-    ranks = reports(dist, 3)
+    stages = reports(dist, 3)
     (simulated,) = reports(sim, 1)
-    for r in ranks:
+    for r in stages:
         _expected(r)
-        assert r["steps"] == ranks[0]["steps"] and r["epochs"] == ranks[0]["epochs"]
+        assert r["steps"] == stages[0]["steps"] and r["epochs"] == stages[0]["epochs"]
     # the simulator reports the same minibatch at every step, with the same values
-    for a, b in zip(ranks[0]["steps"], simulated["steps"], strict=True):
+    for a, b in zip(stages[0]["steps"], simulated["steps"], strict=True):
         assert a["first_index"] == b["first_index"]
         assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
-    assert ranks[0]["epochs"] == simulated["epochs"]
+    assert stages[0]["epochs"] == simulated["epochs"]
 
 
 @pytest.mark.distributed

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from test_distributed import SUPPORT, torchrun
+from test_distributed import SUPPORT, start_ranks
 
 from pipemare import PipeMareStrategy
 from pipemare.engine.link import Link, LinkClock, Links
@@ -73,7 +73,7 @@ def delayed(tmp_path_factory):
     """One launch of two processes: messages over a simulated link, then the real link
     measured."""
     out = tmp_path_factory.mktemp("link")
-    torchrun(2, SUPPORT / "link_worker.py", "--out", str(out), "--what", "delay", "measure")
+    start_ranks(2, SUPPORT / "link_worker.py", "--out", str(out), "--what", "delay", "measure")
     return out
 
 
@@ -94,7 +94,7 @@ def test_a_simulated_link_holds_each_message_until_it_has_crossed(delayed):
 def test_training_over_a_simulated_link_gives_the_same_weights(tmp_path, one_thread):
     """The link delays messages; it changes nothing they carry: async and 1F1B over a slow
     simulated link end with the in-process simulator's weights."""
-    torchrun(
+    start_ranks(
         2,
         SUPPORT / "link_worker.py",
         "--out",

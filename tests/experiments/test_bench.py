@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
+
+from support.launch import run
 
 pytestmark = pytest.mark.distributed
 
@@ -24,8 +25,8 @@ def test_bench_writes_one_json_line_per_configuration_a_table_and_a_chart(tmp_pa
         "--compile",
     ]  # fmt: skip
     env = dict(os.environ, WANDB_MODE="offline")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run(cmd, env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     kinds = [(r["kind"], r["schedule"]) for r in rows]
     assert kinds[0] == ("single", "-")
@@ -83,8 +84,8 @@ def test_bench_measures_copies_of_a_pipeline_in_a_four_process_launch(tmp_path):
         "--schedules", "pipemare", "--memory-stages", "2",
     ]  # fmt: skip
     env = dict(os.environ, WANDB_MODE="offline")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run(cmd, env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     rows = [json.loads(line) for line in (tmp_path / "bench.jsonl").read_text().splitlines()]
     (copies,) = [r for r in rows if r.get("copies")]
     assert (copies["kind"], copies["schedule"]) == ("lightning", "pipemare, 2 copies x 2 stages")

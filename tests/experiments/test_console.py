@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from support.launch import run
 from support.wandb_records import records, run_contents
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -66,15 +66,8 @@ def pipemare(args: list[str], cwd: Path) -> str:
     # earlier test started here (a run attached to it would be written by this process's)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(WANDB_MODE="offline", HOME=str(cwd), OMP_NUM_THREADS="1")
-    done = subprocess.run(
-        [sys.executable, "-m", "pipemare", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    console = done.stdout + done.stderr
+    done = run([sys.executable, "-m", "pipemare", *args], env, timeout=600, cwd=cwd)
+    console = done.stdout
     assert done.returncode == 0, console[-3000:]
     return console
 

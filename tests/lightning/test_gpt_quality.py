@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from support import gpt_quality_worker
-from support.launch import environment, run_all, run_here
+from support.launch import ranks, run_all, run_here
 
 # one worker runs the module: its tests share a module-scoped launch
 pytestmark = [pytest.mark.distributed, pytest.mark.xdist_group("gpt_quality")]
@@ -50,7 +50,7 @@ def runs(tmp_path_factory) -> Path:
     run_here(gpt_quality_worker.main, "--out", str(out / "one"), "--devices", "1", *args)
     (out / "two").mkdir()
     cmd = [sys.executable, WORKER, "--out", str(out / "two"), "--devices", "2", *args]
-    run_all([(cmd, environment())])
+    run_all(ranks(cmd, 2))
     return out
 
 

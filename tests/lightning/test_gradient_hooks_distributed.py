@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from support import hooks_worker
-from support.launch import environment, reports, run_all, run_here
+from support.launch import ranks, reports, run_all, run_here
 
 pytestmark = pytest.mark.distributed
 WORKER = str(Path(__file__).resolve().parents[1] / "support" / "hooks_worker.py")
@@ -21,14 +21,14 @@ def test_each_process_sees_its_stage_and_every_rank_logs_every_stage(tmp_path):
     procs, sim = tmp_path / "procs", tmp_path / "sim"
     procs.mkdir()
     sim.mkdir()
-    run_all([([sys.executable, WORKER, "--out", str(procs), "--devices", "2"], environment())])
+    run_all(ranks([sys.executable, WORKER, "--out", str(procs), "--devices", "2"], 2))
     run_here(hooks_worker.main, "--out", str(sim), "--devices", "1", "--stages", "2")
-    ranks = reports(procs, 2)
+    stages = reports(procs, 2)
     (simulated,) = reports(sim, 1)
     steps = hooks_worker.STEPS
 
     applied = {}  # (stage, minibatch) -> norms, over both processes
-    for rank, report in enumerate(ranks):
+    for rank, report in enumerate(stages):
         assert [(s, k) for s, k, _ in report["applied"]] == [(rank, k) for k in range(steps)]
         assert report["after_backward"] == steps  # once per update of its own stage
         for stage, k, norms in report["applied"]:
@@ -40,10 +40,10 @@ def test_each_process_sees_its_stage_and_every_rank_logs_every_stage(tmp_path):
         assert norms == pytest.approx(applied[stage, k], rel=1e-6)
 
     # every rank logs the same values, each the norm that stage applied to that minibatch
-    lag = ranks[0]["lag"]
-    assert ranks[0]["steps"] == ranks[1]["steps"]
+    lag = stages[0]["lag"]
+    assert stages[0]["steps"] == stages[1]["steps"]
     checked = 0
-    for t, logged in enumerate(ranks[0]["steps"]):
+    for t, logged in enumerate(stages[0]["steps"]):
         k = t - lag
         if k < 0:
             assert "updated" not in logged

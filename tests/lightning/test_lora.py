@@ -29,7 +29,7 @@ from pipemare import PipeMareStrategy
 from pipemare.experiments.studies.summary import memory_report
 from pipemare.lightning import shards
 from pipemare.lightning.shards import export_pretrained
-from support.launch import environment, run_all
+from support.launch import ranks, run_all
 from support.lora import MODELS, FineTune, load_saved, pretrain, task
 from support.models import quiet_trainer
 from support.real_runs import val_loss
@@ -222,7 +222,7 @@ def two_process_runs(tmp_path_factory, pretrained):
     dirs = [f"{family}={path}" for family, path in pretrained.items()]
     cmd = [sys.executable, WORKER, "--out", str(out), "--pretrained", *dirs,
            "--equal-steps", str(EQUAL_STEPS), "--train-steps", str(TRAIN_STEPS)]  # fmt: skip
-    run_all([(cmd, environment())])
+    run_all(ranks(cmd, 2))
     return out
 
 

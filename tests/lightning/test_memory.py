@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pipemare import SCHEDULES
-from support.launch import environment, free_port, run_all
+from support.launch import environment, ranks, run_all
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 WORKER = str(SUPPORT / "soak_worker.py")
@@ -26,12 +26,9 @@ RESIDENT_MB = 8.0  # allowed growth over the second half, for allocator noise
 def _soak(out: Path, processes: int, *options: str) -> list[dict]:
     args = [WORKER, "--out", str(out), "--steps", str(STEPS), "--every", str(EVERY), *options]
     if processes == 1:
-        cmd = [sys.executable, *args]
-    else:
-        launcher = ["-m", "torch.distributed.run", f"--nproc-per-node={processes}"]
-        port = f"--master-port={free_port()}"
-        cmd = [sys.executable, *launcher, port, *args, "--devices", str(processes)]
-    run_all([(cmd, environment())], timeout=900)
+        run_all([([sys.executable, *args], environment())], timeout=900)
+    else:  # every rank started here, as torchrun starts them
+        run_all(ranks([sys.executable, *args, "--devices", str(processes)], processes), 900)
     return [json.loads((out / f"soak-rank{r}.json").read_text()) for r in range(processes)]
 
 

@@ -15,7 +15,7 @@ import torch
 from pipemare.engine.replicas import _buckets
 from pipemare.lightning.steps import Record, merge_published
 from support import recipes, replica_worker
-from support.launch import environment, free_port, reports, run_all, run_here
+from support.launch import environment, free_port, ranks, reports, run_all, run_here
 
 # one worker runs the module: its tests share module-scoped fixtures
 pytestmark = pytest.mark.xdist_group("replicas")
@@ -33,10 +33,7 @@ def gpipe_runs(tmp_path_factory):
     """Two copies of a 2-stage gpipe pipeline (4 processes, 16 samples per copy and step)
     and one plain device with the combined batch of 32 (the same script, in this process)."""
     copies, single = tmp_path_factory.mktemp("copies"), tmp_path_factory.mktemp("single")
-    run_all(
-        [(launch(copies, "--devices", "4", "--stages", "2", "--batch", "16"), environment())],
-        timeout=600,
-    )
+    run_all(ranks(launch(copies, "--devices", "4", "--stages", "2", "--batch", "16"), 4), 600)
     one_device = ("--strategy", "single", "--devices", "1", "--batch", "32")
     run_here(replica_worker.main, "--out", str(single), *one_device)
     return reports(copies, 4), reports(single, 1)[0], copies, single
@@ -95,18 +92,18 @@ def test_torchrun_on_two_nodes_keeps_each_pipeline_inside_a_node(gpipe_runs, tmp
         ]  # fmt: skip
         commands.append((cmd, environment()))
     run_all(commands, timeout=600)
-    ranks = reports(tmp_path, 4)
-    assert ranks[0]["pipelines"] == [[0, 1], [2, 3]] and ranks[0]["stage_groups"] == [
+    stages = reports(tmp_path, 4)
+    assert stages[0]["pipelines"] == [[0, 1], [2, 3]] and stages[0]["stage_groups"] == [
         [0, 2],
         [1, 3],
     ]
-    assert ranks[0]["pipelines_cross_nodes"] is False
+    assert stages[0]["pipelines_cross_nodes"] is False
     want = torch.load(ref / "weights-rank0.pt")
     got = torch.load(tmp_path / "weights-rank3.pt")
     for key in want:
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6)
-    assert all(r["metrics"] == ranks[0]["metrics"] for r in ranks)
-    assert ranks[0]["metrics"]["val_acc"] == pytest.approx(single["metrics"]["val_acc"], abs=1e-6)
+    assert all(r["metrics"] == stages[0]["metrics"] for r in stages)
+    assert stages[0]["metrics"]["val_acc"] == pytest.approx(single["metrics"]["val_acc"], abs=1e-6)
 
 
 @pytest.mark.distributed
@@ -119,10 +116,8 @@ def test_two_copies_of_pipemare_train_the_cnn_as_one_pipeline(tmp_path):
     common = ["--model", "cnn", "--schedule", "pipemare", "--epochs", "3", "--stages", "2"]
     common += ["--balance", "5,4"]  # the same cut in both (timing the layers could differ)
     run_all(
-        [
-            (launch(copies, *common, "--devices", "4", "--batch", "16"), environment()),
-            (launch(one, *common, "--devices", "2", "--batch", "32"), environment()),
-        ],
+        ranks(launch(copies, *common, "--devices", "4", "--batch", "16"), 4)
+        + ranks(launch(one, *common, "--devices", "2", "--batch", "32"), 2),
         timeout=900,
     )
     four, two = reports(copies, 4), reports(one, 2)

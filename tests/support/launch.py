@@ -1,12 +1,23 @@
 """Launching real processes from a test: a clean environment, every command started and waited
-for (only its own processes are ever killed), a free port, and the JSON reports ranks write."""
+for (only its own processes are ever killed), a free port, and the JSON reports ranks write.
+
+A command that runs a Python script or module with this interpreter is forked by the prefork
+launcher (``support/prefork.py``), which has imported torch, Lightning and pipemare once: each
+is still a process of its own, with its own environment, but without the 8 s of imports a
+fresh interpreter spends. ``PIPEMARE_TESTS_FRESH=1`` starts fresh interpreters instead.
+``ranks`` launches every rank of a run itself, as torchrun and SLURM do (Lightning's second
+way to start processes: ``LOCAL_RANK`` set, so its own launcher starts nothing)."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
 import subprocess
+import sys
+import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,23 +46,131 @@ def environment(**extra: str) -> dict[str, str]:
     return env
 
 
-def run_all(commands: list[tuple[list[str], dict[str, str]]], timeout: float = 900) -> None:
-    """Start every command and wait for all; show the output of failures. Kills only its own."""
-    procs = [
-        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd, env in commands
-    ]
-    outputs = []
+Command = tuple[list[str], dict[str, str]]
+
+
+class _Prefork:
+    """This test process's prefork launcher, started at its first launch."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen[str] | None = None
+        self._lock = threading.Lock()
+
+    def ask(self, request: dict) -> dict:
+        with self._lock:
+            if self._proc is None or self._proc.poll() is not None:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "support.prefork"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    env=environment(),
+                    cwd=TESTS,
+                    text=True,
+                )
+                atexit.register(self.close)
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+            answer = self._proc.stdout.readline()
+            if not answer:
+                raise RuntimeError(f"the prefork launcher ended ({self._proc.wait()})")
+            return json.loads(answer)
+
+    def close(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            assert self._proc.stdin is not None
+            self._proc.stdin.close()
+            self._proc.wait(timeout=60)
+
+
+_PREFORK = _Prefork()
+
+
+def _forkable(cmd: list[str]) -> bool:
+    if os.environ.get("PIPEMARE_TESTS_FRESH") or len(cmd) < 2 or cmd[0] != sys.executable:
+        return False
+    return (cmd[1] == "-m" and len(cmd) > 2) or cmd[1].endswith(".py")
+
+
+class Launched:
+    """One started command, its output (stdout and stderr together) kept in a file."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], cwd: str | Path | None = None):
+        self.args = cmd
+        handle, self._log = tempfile.mkstemp(prefix="launch-", suffix=".log")
+        os.close(handle)
+        self.returncode: int | None = None
+        self._popen: subprocess.Popen[bytes] | None = None
+        cwd = str(cwd or os.getcwd())
+        if _forkable(cmd):
+            request = {"op": "spawn", "argv": cmd, "env": env, "cwd": cwd, "log": self._log}
+            self.pid: int = _PREFORK.ask(request)["pid"]
+        else:
+            with open(self._log, "wb") as log:
+                self._popen = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=log)
+            self.pid = self._popen.pid
+
+    def wait(self, timeout: float) -> int:
+        """The exit status; ``subprocess.TimeoutExpired`` if it still runs after ``timeout``."""
+        if self.returncode is None:
+            if self._popen is not None:
+                self.returncode = self._popen.wait(timeout=timeout)
+            else:
+                code = _PREFORK.ask({"op": "wait", "pid": self.pid, "timeout": timeout})["code"]
+                if code is None:
+                    raise subprocess.TimeoutExpired(self.args, timeout)
+                self.returncode = code
+        return self.returncode
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, 9)
+            self.wait(60)
+
+    def output(self) -> str:
+        text = Path(self._log).read_text(errors="replace")
+        return text
+
+
+def run(
+    cmd: list[str], env: dict[str, str], timeout: float, cwd: str | Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``subprocess.run(cmd, ...)`` with stdout and stderr together in ``stdout``; killed (only
+    it) and ``subprocess.TimeoutExpired`` raised after ``timeout``."""
+    launched = Launched(cmd, env, cwd)
     try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout)[0])
+        code = launched.wait(timeout)
+    finally:
+        launched.kill()
+    return subprocess.CompletedProcess(cmd, code, launched.output(), "")
+
+
+def ranks(cmd: list[str], world: int, env: dict[str, str] | None = None) -> list[Command]:
+    """Every rank of a one-node run of ``cmd``, each with the environment Lightning's launcher
+    would have given it (``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``), and
+    ``RANK`` as torchrun gives it."""
+    env = env if env is not None else environment()
+    port = str(free_port())
+    shared = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK="0", WORLD_SIZE=str(world))
+    return [(cmd, {**env, **shared, "LOCAL_RANK": str(r), "RANK": str(r)}) for r in range(world)]
+
+
+def run_all(commands: list[Command], timeout: float = 900) -> None:
+    """Start every command and wait for all; show the output of failures. Kills only its own."""
+    procs = [Launched(cmd, env) for cmd, env in commands]
+    try:
+        codes = [p.wait(timeout) for p in procs]
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, out in zip(procs, outputs, strict=False):
-        assert p.returncode == 0, f"launch failed ({p.returncode}):\n{out[-6000:]}"
+            p.kill()
+    for p, code in zip(procs, codes, strict=True):
+        assert code == 0, f"launch failed ({code}):\n{p.output()[-6000:]}"
 
 
 def run_here(main: Callable[[list[str]], None], *args: str) -> None:

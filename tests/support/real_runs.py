@@ -13,7 +13,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from support.launch import environment, run_all
+from support.launch import ranks, run_all
 from support.models import quiet_trainer
 from support.real_modules import SETUPS
 
@@ -44,7 +44,7 @@ def launch_two_processes(models: list[str], out: Path, *options: str) -> None:
     ``models`` in turn through gpipe, a stage each, into ``out/MODEL``; ``options``: the
     worker's others (``--stages-from DIR``)."""
     cmd = [sys.executable, str(WORKER), "--out", str(out), *options, "--models", *models]
-    run_all([(cmd, environment())])
+    run_all(ranks(cmd, 2))
 
 
 def two_processes_equal_one_device(model: str, out: Path, weights: bool) -> None:
@@ -82,7 +82,7 @@ def two_process_workflow(out: Path, *args: str) -> list[dict]:
     """support/workflow_worker.py with ``args`` on two gloo processes; each rank's report."""
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, str(WORKFLOWS), "--out", str(out), *args]
-    run_all([(cmd, environment())])
+    run_all(ranks(cmd, 2))
     return workflow_reports(out)
 
 
