@@ -32,10 +32,10 @@ _BEFORE = len(warnings.filters)
 
 # the imports every launch would otherwise repeat; not wandb, whose import makes a temporary
 # folder that the first launch to exit would delete for every later one
-import pytorch_lightning  # noqa: F401
-import torch  # noqa: F401
+import pytorch_lightning  # noqa: E402, F401
+import torch  # noqa: E402, F401
 
-import pipemare  # noqa: F401
+import pipemare  # noqa: E402, F401
 
 #: the filters those imports added, in front of the others (as ``filterwarnings`` puts them)
 _ADDED = list(warnings.filters)[: len(warnings.filters) - _BEFORE]
