@@ -24,7 +24,7 @@ from pipemare.model.materialize import (
     meta_parameters,
     to_meta,
 )
-from support.launch import environment, free_port, run_all
+from support.launch import ranks, run_all
 
 WORKER = str(Path(__file__).resolve().parents[1] / "support" / "lean_worker.py")
 
@@ -243,11 +243,10 @@ def test_a_process_holds_only_its_own_stage(tmp_path):
     del whole
     assert stage1_mb > 100
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-        f"--master-port={free_port()}", WORKER, "--out", str(tmp_path),
-        "--weights", str(tmp_path / "one.pt"), "--width", str(width), "--blocks", str(blocks),
+        sys.executable, WORKER, "--out", str(tmp_path), "--weights", str(tmp_path / "one.pt"),
+        "--width", str(width), "--blocks", str(blocks),
     ]  # fmt: skip
-    run_all([(cmd, environment())], timeout=600)
+    run_all(ranks(cmd, 2), timeout=600)  # each rank started here, as torchrun starts them
     rank0, rank1 = (json.loads((tmp_path / f"lean-rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["growth_mb"] < stage1_mb / 2, (rank0, stage1_mb)
     assert rank0["held_mb"] < 2 and rank1["held_mb"] > stage1_mb * 0.99
