@@ -15,6 +15,7 @@ from typing_extensions import override
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe
 from pipemare.lightning.strategy import PipeMareStrategyMixin
+from pipemare.lines import text
 from pipemare.optim.config import PipeMareConfig
 
 PREFIX = "pipemare"
@@ -62,8 +63,7 @@ def pipemare_strategy(trainer: pl.Trainer, who: str) -> PipelinedStrategy | None
     strategy = strategy_of(trainer)
     if strategy is None:
         rank_zero_warn(
-            f"{who} watches pipemare's pipeline; with strategy {type(trainer.strategy).__name__}"
-            " it logs nothing"
+            text("monitor.other_strategy", monitor=who, strategy=type(trainer.strategy).__name__)
         )
     return strategy
 

@@ -351,6 +351,51 @@ LINES: dict[str, Line] = _table(
         "`wandb sync` the folder to upload it.",
     ),
     Line(
+        "stage.state_dict",
+        "pipemare: {module}.state_dict(): {empty} of its {total} tensors ({first}, ...) "
+        "belong to stages other processes hold and are on the meta device, without values; "
+        "torch.save would write them empty. Save with trainer.save_checkpoint(path), which "
+        "gathers every stage, or call {gather} on every process first where the whole model "
+        "fits in one",
+        "warning",
+        "When the user's own code calls `state_dict()` on a model of which this process built "
+        "only its stage (on every rank that does).",
+        "The state dict is not the whole model: the other stages' tensors have no values here.",
+        "Save through the trainer, or gather the model first, as the line says.",
+    ),
+    Line(
+        "trace.static",
+        "pipemare: {module} was traced for the example batch's sizes only: no trace lets its "
+        "batch vary ({reason}). Every microbatch must then have the example's shape, so a "
+        "microbatch or a last batch of fewer rows is refused at its first call. Let the batch "
+        "vary where the forward fixes it (x.reshape(-1, ...) rather than the batch size), or "
+        "train with microbatches=1 and batches of one size",
+        "warning",
+        "When a model that is not an `nn.Sequential` is cut, and its forward fixes the batch "
+        "size (again on each reuse of the kept trace).",
+        "The cut works for batches of the example's size only.",
+        "Let the batch vary in the forward, or keep every batch the example's size with "
+        "`microbatches=1`.",
+    ),
+    Line(
+        "delay_momentum.below",
+        "pipemare: delay_momentum={given} is below the optimiser's own momentum {own}: "
+        "delayed stages will update with less momentum than the last one",
+        "warning",
+        "At setup, where `delay_momentum` is set lower than the optimiser's momentum.",
+        "Delay-aware momentum raises a delayed stage's momentum; set below the optimiser's, it "
+        "lowers it instead.",
+        "Set it at or above the optimiser's momentum, or `delay_momentum=None` to switch it off.",
+    ),
+    Line(
+        "monitor.other_strategy",
+        "pipemare: {monitor} watches pipemare's pipeline; with strategy {strategy} it logs nothing",
+        "warning",
+        "When one of pipemare's monitors is attached to a Trainer running another strategy.",
+        "The monitor is idle.",
+        'Use `strategy="pipemare"`, or drop the monitor.',
+    ),
+    Line(
         "wandb.online",
         "pipemare: W&B run at {url}",
         "info",

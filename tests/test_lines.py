@@ -116,6 +116,58 @@ def f(x):
     assert prefixed(ast.parse(source)) == [6, 7, 8]
 
 
+#: the calls that show the user a message: Python's warnings and Lightning's rank-zero ones
+WARNING_CALLS = ("warn", "rank_zero_warn", "rank_zero_info")
+
+
+def _inline(node: ast.expr) -> bool:
+    """Whether a message is written at the call: a string literal, an f-string, or a sum or
+    ``%`` of them."""
+    if isinstance(node, ast.BinOp):
+        return _inline(node.left) or _inline(node.right)
+    return isinstance(node, ast.JoinedStr) or (
+        isinstance(node, ast.Constant) and isinstance(node.value, str)
+    )
+
+
+def inline_warnings(tree: ast.AST) -> list[int]:
+    """The lines where a warning's message is written at the call rather than taken from the
+    table (``warnings.warn(text(key, ...))``, or a name holding such a line)."""
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call) or not node.args:
+            continue
+        func = node.func
+        name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
+        if name in WARNING_CALLS and _inline(node.args[0]):
+            found.append(node.lineno)
+    return sorted(found)
+
+
+def test_every_warning_a_run_gives_comes_from_the_table() -> None:
+    """A warning, unprefixed or not, is a line the run prints: written at the call, it would
+    escape the reference page and the prefix."""
+    offences = [
+        f"{path.relative_to(ROOT)}:{line}"
+        for path, tree in sources().items()
+        for line in inline_warnings(tree)
+    ]
+    assert offences == [], "warn with pipemare.lines.text(key, ...), a line of the table"
+
+
+def test_the_warning_check_finds_each_inline_message() -> None:
+    source = """
+import warnings
+def f(x, said):
+    warnings.warn(f"{x} is ignored")
+    rank_zero_warn("a " + x)
+    self.package.rank_zero_info("%s" % x)
+    warnings.warn(said)
+    warnings.warn(text("key", x=x), stacklevel=2)
+"""
+    assert inline_warnings(ast.parse(source)) == [4, 5, 6]
+
+
 def _imports_text(tree: ast.Module) -> bool:
     return any(
         isinstance(n, ast.ImportFrom)

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipemare.lines import text
+
 __all__ = [
     "INIT_HOOKS",
     "has_meta",
@@ -353,13 +355,14 @@ def warn_on_meta_state(module: nn.Module, gather: str) -> Any:
             return  # a submodule of the module asked, or pipemare collecting the whole model
         empty = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_meta]
         if empty:
-            warnings.warn(
-                f"{type(mod).__name__}.state_dict(): {len(empty)} of its {len(state)} tensors "
-                f"({empty[0]}, ...) belong to stages other processes hold and are on the meta "
-                "device, without values; torch.save would write them empty. Save with "
-                f"trainer.save_checkpoint(path), which gathers every stage, or call {gather} on "
-                "every process first where the whole model fits in one",
-                stacklevel=3,
+            said = text(
+                "stage.state_dict",
+                module=type(mod).__name__,
+                empty=len(empty),
+                total=len(state),
+                first=empty[0],
+                gather=gather,
             )
+            warnings.warn(said, stacklevel=3)
 
     return module.register_state_dict_post_hook(warn)

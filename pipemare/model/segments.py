@@ -19,6 +19,7 @@ from torch.export import Dim, ExportedProgram
 from torch.nn.modules.module import register_module_buffer_registration_hook
 from torch.utils import _pytree as pytree
 
+from pipemare.lines import text
 from pipemare.model.blocks import Cut, as_cuts, block_cuts, pp_plan_cuts
 from pipemare.model.graph_split import SegmentProgram, UncuttableModelError, split_program
 from pipemare.model.traces import TRACES, trace_key
@@ -346,16 +347,10 @@ _warned: list[str] | None = None
 def _warn_static(module: nn.Module, reason: str) -> None:
     """Say that ``module`` was traced for the example's sizes only, and why."""
     reason = " ".join(reason.split())[:300]
-    text = (
-        f"{type(module).__name__} was traced for the example batch's sizes only: no trace "
-        f"lets its batch vary ({reason}). Every microbatch must then have the example's "
-        "shape, so a microbatch or a last batch of fewer rows is refused at its first call. "
-        "Let the batch vary where the forward fixes it (x.reshape(-1, ...) rather than the "
-        "batch size), or train with microbatches=1 and batches of one size"
-    )
+    said = text("trace.static", module=type(module).__name__, reason=reason)
     if _warned is not None:
-        _warned.append(text)
-    warnings.warn(text, stacklevel=3)
+        _warned.append(said)
+    warnings.warn(said, stacklevel=3)
 
 
 def _eager_error(module: nn.Module, args: tuple, kwargs: dict) -> Exception | None:
@@ -413,11 +408,11 @@ def cache_off(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> str:
-    text = str(err)
-    found = re.search(r"The following call raised this error:\n(.*?)\n\n", text, re.S)
-    where = " ".join(found.group(1).split()) if found else text.strip().splitlines()[0][:300]
+    message = str(err)
+    found = re.search(r"The following call raised this error:\n(.*?)\n\n", message, re.S)
+    where = " ".join(found.group(1).split()) if found else message.strip().splitlines()[0][:300]
     name = type(module).__name__
-    if re.search(r"Found <class '[\w.]*(cache_utils\.\w+|Cache)'> in output", text):
+    if re.search(r"Found <class '[\w.]*(cache_utils\.\w+|Cache)'> in output", message):
         return (
             f"cannot cut {name} into segments: its forward returns a key/value cache for "
             "generation, which cannot travel between stages. Leave use_cache out of the call "
@@ -431,7 +426,7 @@ def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> st
             f"own, before any cut: {type(own).__name__}: {own}. Fix the model or its "
             "configuration; pipemare runs it as it is"
         )
-    data_dependent = "data-dependent" in text or "GuardOnDataDependent" in type(err).__name__
+    data_dependent = "data-dependent" in message or "GuardOnDataDependent" in type(err).__name__
     construct = (
         "data-dependent control flow (a Python branch, loop or .item() on a tensor's values)"
         if data_dependent
@@ -562,8 +557,8 @@ def _segment(
         segmented = kept.bind(module)
         if segmented.accepts(*args, **kwargs):  # else the trace fixed a size that differs
             TRACES.hits += 1
-            for text in kept.warned:
-                warnings.warn(text, stacklevel=2)
+            for message in kept.warned:
+                warnings.warn(message, stacklevel=2)
             return segmented
     traced = _trace(module, args, kwargs, cuts, dynamic, defaults)
     if key is not None:

@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from pipemare.lines import DECISIONS
+from pipemare.lines import DECISIONS, text
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.corrections import (
     Correction,
@@ -423,11 +423,7 @@ def _delay_momentum(r: _Resolution) -> None:
         )
     user = group_momentum(groups[0])
     if float(dm) < user:
-        warnings.warn(
-            f"delay_momentum={dm} is below the optimiser's own momentum {user}: "
-            "delayed stages will update with less momentum than the last one",
-            stacklevel=3,
-        )
+        warnings.warn(text("delay_momentum.below", given=dm, own=user), stacklevel=3)
     r.run("delay_momentum", start, max=float(dm), rise=rise)
 
 

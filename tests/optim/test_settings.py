@@ -132,3 +132,19 @@ def test_auto_microbatches_keep_every_delay_under_one_update(schedule, stages):
 def test_auto_microbatches_leave_flushing_schedules_at_one(schedule):
     n, decision = auto_microbatches(schedule, 8, rows=64)
     assert n == 1 and "no delay to bound" in decision.reason
+
+
+def test_delay_momentum_below_the_optimisers_own_warns_with_its_registered_line():
+    """Set below the optimiser's momentum, delay-aware momentum would lower a delayed stage's
+    momentum: the run goes on and says so, in the registry's words; at or above it, nothing."""
+    import warnings
+
+    from pipemare.lines import text
+
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1, momentum=0.9)
+    with pytest.warns(UserWarning) as said:
+        resolve(PipeMareConfig(delay_momentum=0.5), sgd, stages=4, total_steps=100)
+    assert [str(w.message) for w in said] == [text("delay_momentum.below", given=0.5, own=0.9)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve(PipeMareConfig(delay_momentum=0.95), sgd, stages=4, total_steps=100)
