@@ -84,6 +84,8 @@ class _Prefork:
 
 
 _PREFORK = _Prefork()
+#: the launches' output files, removed when this test process ends
+_LOGS = tempfile.TemporaryDirectory(prefix="pipemare-launches-")
 
 
 def _forkable(cmd: list[str]) -> bool:
@@ -97,7 +99,7 @@ class Launched:
 
     def __init__(self, cmd: list[str], env: dict[str, str], cwd: str | Path | None = None):
         self.args = cmd
-        handle, self._log = tempfile.mkstemp(prefix="launch-", suffix=".log")
+        handle, self._log = tempfile.mkstemp(prefix="launch-", suffix=".log", dir=_LOGS.name)
         os.close(handle)
         self.returncode: int | None = None
         self._popen: subprocess.Popen[bytes] | None = None
