@@ -9,7 +9,6 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from pipemare.engine.watchdog import Peer, describe_process
-from support.launch import environment
+from support.launch import Launched, environment, run
 
 pytestmark = pytest.mark.distributed
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
@@ -31,26 +30,20 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _start(tmp_path: Path, *flags: str) -> subprocess.Popen:
-    """The run, in a process group of its own: Lightning's launcher starts rank 1 in it."""
-    return subprocess.Popen(
-        [sys.executable, str(SUPPORT / "stall_worker.py"), "--out", str(tmp_path), *flags],
-        env=environment(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+def _start(tmp_path: Path, *flags: str) -> Launched:
+    """The run, in a process group of its own: Lightning's launcher starts rank 1 from it."""
+    cmd = [sys.executable, str(SUPPORT / "stall_worker.py"), "--out", str(tmp_path), *flags]
+    return Launched(cmd, environment(), new_session=True)
 
 
-def _kill_run(proc: subprocess.Popen) -> None:
+def _kill_run(proc: Launched) -> None:
     """End the run this test started, both ranks (its process group), if still there."""
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
 
 
-def _ready(proc: subprocess.Popen, tmp_path: Path) -> list[int]:
+def _ready(proc: Launched, tmp_path: Path) -> list[int]:
     """Wait until rank 1 reached step 5; the two ranks' PIDs. A run that fails to get there
     is ended, both ranks: left alone, it would train on for the rest of the suite."""
     try:
@@ -66,14 +59,16 @@ def _ready(proc: subprocess.Popen, tmp_path: Path) -> list[int]:
         raise
 
 
-def _end(proc: subprocess.Popen, pids: list[int], start: float) -> tuple[int, str, float, list]:
+def _end(proc: Launched, pids: list[int], start: float) -> tuple[int, str, float, list]:
     """Wait for the run to end: its exit code, output, the seconds from ``start`` until every
     process was gone, and those still alive after 90 s."""
     try:
-        out, _ = proc.communicate(timeout=120)
+        proc.wait(timeout=120)
+        out = proc.output()
         while any(_alive(p) for p in pids) and time.monotonic() - start < 90:
             time.sleep(0.5)
-        return proc.returncode, out, time.monotonic() - start, [p for p in pids if _alive(p)]
+        code = proc.wait(0)
+        return code, out, time.monotonic() - start, [p for p in pids if _alive(p)]
     finally:
         _kill_run(proc)  # both ranks, whatever the test did to them
 
@@ -121,10 +116,11 @@ def test_a_healthy_stage_slower_than_the_heartbeat_timeout_is_never_reported(tmp
     proc = _start(tmp_path, "--mode", "slow", "--slow", "6", "--heartbeat-timeout", "4",
                   "--max-steps", "8")  # fmt: skip
     try:
-        out, _ = proc.communicate(timeout=240)
+        code = proc.wait(timeout=240)
+        out = proc.output()
     finally:
         _kill_run(proc)
-    assert proc.returncode == 0, out[-4000:]
+    assert code == 0, out[-4000:]
     assert "pipemare: stage" not in out, out[-4000:]
     assert all((tmp_path / f"finished-rank{r}").exists() for r in range(2)), out[-4000:]
 
@@ -146,14 +142,8 @@ def test_a_killed_process_is_named_gone_every_time():
     """The race behind a flake: a killed process closes its connections while it exits,
     before /proc reads it as a zombie. 20 kills in a row (a worker process forks its
     victims): each time the connection closed, the process is described as gone."""
-    proc = subprocess.run(
-        [sys.executable, str(SUPPORT / "kill_loop_worker.py"), "20"],
-        env=environment(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = run([sys.executable, str(SUPPORT / "kill_loop_worker.py"), "20"], environment(), 240)
+    assert proc.returncode == 0, proc.stdout[-6000:]
     states = [ln for ln in proc.stdout.splitlines() if ln.startswith("settled: ")]
     assert len(states) == 20, proc.stdout
     assert all(s == "settled: is gone (killed or crashed)" for s in states), proc.stdout

@@ -4,9 +4,11 @@ for (only its own processes are ever killed), a free port, and the JSON reports 
 A command that runs a Python script or module with this interpreter is forked by the prefork
 launcher (``support/prefork.py``), which has imported torch, Lightning and pipemare once: each
 is still a process of its own, with its own environment, but without the 8 s of imports a
-fresh interpreter spends. ``PIPEMARE_TESTS_FRESH=1`` starts fresh interpreters instead.
-``ranks`` launches every rank of a run itself, as torchrun and SLURM do (Lightning's second
-way to start processes: ``LOCAL_RANK`` set, so its own launcher starts nothing)."""
+fresh interpreter spends; so is every Python script or module such a process starts in turn
+(Lightning's launcher its other ranks, torchrun its workers). ``PIPEMARE_TESTS_FRESH=1``
+starts fresh interpreters instead. ``ranks`` launches every rank of a run itself, as torchrun
+and SLURM do (Lightning's second way to start processes: ``LOCAL_RANK`` set, so its own
+launcher starts nothing)."""
 
 from __future__ import annotations
 
@@ -97,7 +99,16 @@ def _forkable(cmd: list[str]) -> bool:
 class Launched:
     """One started command, its output (stdout and stderr together) kept in a file."""
 
-    def __init__(self, cmd: list[str], env: dict[str, str], cwd: str | Path | None = None):
+    def __init__(
+        self,
+        cmd: list[str],
+        env: dict[str, str],
+        cwd: str | Path | None = None,
+        new_session: bool = False,
+    ):
+        """``new_session``: in a session (and process group) of its own, as ``Popen``'s
+        ``start_new_session``: ``os.killpg(launched.pid, ...)`` then reaches what it started
+        too."""
         self.args = cmd
         handle, self._log = tempfile.mkstemp(prefix="launch-", suffix=".log", dir=_LOGS.name)
         os.close(handle)
@@ -106,10 +117,12 @@ class Launched:
         cwd = str(cwd or os.getcwd())
         if _forkable(cmd):
             request = {"op": "spawn", "argv": cmd, "env": env, "cwd": cwd, "log": self._log}
-            self.pid: int = _PREFORK.ask(request)["pid"]
+            self.pid: int = _PREFORK.ask({**request, "session": new_session})["pid"]
         else:
             with open(self._log, "wb") as log:
-                self._popen = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=log, stderr=log)
+                self._popen = subprocess.Popen(
+                    cmd, env=env, cwd=cwd, stdout=log, stderr=log, start_new_session=new_session
+                )
             self.pid = self._popen.pid
 
     def wait(self, timeout: float) -> int:
@@ -136,8 +149,7 @@ class Launched:
             self.wait(60)
 
     def output(self) -> str:
-        text = Path(self._log).read_text(errors="replace")
-        return text
+        return Path(self._log).read_text(errors="replace")
 
 
 def run(
