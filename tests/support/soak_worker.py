@@ -26,7 +26,7 @@ from pipemare.callbacks import ConvergenceMonitor, PipelineMonitor, StalenessMon
 from pipemare.callbacks.memory import resident_mb
 from support.data import CharCorpusDataModule
 from support.gpt import CharGPT
-from support.memory import live_tensors
+from support.memory import live_tensors, settle_imports
 from support.models import quiet_trainer
 
 
@@ -53,6 +53,7 @@ def main() -> None:
     parser.add_argument("--monitors", action="store_true", help="attach pipemare's three")
     parser.add_argument("--compile", action="store_true", help="compile each stage (inductor)")
     args = parser.parse_args()
+    settle_imports()  # before the first run: every tensor of the runs is counted
     torch.set_num_threads(1)
     args.out.mkdir(parents=True, exist_ok=True)
     report: dict[str, list] = {}
