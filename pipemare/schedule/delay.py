@@ -24,6 +24,7 @@ whose hardware model overlaps a stage's forward and backward work.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from fractions import Fraction
 
@@ -64,6 +65,7 @@ def _from_table(table: list[tuple[int, int]]) -> StageDelay:
     return StageDelay(float(fwd), float(bkwd), tuple(table))
 
 
+@functools.lru_cache(maxsize=256)  # a pure function of its arguments, its result immutable
 def derive_delays(schedule: str, stages: int, microbatches: int) -> tuple[StageDelay, ...]:
     """Replay the schedule's action lists with version counters and read off the delays.
 
