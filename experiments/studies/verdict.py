@@ -10,7 +10,7 @@ Regimes (each entry names its results file and the command that wrote it):
 - ``long``: the compute-bound GPT (``gpt_c64s``) at ten times the main job's length, at the
   task's rate (tuned on one device at 240 steps), per P: pipemare at the default N against
   1F1B at its fastest N, and uncorrected ``async``; ``long_rate`` says how much better one
-  device does at its best rate at that length, and how the default does at that rate.
+  device does at its best rate at that length, and how the default does at each rate it also ran at.
 - ``long_1gbps``: the same runs' pipeline time replayed over 1 Gb/s links at 1 ms.
 - ``short``: the user's protocol on a compute-bound GPT (``gpt_c64``, 300 steps, 3 seeds).
 - ``dispatch``: the user's protocol on the small dispatch-bound tasks (2 seeds): in how many
@@ -80,14 +80,23 @@ def _long(root: Path) -> dict[str, Any]:
         "rates_tried": len(ones),
         "seeds_at_best": len(best["seeds"]),
     }
-    for c in study["cells"]:  # the default at one device's best rate: the protocol's own cell
+    # every rate the default also ran at: one device's mean there and the default's cells (the
+    # rates' keys as 2e-03, without a dot, so that a quoted key names them)
+    by_rate: dict[str, Any] = {}
+    for c in study["cells"]:
         default = c["schedule"] == "pipemare" and c["N"] == c["P"]
-        if default and c["lr"] == best["lr"] and c["steps"] == steps:
-            rates[f"P{c['P']}"] = {
+        if default and c["lr"] != rate and c["lr"] in ones and c["steps"] == steps:
+            one = ones[c["lr"]]
+            entry_rate = by_rate.setdefault(
+                f"{c['lr']:.0e}",
+                {"factor": c["lr"] / rate, "one_device": one["mean"], "seeds": len(one["seeds"])},
+            )
+            entry_rate[f"P{c['P']}"] = {
                 "gap": c["gap"],
                 "seeds": len(c["seeds"]),
                 "time": _finite(c["time_vs_1f1b"]),
             }
+    rates["by_rate"] = by_rate
     links: dict[str, Any] = {
         "what": f"the same runs' pipeline time replayed with every link 1 Gb/s at 1 ms ({steps} "
         "steps)",
