@@ -57,6 +57,7 @@ class _Prefork:
     def __init__(self) -> None:
         self._proc: subprocess.Popen[str] | None = None
         self._lock = threading.Lock()
+        atexit.register(self.close)  # whichever launcher runs when this process ends
 
     def ask(self, request: dict) -> dict:
         with self._lock:
@@ -69,7 +70,6 @@ class _Prefork:
                     cwd=TESTS,
                     text=True,
                 )
-                atexit.register(self.close)
             assert self._proc.stdin is not None and self._proc.stdout is not None
             self._proc.stdin.write(json.dumps(request) + "\n")
             self._proc.stdin.flush()
