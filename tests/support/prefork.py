@@ -153,6 +153,13 @@ class _Server:
         self.listener.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
+    def leave(self) -> None:
+        """In a fork's child: close this launcher's sockets, which the child must not hold
+        (a stand-in learns its launcher is gone when they close)."""
+        self.listener.close()
+        for conn in self.stand_ins.values():
+            conn.close()
+
 
 _SERVER: _Server | None = None
 
@@ -248,9 +255,7 @@ def _handed_over(request: dict, fds: list[int], server: _Server) -> None:
     """A launch a stand-in handed over: the stand-in's descriptors at their own numbers, in
     the stand-in's process group where the session allows it."""
     try:
-        server.listener.close()
-        for conn in server.stand_ins.values():
-            conn.close()
+        server.leave()
         # out of the way of the numbers they go to, then each to its own
         high = [fcntl.fcntl(fd, fcntl.F_DUPFD, 1024) for fd in fds]
         for fd in fds:
@@ -353,7 +358,7 @@ def main() -> None:
                 if request["op"] == "spawn":
                     pid = _fork()
                     if pid == 0:
-                        server.listener.close()
+                        server.leave()
                         _logged(request)
                     answer({"pid": pid})
                 elif request["pid"] in finished:
