@@ -80,22 +80,25 @@ def _long(root: Path) -> dict[str, Any]:
         "rates_tried": len(ones),
         "seeds_at_best": len(best["seeds"]),
     }
-    # every rate the default also ran at: one device's mean there and the default's cells (the
+    # every rate the default (or async) also ran at: one device's mean there and their cells (the
     # rates' keys as 2e-03, without a dot, so that a quoted key names them)
     by_rate: dict[str, Any] = {}
     for c in study["cells"]:
-        default = c["schedule"] == "pipemare" and c["N"] == c["P"]
+        default = c["schedule"] in ("pipemare", "async") and c["N"] == c["P"]
         if default and c["lr"] != rate and c["lr"] in ones and c["steps"] == steps:
             one = ones[c["lr"]]
             entry_rate = by_rate.setdefault(
                 f"{c['lr']:.0e}",
                 {"factor": c["lr"] / rate, "one_device": one["mean"], "seeds": len(one["seeds"])},
             )
-            entry_rate[f"P{c['P']}"] = {
-                "gap": c["gap"],
-                "seeds": len(c["seeds"]),
-                "time": _finite(c["time_vs_1f1b"]),
-            }
+            prefix = "" if c["schedule"] == "pipemare" else f"{c['schedule']}_"
+            entry_rate.setdefault(f"P{c['P']}", {}).update(
+                {
+                    f"{prefix}gap": c["gap"],
+                    f"{prefix}seeds": len(c["seeds"]),
+                    f"{prefix}time": _finite(c["time_vs_1f1b"]),
+                }
+            )
     rates["by_rate"] = by_rate
     links: dict[str, Any] = {
         "what": f"the same runs' pipeline time replayed with every link 1 Gb/s at 1 ms ({steps} "
