@@ -116,8 +116,9 @@ class Launched:
         self._popen: subprocess.Popen[bytes] | None = None
         cwd = str(cwd or os.getcwd())
         if _forkable(cmd):
-            request = {"op": "spawn", "argv": cmd, "env": env, "cwd": cwd, "log": self._log}
-            self.pid: int = _PREFORK.ask({**request, "session": new_session})["pid"]
+            request = {"op": "spawn", "argv": cmd, "env": env, "cwd": cwd, "log": self._log,
+                       "session": new_session}  # fmt: skip
+            self.pid: int = _PREFORK.ask(request)["pid"]
         else:
             with open(self._log, "wb") as log:
                 self._popen = subprocess.Popen(
