@@ -38,6 +38,10 @@ pytestmark = pytest.mark.zoo
 peft = pytest.importorskip("peft")
 
 EQUAL_STEPS, TRAIN_STEPS = 10, 40
+#: the cut of every run whose quality is held to a bound: the even one, which no timing decides
+#: (the default cut follows each layer's time, which moves with the machine's load, and at 40
+#: steps the quality moves with the cut: test_zoo.py)
+CUT = "even"
 WORKER = str(Path(__file__).resolve().parents[1] / "support" / "lora_worker.py")
 
 
@@ -96,7 +100,7 @@ def test_every_schedule_fine_tunes_it_as_one_device_and_the_adapter_reloads(
     got = {}
     for schedule in ("pipemare", "async"):
         module = copy.deepcopy(base)
-        strategy = PipeMareStrategy(stages=2, schedule=schedule)
+        strategy = PipeMareStrategy(stages=2, schedule=schedule, balance=CUT)
         trainer = _fit(module, strategy, TRAIN_STEPS)
         got[schedule] = _val(module)
         assert got[schedule] <= 1.1 * want, f"{name} {schedule}: {got[schedule]:.4f}, {want:.4f}"
@@ -184,7 +188,9 @@ def test_use_cache_false_in_the_call_keeps_the_trace_dynamic(microbatches, pretr
     want = _val(one)
     for schedule in ("pipemare", "async"):
         module = copy.deepcopy(base)
-        strategy = PipeMareStrategy(stages=2, microbatches=microbatches, schedule=schedule)
+        strategy = PipeMareStrategy(
+            stages=2, microbatches=microbatches, schedule=schedule, balance=CUT
+        )
         _fit(module, strategy, TRAIN_STEPS)
         got = _val(module)
         print(f"\nuse_cache=False, N={microbatches}, {schedule}: {got:.4f} (one device {want:.4f})")
@@ -207,7 +213,7 @@ def test_peft_s_other_methods_train_through_the_cut(kind, pretrained):
     assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)
     one, default = copy.deepcopy(base), copy.deepcopy(base)
     _fit(one, "auto", TRAIN_STEPS)
-    _fit(default, PipeMareStrategy(stages=2), TRAIN_STEPS)
+    _fit(default, PipeMareStrategy(stages=2, balance=CUT), TRAIN_STEPS)
     want, got = _val(one), _val(default)
     print(f"\npeft {kind}: {start:.3f} -> one device {want:.4f}, pipemare {got:.4f}")
     assert want < start and got <= 1.1 * want

@@ -4,8 +4,12 @@ through the strategy with nothing else said:
 
 - gpipe at P = 2 computes what one device computes: the same held-out loss after 10 steps
   (N = 1 where the model has BatchNorm, which normalises over what it is given);
-- the default schedule (``pipemare``, N = P) trains each on a learnable task: after 40 steps its
-  held-out loss is within 10% of one device's, both well below where they started;
+- the default schedule (``pipemare``, N = P) trains each on a learnable task: after 80 steps its
+  held-out loss is within 10% of one device's, both well below where they started. Its cut is
+  the even one (``balance="even"``, CUT): the default cut follows each layer's measured time,
+  which moves with the machine's load, and after a short run the default's quality moves with
+  the cut (ViT of four blocks, 40 steps: 0.617 at [3, 3], 0.912 at [2, 4], the cut a busy CI
+  machine once chose; one device 0.653);
 - an encoder–decoder (T5) and a mixture of experts (Mixtral) on two gloo processes, a stage
   each, end with one device's held-out loss.
 
@@ -45,8 +49,11 @@ from support.zoo import (
 pytestmark = pytest.mark.zoo
 
 #: steps of the gpipe comparison and of the default schedule's training (the tasks' loss is
-#: near its floor by 40: two runs compare there, not on their way down)
-EQUAL_STEPS, TRAIN_STEPS = 10, 40
+#: near its floor by 80: two runs compare there, not on their way down; at 40, BERT of two
+#: blocks was still falling, one device 0.349 -> 0.311 at 80, the default +17% -> +4%)
+EQUAL_STEPS, TRAIN_STEPS = 10, 80
+#: the cut of every run whose quality is held to a bound: one that no timing decides
+CUT = "even"
 
 
 def _val(module: pl.LightningModule) -> float:
@@ -86,7 +93,7 @@ def test_gpipe_equals_one_device_and_the_default_trains_it(family, record_proper
 
     one, default = copy.deepcopy(base), copy.deepcopy(base)
     _fit(one, "auto", TRAIN_STEPS)
-    strategy = PipeMareStrategy(stages=2)
+    strategy = PipeMareStrategy(stages=2, balance=CUT)
     _fit(default, strategy, TRAIN_STEPS)
     assert strategy.schedule == "pipemare" and strategy.microbatches == 2
     assert (TRACES.misses, TRACES.hits) == (1, 1)  # a copy of the same model: cut once
