@@ -9,7 +9,7 @@ import dataclasses
 import inspect
 import re
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -548,10 +548,18 @@ def _segment(
     if dynamic not in DYNAMIC_SHAPES:
         raise ValueError(f"dynamic must be one of {DYNAMIC_SHAPES}, got {dynamic!r}")
     options = (tuple(cuts), dynamic, tuple(sorted(defaults.items())))
-    if any(p.is_meta for p in module.parameters()):
-        # built on the meta device: traced there, not kept (the graphs name this run's device)
-        return _trace_on_meta(module, args, kwargs, cuts, dynamic, defaults).bind(module)
-    key = trace_key(module, args, kwargs, options, lambda x: _varying(x, dynamic == "all"))
+    on_meta = any(p.is_meta for p in module.parameters())
+    if on_meta:
+        # built on the meta device: traced there, every tensor on meta (the key too: a
+        # rebuild after a run, with this process's stage real, takes the same graphs), and
+        # kept for the device the inputs came on, which the graphs name
+        device = next(
+            (t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
+            torch.device("cpu"),
+        )
+        options = (*options, ("meta", str(device)))
+    with _all_on_meta(module) if on_meta else contextlib.nullcontext():
+        key = trace_key(module, args, kwargs, options, lambda x: _varying(x, dynamic == "all"))
     kept = TRACES.get(key) if key is not None else None
     if kept is not None:
         segmented = kept.bind(module)
@@ -560,7 +568,10 @@ def _segment(
             for message in kept.warned:
                 warnings.warn(message, stacklevel=2)
             return segmented
-    traced = _trace(module, args, kwargs, cuts, dynamic, defaults)
+    if on_meta:
+        traced = _trace_on_meta(module, args, kwargs, cuts, dynamic, defaults)
+    else:
+        traced = _trace(module, args, kwargs, cuts, dynamic, defaults)
     if key is not None:
         TRACES.misses += 1
         TRACES.put(key, traced)
@@ -585,27 +596,8 @@ def _trace_on_meta(
     args, kwargs = pytree.tree_map_only(
         torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs)
     )
-    # every tensor of the module on meta for the trace (a rebuild after a run finds this
-    # process's stage real and the others on meta); a tensor held in two places stays one
-    held: list[tuple[nn.Module, dict[str, Any], str, torch.Tensor]] = [
-        (m, store, name, t)
-        for m in module.modules()
-        for store in (m._parameters, m._buffers)
-        for name, t in store.items()
-        if t is not None and not t.is_meta
-    ]
-    stand_ins: dict[int, torch.Tensor] = {}
-    for _, store, name, t in held:
-        if id(t) not in stand_ins:
-            meta = t.detach().to("meta")
-            is_param = isinstance(t, nn.Parameter)
-            stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if is_param else meta
-        store[name] = stand_ins[id(t)]
-    try:
+    with _all_on_meta(module):
         traced = _trace(module, args, kwargs, cuts, dynamic, defaults)
-    finally:
-        for _, store, name, t in held:
-            store[name] = t
     made = [name for kind, name, tensor in traced.state if tensor is not None and tensor.is_meta]
     if made:
         raise UncuttableModelError(
@@ -618,6 +610,32 @@ def _trace_on_meta(
         for program in programs:
             _move_created(program.graph_module, torch.device("meta"), device)
     return traced
+
+
+@contextlib.contextmanager
+def _all_on_meta(module: nn.Module) -> Iterator[None]:
+    """Every parameter and buffer of ``module`` on the meta device for the block (a rebuild
+    after a run finds this process's stage real and the others on meta), put back after; a
+    tensor held in two places stays one."""
+    held: list[tuple[dict[str, Any], str, torch.Tensor]] = [
+        (store, name, t)
+        for m in module.modules()
+        for store in (m._parameters, m._buffers)
+        for name, t in store.items()
+        if t is not None and not t.is_meta
+    ]
+    stand_ins: dict[int, torch.Tensor] = {}
+    for store, name, t in held:
+        if id(t) not in stand_ins:
+            meta = t.detach().to("meta")
+            is_param = isinstance(t, nn.Parameter)
+            stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if is_param else meta
+        store[name] = stand_ins[id(t)]
+    try:
+        yield
+    finally:
+        for store, name, t in held:
+            store[name] = t
 
 
 def _move_created(gm: torch.fx.GraphModule, old: torch.device, new: torch.device) -> None:

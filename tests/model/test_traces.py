@@ -224,3 +224,30 @@ def test_validate_then_fit_trains_on_the_kept_cut_as_on_a_fresh_one(net):
     assert (TRACES.hits, TRACES.misses) == (0, 1)
     for (name, got), want in zip(first.named_parameters(), fresh.parameters(), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+def test_a_model_built_on_meta_is_traced_once_whatever_of_it_is_real():
+    """A model built on the meta device is traced there, every tensor on meta: a cut of it
+    again (a stage process's validate after fit, its own stage now real) takes the same
+    graphs, kept for the device the inputs came on, and computes with its real weights; the
+    same architecture built with real weights has a trace of its own."""
+    x = torch.randn(4, 8)
+    with torch.device("meta"):
+        built = Net()
+    segment_module(built, (x,))
+    assert (TRACES.hits, TRACES.misses) == (0, 1)
+
+    torch.manual_seed(0)
+    real = Net()
+    for name in ("weight", "bias"):  # the first block made real, as its stage's process does
+        setattr(built.blocks[0], name, getattr(real.blocks[0], name))
+    cut = segment_module(built, (x,))
+    assert (TRACES.hits, TRACES.misses) == (1, 1)
+    # its first segment computes with the real block, as the stage's process runs it
+    y = torch.randn(5, 8)
+    (first,) = cut.flatten_inputs(y)
+    (out,) = cut[0]((first,))
+    torch.testing.assert_close(out, torch.tanh(real.blocks[0](y)) * real.scale)
+
+    segment_module(real, (x,))  # built with real weights: a trace of its own
+    assert (TRACES.hits, TRACES.misses) == (1, 2)
