@@ -547,7 +547,7 @@ def _segment(
         cuts = as_cuts(split_points)
     if dynamic not in DYNAMIC_SHAPES:
         raise ValueError(f"dynamic must be one of {DYNAMIC_SHAPES}, got {dynamic!r}")
-    options = (tuple(cuts), dynamic, tuple(sorted(defaults.items())))
+    options: tuple[Any, ...] = (tuple(cuts), dynamic, tuple(sorted(defaults.items())))
     on_meta = any(p.is_meta for p in module.parameters())
     if on_meta:
         # built on the meta device: traced there, every tensor on meta (the key too: a

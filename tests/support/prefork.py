@@ -116,7 +116,8 @@ def main():
     answer = sock.recv(1 << 16)
     code = json.loads(answer)["code"] if answer else 1
     if code < 0:  # as the process ended: killed by this signal
-        signal.signal(-code, signal.SIG_DFL)
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):  # (those two take no handler)
+            signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)
     os._exit(code if code >= 0 else 128 - code)
 
