@@ -553,11 +553,7 @@ def _segment(
         # built on the meta device: traced there, every tensor on meta (the key too: a
         # rebuild after a run, with this process's stage real, takes the same graphs), and
         # kept for the device the inputs came on, which the graphs name
-        device = next(
-            (t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)),
-            torch.device("cpu"),
-        )
-        options = (*options, ("meta", str(device)))
+        options = (*options, ("meta", str(_inputs_device(args, kwargs))))
     with _all_on_meta(module) if on_meta else contextlib.nullcontext():
         key = trace_key(module, args, kwargs, options, lambda x: _varying(x, dynamic == "all"))
     kept = TRACES.get(key) if key is not None else None
@@ -591,8 +587,7 @@ def _trace_on_meta(
     finds this process's stage real) go to the meta device too, so that no weight is needed;
     the graphs then make the tensors they create (``torch.arange(..., device=x.device)``) on
     the device the real inputs came on, and read the module's own tensors when called."""
-    inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    device = inputs[0].device if inputs else torch.device("cpu")
+    device = _inputs_device(args, kwargs)
     args, kwargs = pytree.tree_map_only(
         torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs)
     )
@@ -610,6 +605,13 @@ def _trace_on_meta(
         for program in programs:
             _move_created(program.graph_module, torch.device("meta"), device)
     return traced
+
+
+def _inputs_device(args: tuple, kwargs: dict) -> torch.device:
+    """The device of the call's first tensor (the CPU without one): where a trace made on
+    the meta device makes its tensors."""
+    tensors = (t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    return next((t.device for t in tensors), torch.device("cpu"))
 
 
 @contextlib.contextmanager

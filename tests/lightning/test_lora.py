@@ -33,15 +33,12 @@ from support.launch import ranks, run_all
 from support.lora import MODELS, FineTune, load_saved, pretrain, task
 from support.models import quiet_trainer
 from support.real_runs import val_loss
+from support.zoo import QUALITY_CUT
 
 pytestmark = pytest.mark.zoo
 peft = pytest.importorskip("peft")
 
 EQUAL_STEPS, TRAIN_STEPS = 10, 40
-#: the cut of every run whose quality is held to a bound: the even one, which no timing decides
-#: (the default cut follows each layer's time, which moves with the machine's load, and at 40
-#: steps the quality moves with the cut: test_zoo.py)
-CUT = "even"
 WORKER = str(Path(__file__).resolve().parents[1] / "support" / "lora_worker.py")
 
 
@@ -100,7 +97,7 @@ def test_every_schedule_fine_tunes_it_as_one_device_and_the_adapter_reloads(
     got = {}
     for schedule in ("pipemare", "async"):
         module = copy.deepcopy(base)
-        strategy = PipeMareStrategy(stages=2, schedule=schedule, balance=CUT)
+        strategy = PipeMareStrategy(stages=2, schedule=schedule, balance=QUALITY_CUT)
         trainer = _fit(module, strategy, TRAIN_STEPS)
         got[schedule] = _val(module)
         assert got[schedule] <= 1.1 * want, f"{name} {schedule}: {got[schedule]:.4f}, {want:.4f}"
@@ -189,7 +186,7 @@ def test_use_cache_false_in_the_call_keeps_the_trace_dynamic(microbatches, pretr
     for schedule in ("pipemare", "async"):
         module = copy.deepcopy(base)
         strategy = PipeMareStrategy(
-            stages=2, microbatches=microbatches, schedule=schedule, balance=CUT
+            stages=2, microbatches=microbatches, schedule=schedule, balance=QUALITY_CUT
         )
         _fit(module, strategy, TRAIN_STEPS)
         got = _val(module)
@@ -213,7 +210,7 @@ def test_peft_s_other_methods_train_through_the_cut(kind, pretrained):
     assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)
     one, default = copy.deepcopy(base), copy.deepcopy(base)
     _fit(one, "auto", TRAIN_STEPS)
-    _fit(default, PipeMareStrategy(stages=2, balance=CUT), TRAIN_STEPS)
+    _fit(default, PipeMareStrategy(stages=2, balance=QUALITY_CUT), TRAIN_STEPS)
     want, got = _val(one), _val(default)
     print(f"\npeft {kind}: {start:.3f} -> one device {want:.4f}, pipemare {got:.4f}")
     assert want < start and got <= 1.1 * want

@@ -6,7 +6,7 @@ through the strategy with nothing else said:
   (N = 1 where the model has BatchNorm, which normalises over what it is given);
 - the default schedule (``pipemare``, N = P) trains each on a learnable task: after 80 steps its
   held-out loss is within 10% of one device's, both well below where they started. Its cut is
-  the even one (``balance="even"``, CUT): the default cut follows each layer's measured time,
+  the even one (support.zoo.QUALITY_CUT): the default cut follows each layer's measured time,
   which moves with the machine's load, and after a short run the default's quality moves with
   the cut (ViT of four blocks, 40 steps: 0.617 at [3, 3], 0.912 at [2, 4], the cut a busy CI
   machine once chose; one device 0.653);
@@ -39,6 +39,7 @@ from support.real_runs import (
 from support.zoo import (
     BIG_GEMMA,
     FAMILIES,
+    QUALITY_CUT,
     GPT2Module,
     MetaZoo,
     ZooModule,
@@ -52,8 +53,6 @@ pytestmark = pytest.mark.zoo
 #: near its floor by 80: two runs compare there, not on their way down; at 40, BERT of two
 #: blocks was still falling, one device 0.349 -> 0.311 at 80, the default +17% -> +4%)
 EQUAL_STEPS, TRAIN_STEPS = 10, 80
-#: the cut of every run whose quality is held to a bound: one that no timing decides
-CUT = "even"
 
 
 def _val(module: pl.LightningModule) -> float:
@@ -93,7 +92,7 @@ def test_gpipe_equals_one_device_and_the_default_trains_it(family, record_proper
 
     one, default = copy.deepcopy(base), copy.deepcopy(base)
     _fit(one, "auto", TRAIN_STEPS)
-    strategy = PipeMareStrategy(stages=2, balance=CUT)
+    strategy = PipeMareStrategy(stages=2, balance=QUALITY_CUT)
     _fit(default, strategy, TRAIN_STEPS)
     assert strategy.schedule == "pipemare" and strategy.microbatches == 2
     assert (TRACES.misses, TRACES.hits) == (1, 1)  # a copy of the same model: cut once

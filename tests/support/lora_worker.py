@@ -20,6 +20,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pipemare import PipeMareStrategy
 from support.lora import MODELS, FineTune, task
 from support.models import quiet_trainer
+from support.zoo import QUALITY_CUT
 
 
 def main() -> None:
@@ -45,11 +46,10 @@ def main() -> None:
             )
             gpipe = schedule == "gpipe"
             # the default as users get it (nothing named), the others by name; the runs held to
-            # a quality bound on the even cut (the time cut moves with the machine's load:
-            # test_lora.py's CUT)
+            # a quality bound on support.zoo.QUALITY_CUT
             named = {} if schedule == "pipemare" else {"schedule": schedule}
             if not gpipe:
-                named["balance"] = "even"
+                named["balance"] = QUALITY_CUT
             trainer = quiet_trainer(
                 PipeMareStrategy(**named),
                 devices=2,

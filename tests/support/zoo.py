@@ -24,6 +24,10 @@ NOISE = 0.2
 #: adds about 1.7 s to a cut on this project's CPUs: Qwen3 8.7 s at four, 5.2 s at two; the
 #: zoo cuts dozens of models)
 WIDTH, FFN, LAYERS, HEADS = 16, 32, 2, 2
+#: the cut of every run held to a quality bound (test_zoo.py, test_lora.py): the even one,
+#: which no timing decides (the default cut follows each layer's measured time, which moves
+#: with the machine's load, and after a short run the quality moves with the cut)
+QUALITY_CUT = "even"
 
 
 def _hf(cls: str, config: str, **sizes: object) -> Callable[[], nn.Module]:
