@@ -4,7 +4,8 @@ a step's forward and backward on ``tokens`` tokens, and the optimiser's step ave
 full eigendecomposition period (``every`` steps, SOAP's 10), on one CPU thread.
 
 Run it alone on the machine: ``python -m pipemare.experiments.bench.rotated_cost``. Printed per
-width: milliseconds of forward+backward, of AdamW's step and of RotatedAdamW's, and the ratio
+width (and, with ``--out FILE``, written there as JSON with the command and the machine):
+milliseconds of forward+backward, of AdamW's step and of RotatedAdamW's, and the ratio
 of a whole training step with each (the issue's question: is the rotated step's cost, 36% of a
 step on 64-wide layers, still prohibitive at 1024 and beyond?).
 """
@@ -12,7 +13,12 @@ step on 64-wide layers, still prohibitive at 1024 and beyond?).
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
+import sys
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -65,17 +71,33 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 1024, 2048])
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--out", type=Path, help="a JSON file for the rows, command and machine")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print("| width | tokens | fwd+bwd ms | AdamW step ms | RotatedAdamW step ms | step ratio |")
     print("|---|---|---|---|---|---|")
+    rows = []
     for width in args.widths:
         r = rotated_step_cost(width, args.tokens)
+        rows.append(r)
         print(
             f"| {width} | {args.tokens} | {r['forward_backward_ms']:.1f} | "
             f"{r['adamw_step_ms']:.1f} | {r['rotated_step_ms']:.1f} | {r['step_ratio']:.2f} |",
             flush=True,
         )
+    if args.out is not None:
+        command = "python -m pipemare.experiments.bench.rotated_cost " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        machine = {
+            "processor": platform.processor() or platform.machine(),
+            "cpus": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
+        record = {"command": command.strip(), "machine": machine, "rows": rows}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record, indent=1) + "\n")
 
 
 if __name__ == "__main__":

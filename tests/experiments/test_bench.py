@@ -122,3 +122,23 @@ def test_memory_growth_is_the_slope_per_thousand_steps():
     level = [(s, 512.0) for s in range(100)]
     assert growth_per_1000(level) == 0.0 and growth_per_1000(level[:1]) == 0.0
     assert memory_growth([(s, r, None) for s, r in level]) == {"resident_mb_per_1000": 0.0}
+
+
+def test_the_rotated_cost_bench_writes_its_rows_with_the_command(tmp_path, one_thread):
+    """A smoke run of pipemare.experiments.bench.rotated_cost at a tiny width (its figures come
+    from a run alone on the machine): every row has both optimisers' steps and the whole
+    step's ratio, and the file names the command that wrote it."""
+    from pipemare.experiments.bench import rotated_cost
+
+    out = tmp_path / "rotated.json"
+    rotated_cost.main(["--widths", "8", "16", "--tokens", "32", "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert record["command"].endswith("--widths 8 16 --tokens 32 --out " + str(out))
+    assert [r["width"] for r in record["rows"]] == [8, 16]
+    for r in record["rows"]:
+        assert r["rotated_step_ms"] > 0 and r["adamw_step_ms"] > 0
+        whole = (r["forward_backward_ms"] + r["rotated_step_ms"]) / (
+            r["forward_backward_ms"] + r["adamw_step_ms"]
+        )
+        assert r["step_ratio"] == pytest.approx(whole)
+    assert record["machine"]["threads"] == 1

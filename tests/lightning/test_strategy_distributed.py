@@ -153,7 +153,7 @@ def test_spawn_returns_the_whole_trained_model_to_the_parent():
     pl.seed_everything(0)
     model = DigitsCNN(lr=3e-3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = quiet_trainer("pipemare_spawn", devices=2, max_epochs=2)
+    trainer = quiet_trainer("pipemare_spawn", devices=2, max_epochs=1)
     trainer.fit(model, DigitsDataModule())
     after = model.state_dict()
     # both stages changed in the parent, although only rank 0 sends its module back
@@ -163,7 +163,9 @@ def test_spawn_returns_the_whole_trained_model_to_the_parent():
     data.setup()
     x, y = data.val_set.tensors
     with torch.no_grad():
-        assert (model.eval()(x).argmax(1) == y).float().mean() > 0.6
+        accuracy = (model.eval()(x).argmax(1) == y).float().mean()
+    print(f"\nheld-out accuracy after one epoch: {accuracy:.3f}")
+    assert accuracy > 0.6
 
 
 def test_monitors_over_processes_divergence_timeline_utilization(tmp_path):

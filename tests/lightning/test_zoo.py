@@ -169,7 +169,7 @@ def test_gpt2_from_its_config_defaults_through_the_strategy_by_name(tmp_path):
     reads +6.5% after 120 steps at AdamW 1e-2 (printed), eight seeds +7.9% (docs/results.md:
     dropout makes one seed's figure vary by about 4%), so that bar is missed and reported."""
     pytest.importorskip("transformers")
-    steps = 3 * TRAIN_STEPS
+    steps = 120  # the length issue 40 measured (at 240, -1.2%: the gap closes with length)
     gpipe = ["--strategy", "pipemare_gpipe", "--no-dropout", "--steps", str(EQUAL_STEPS)]
     # one launch: gpipe, then a second Trainer in the same processes through "pipemare"
     then = ["--then-default-steps", str(steps)]
