@@ -423,6 +423,10 @@ def _retuned(every: list[dict[str, Any]], times: dict[str, float]) -> list[str]:
             "Pipeline time to 1F1B's final quality at this rate (step times as below):",
             "",
             *(timed or ["(no step times measured yet)"]),
+            "",
+            "The gap along the run at this rate (against one device's seed-mean curve here):",
+            "",
+            *_along_rows(cells),
         ]
     return out or ["(no schedule besides one device has finished at another rate yet)"]
 
