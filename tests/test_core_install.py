@@ -63,21 +63,14 @@ def _last_json(out: subprocess.CompletedProcess[str]) -> object:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_the_library_and_its_command_import_without_the_experiments() -> None:
+def test_the_library_its_command_and_pipemare_fit_run_without_the_experiments() -> None:
+    """One interpreter (each costs seconds of imports): nothing of the experiments or their
+    extra is loaded after the imports, nor after ``pipemare fit`` has answered."""
     out = _run(
         """
         import json
         import pipemare, pipemare.__main__
         print(json.dumps(loaded()))
-        """
-    )
-    assert _last_json(out) == []
-
-
-def test_pipemare_fit_runs_without_the_experiments() -> None:
-    out = _run(
-        """
-        import json
         from pipemare.__main__ import main
         try:
             main(["fit", "--help"])
@@ -86,8 +79,11 @@ def test_pipemare_fit_runs_without_the_experiments() -> None:
         print(json.dumps(loaded()))
         """
     )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert json.loads(lines[0]) == []  # after the imports
     assert "--no-wandb" in out.stdout  # pipemare's own option: its CLI answered
-    assert _last_json(out) == []
+    assert _last_json(out) == []  # after fit
 
 
 def test_an_experiments_command_without_its_extra_says_how_to_install_it() -> None:
