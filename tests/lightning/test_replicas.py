@@ -83,7 +83,7 @@ def test_torchrun_on_two_nodes_keeps_each_pipeline_inside_a_node(gpipe_runs, tmp
     commands = []
     for node in (0, 1):
         torchrun = recipes.command(
-            "torchrun-nodes", {"$NODE_RANK": str(node), "$HEAD:29500": endpoint}
+            "torchrun-nodes", {"$NODE_RANK": str(node), "$HEAD:$PORT": endpoint}
         )
         assert torchrun[0] == "torchrun" and torchrun[-1] == "train.py", torchrun
         cmd = [

@@ -31,7 +31,7 @@ def block(name: str, page: Path = PAGE) -> str:
 
 def command(name: str, values: dict[str, str] | None = None) -> list[str]:
     """The shell command of a recipe block: its lines after the comments, continuations joined,
-    each placeholder in ``values`` (``"$HEAD:29500"``) replaced by its value."""
+    each placeholder in ``values`` (``"$HEAD:$PORT"``) replaced by its value."""
     lines = [line for line in block(name).splitlines() if not line.lstrip().startswith("#")]
     text = " ".join(line.rstrip(" \\") for line in lines)
     for placeholder, value in (values or {}).items():
