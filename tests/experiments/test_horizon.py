@@ -74,3 +74,8 @@ def test_each_rate_is_judged_against_one_device_at_that_rate(tmp_path):
     assert abs(fast["time_vs_1f1b"] - 0.25) < 1e-9 and abs(fast["step_vs_1f1b"] - 0.5) < 1e-9
     readme = (out / "README.md").read_text()
     assert "### At 0.002, every schedule (one device included) at this rate" in readme
+    # its gap along the run, against one device at 2e-3: 1.81 / 2.2 at step 20 (half the run)
+    retuned = readme.split("### At 0.002", 1)[1].split("\n## ", 1)[0]  # to the next section
+    assert "The gap along the run at this rate" in retuned
+    (row,) = [line for line in retuned.splitlines() if line.startswith("| 40 | pipemare | 4 |")]
+    assert "-17.7% (step 20)" in row and "+0.0% (step 40)" in row
