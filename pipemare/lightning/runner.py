@@ -32,7 +32,7 @@ from pipemare.engine.transport import DistributedTransport
 from pipemare.lightning import checkpoint, checks
 from pipemare.lightning.checkpoint import Checkpoints
 from pipemare.lightning.evaluation import Evaluation
-from pipemare.lightning.hooks import GradientHooks, HookLogs, overridden_hooks
+from pipemare.lightning.hooks import GradientHooks, HookLogs, overridden_hooks, overrides
 from pipemare.lightning.packages import LightningPackage
 from pipemare.lightning.shards import read_local
 from pipemare.lightning.steps import (
@@ -323,6 +323,32 @@ class PipelineRunner:
         """Whether the Trainer runs ``fit`` (not validate, test or predict)."""
         trainer = self._module.trainer if self._module is not None else None
         return trainer is not None and trainer.state.fn == "fit"
+
+    @property
+    def validates(self) -> bool:
+        """Whether the run evaluates the model: anything but a fit, and a fit with a validation
+        loader, a ``validation_step`` and batches to take (Lightning's own tests). A fit that
+        does not is cut for training only, and the eval graphs are traced when something first
+        evaluates (:meth:`trace_eval`)."""
+        trainer = self._module.trainer if self._module is not None else None
+        if trainer is None or trainer.state.fn != "fit":
+            return True
+        try:
+            defined = trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined()
+        except AttributeError:  # Lightning's internals moved: take it to validate
+            return True
+        return (
+            defined
+            and trainer.limit_val_batches != 0
+            and overrides(self._module, "validation_step")
+        )
+
+    def trace_eval(self) -> None:
+        """Before validate, test or predict: the eval graphs of a module cut for training
+        only (a fit without validation), traced now; nothing to do otherwise."""
+        adapter = self.adapter
+        if adapter is not None and adapter.segmented and adapter.sequential is not None:
+            adapter.sequential.trace_eval()  # type: ignore[operator]
 
     @property
     def sharded(self) -> bool:
@@ -744,7 +770,11 @@ class PipelineRunner:
         assert adapter is not None
         if adapter.sequential is None:
             with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
-                adapter.prepare(step, batch, *args)
+                # a fit without validation in one process skips the eval trace (about half the
+                # cut's time) until something evaluates; over processes each stage's weights may
+                # have moved to its device by then, so both are traced at the cut as before
+                eval_graph = self.validates or place.distributed
+                adapter.prepare(step, batch, *args, eval_graph=eval_graph)
             self._check_cut()
         seq = adapter.sequential
         assert seq is not None

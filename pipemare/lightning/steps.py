@@ -185,9 +185,10 @@ class ModuleAdapter:
                 "freeze them"
             )
 
-    def prepare(self, step: str, *args: Any) -> nn.Sequential:
+    def prepare(self, step: str, *args: Any, eval_graph: bool = True) -> nn.Sequential:
         """The Sequential the pipeline runs; a module that is not one is cut into segments now,
-        from what ``module.<step>(*args)`` passes it."""
+        from what ``module.<step>(*args)`` passes it (for training only without
+        ``eval_graph``: see :func:`~pipemare.model.segments.segment_module`)."""
         if self.sequential is None:
             from pipemare.model.segments import segment_module
 
@@ -199,6 +200,7 @@ class ModuleAdapter:
                 call_kwargs,
                 split_points=self.split_points,
                 dynamic=self.dynamic_shapes,
+                eval_graph=eval_graph,
             )
             self.cut_seconds = time.perf_counter() - start
         return self.sequential
@@ -264,6 +266,7 @@ class ModuleAdapter:
             what=self.what,
             layers=len(seq),
             traced_seconds=(self.cut_seconds or 0.0) if self.segmented else None,
+            eval_traced=bool(getattr(seq, "has_eval_graph", True)),
             cache_switched="use_cache" in getattr(seq, "call_defaults", {}),
             config_use_cache=getattr(config, "use_cache", None),
             label_shift=label_shift,

@@ -675,16 +675,19 @@ class PipeMareStrategyMixin(_StrategyBase):
         if module is not None and module.trainer.sanity_checking:
             self._runner.build_before_sanity_check()  # from the first training batch
         self._runner.drain()
+        self._runner.trace_eval()
 
     @override
     def on_test_start(self) -> None:
         super().on_test_start()
         self._runner.drain()
+        self._runner.trace_eval()
 
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
         self._runner.drain()
+        self._runner.trace_eval()
 
     @override
     def on_train_end(self) -> None:

@@ -9,6 +9,7 @@ import dataclasses
 import inspect
 import re
 import warnings
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -63,18 +64,23 @@ class Segment(nn.Module):
         self._programs = programs
         self._out_spec = out_spec
         self._range_constraints = range_constraints
-        for key in sorted({key for p in programs.values() for key in p.state}):
+        self._register([key for p in programs.values() for key in p.state], tensors)
+        self._slots: dict[bool, list[tuple[nn.Module, str]]] = {}
+
+    def _register(
+        self,
+        keys: list[tuple[str, str]],
+        tensors: dict[tuple[str, str], tuple[torch.Tensor, bool]],
+    ) -> None:
+        for key in sorted(set(keys)):
             tensor, persistent = tensors[key]
             kind, name = key
             owner, attr = self._holder(name if kind != "constant" else _constant_name(name))
             if kind == "parameter":
-                owner.register_parameter(attr, tensor)  # type: ignore[arg-type]
+                if attr not in owner._parameters:
+                    owner.register_parameter(attr, tensor)  # type: ignore[arg-type]
             elif not hasattr(owner, attr):
                 owner.register_buffer(attr, tensor, persistent=persistent and kind == "buffer")
-        self._slots = {
-            mode: [self._holder(n if k != "constant" else _constant_name(n)) for k, n in p.state]
-            for mode, p in programs.items()
-        }
 
     #: what a copy shares with the original: the traced graphs (immutable once built; they
     #: hold fake tensors that cannot be copied) read the copy's own tensors through its slots
@@ -97,8 +103,50 @@ class Segment(nn.Module):
             owner = owner._modules[part]  # type: ignore[assignment]
         return owner, attr
 
+    def _program(self, mode: bool) -> SegmentProgram:
+        program = self._programs.get(mode)
+        if program is None:
+            raise RuntimeError(
+                "these segments were traced for training only (segment_module(..., "
+                "eval_graph=False)); call SegmentedModule.trace_eval() before running them in "
+                "eval mode"
+            )
+        return program
+
+    def _state_slots(self, mode: bool) -> list[tuple[nn.Module, str]]:
+        slots = self._slots.get(mode)
+        if slots is None:
+            state = self._program(mode).state
+            slots = [self._holder(n if k != "constant" else _constant_name(n)) for k, n in state]
+            missing = [
+                n
+                for (k, n), (owner, attr) in zip(state, slots, strict=True)
+                if not hasattr(owner, attr)
+            ]
+            if missing:  # a copy made before trace_eval added what only eval mode reads
+                raise RuntimeError(
+                    f"segment {self.index} was copied before its eval graph was traced, and "
+                    f"that graph reads {', '.join(missing)}, which the copy does not hold; call "
+                    "SegmentedModule.trace_eval() before copying the segments"
+                )
+            self._slots[mode] = slots
+        return slots
+
+    def _add_eval(
+        self,
+        program: SegmentProgram,
+        tensors: dict[tuple[str, str], tuple[torch.Tensor, bool]],
+        constraints: dict[Any, Any],
+    ) -> None:
+        """Take the eval-mode graph traced after the cut (:meth:`SegmentedModule.trace_eval`),
+        registering what only it reads; copies share the graphs, so they see it too."""
+        self._register(program.state, tensors)
+        self._programs[False] = program
+        if self._range_constraints is not None:
+            self._range_constraints[False] = constraints
+
     def forward(self, values: Any) -> Any:
-        program = self._programs[self.training]
+        program = self._program(self.training)
         values = (values,) if isinstance(values, torch.Tensor) else tuple(values)
         if len(values) != len(program.inputs):
             raise ValueError(
@@ -107,14 +155,14 @@ class Segment(nn.Module):
             )
         if self._range_constraints is not None:
             _check_shapes(program, values, self._range_constraints[self.training])
-        state = [getattr(owner, attr) for owner, attr in self._slots[self.training]]
+        state = [getattr(owner, attr) for owner, attr in self._state_slots(self.training)]
         out = program.graph_module(*state, *values)
         if self._out_spec is not None:
             return pytree.tree_unflatten(list(out), self._out_spec)
         return tuple(out)
 
     def extra_repr(self) -> str:
-        program = self._programs[self.training]
+        program = self._programs.get(self.training, self._programs[True])
         return f"index={self.index}, inputs={program.inputs}, outputs={program.outputs}"
 
 
@@ -154,9 +202,15 @@ class SegmentedModule(nn.Sequential):
         constants: list[Any],
         signature: tuple[list[str], int],
         call_defaults: dict[str, Any] | None = None,
+        traced: _Traced | None = None,
+        source: nn.Module | None = None,
     ) -> None:
         super().__init__(*segments)
         self.call_defaults = dict(call_defaults or {})
+        # the cut and the module it was bound to, for trace_eval (a weak reference: the
+        # segments do not keep the user's module alive, and a copy traces from the same one)
+        self._traced = traced
+        self._source = weakref.ref(source) if source is not None else None
         self._positional, self._num_args = signature  # parameter names; how many came by position
         self.cuts = cuts
         self._in_spec = in_spec
@@ -200,16 +254,45 @@ class SegmentedModule(nn.Sequential):
         return tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
 
     def accepts(self, *args: Any, **kwargs: Any) -> bool:
-        """Whether the segments take this call (its structure, values and sizes) in both modes."""
+        """Whether the segments take this call (its structure, values and sizes) in every mode
+        they were traced in."""
         try:
             values = self.flatten_inputs(*args, **kwargs)
             first: Segment = self[0]  # type: ignore[assignment]
             constraints = first._range_constraints or {}
-            for mode in (True, False):
-                _check_shapes(first._programs[mode], values, constraints[mode])
+            for mode, program in first._programs.items():
+                _check_shapes(program, values, constraints[mode])
         except ValueError:
             return False
         return True
+
+    @property
+    def has_eval_graph(self) -> bool:
+        """Whether the eval-mode graphs are traced (see :meth:`trace_eval`)."""
+        first: Segment = self[0]  # type: ignore[assignment]
+        return False in first._programs
+
+    def trace_eval(self) -> None:
+        """Trace the eval-mode graphs now, for segments cut with ``eval_graph=False``
+        (nothing to do otherwise): from the module they were cut from, with the example it was
+        cut with, at the same cuts; what only eval mode reads is registered as at the cut.
+
+        Raises:
+            UncuttableModelError: eval mode cannot be traced, or cuts into a different number
+                of segments.
+            RuntimeError: the module the segments were cut from is gone.
+        """
+        if self.has_eval_graph:
+            return
+        module = self._source() if self._source is not None else None
+        if self._traced is None or module is None:
+            raise RuntimeError(
+                "the module these segments were cut from is gone, so their eval graphs cannot "
+                "be traced; cut it again with segment_module(..., eval_graph=True)"
+            )
+        with torch.inference_mode(False), torch.enable_grad():
+            self._traced.add_eval(module)
+        self._traced.install_eval(self, module)
 
 
 def _dynamic_shapes(
@@ -477,6 +560,7 @@ def segment_module(
     *,
     split_points: Sequence[str | Cut] | None = None,
     dynamic: str = "auto",
+    eval_graph: bool = True,
 ) -> SegmentedModule:
     """Cut ``module`` into segments at its block boundaries (or before the named modules).
 
@@ -490,6 +574,10 @@ def segment_module(
             ``_pp_plan``) where it ships one, else around each of its repeated blocks.
         dynamic: which input sizes may differ from the example's: ``"auto"`` the batch, and the
             length of token-like inputs (rank 1 to 3); ``"all"`` every size, images' too.
+        eval_graph: trace the eval-mode graph now as well (a second ``torch.export``, about
+            as long as the first). False traces it when
+            :meth:`SegmentedModule.trace_eval` is called; until then the segments run in
+            train mode only (what a fit without validation needs).
 
     A module that builds a key/value cache for generation (Hugging Face's causal LMs and
     encoder–decoders, ``config.use_cache`` True as they ship) is traced and called with
@@ -524,7 +612,7 @@ def segment_module(
     # no_grad block): every call of the segments runs the same graphs, as fit's, and a kept
     # trace serves fit, validate and test alike.
     with torch.inference_mode(False), torch.enable_grad():
-        return _segment(module, args, kwargs, split_points, dynamic)
+        return _segment(module, args, kwargs, split_points, dynamic, eval_graph)
 
 
 def _segment(
@@ -533,6 +621,7 @@ def _segment(
     kwargs: dict | None,
     split_points: Sequence[str | Cut] | None,
     dynamic: str,
+    eval_graph: bool,
 ) -> SegmentedModule:
     # Fresh copies: export traces an input passed twice (or a view of another) as one value, and
     # the graph would then read the wrong argument once they differ.
@@ -563,11 +652,13 @@ def _segment(
             TRACES.hits += 1
             for message in kept.warned:
                 warnings.warn(message, stacklevel=2)
+            if eval_graph:  # kept from a cut made for training only: its eval graphs now
+                segmented.trace_eval()
             return segmented
     if on_meta:
-        traced = _trace_on_meta(module, args, kwargs, cuts, dynamic, defaults)
+        traced = _trace_on_meta(module, args, kwargs, cuts, dynamic, defaults, eval_graph)
     else:
-        traced = _trace(module, args, kwargs, cuts, dynamic, defaults)
+        traced = _trace(module, args, kwargs, cuts, dynamic, defaults, eval_graph)
     if key is not None:
         TRACES.misses += 1
         TRACES.put(key, traced)
@@ -581,6 +672,7 @@ def _trace_on_meta(
     cuts: list[Cut],
     dynamic: str,
     defaults: dict[str, Any],
+    eval_graph: bool,
 ) -> _Traced:
     """Trace a module whose parameters are on the meta device (built in ``configure_model``):
     the inputs and, for the trace only, every real parameter and buffer (a rebuild after a run
@@ -592,8 +684,16 @@ def _trace_on_meta(
         torch.Tensor, lambda t: torch.empty_like(t, device="meta"), (args, kwargs)
     )
     with _all_on_meta(module):
-        traced = _trace(module, args, kwargs, cuts, dynamic, defaults)
-    made = [name for kind, name, tensor in traced.state if tensor is not None and tensor.is_meta]
+        traced = _trace(module, args, kwargs, cuts, dynamic, defaults, eval_graph)
+    _check_made_on_meta(module, traced.state)
+    for programs in traced.programs.values():
+        for program in programs:
+            _move_created(program.graph_module, torch.device("meta"), device)
+    return dataclasses.replace(traced, on_meta=True, device=device)
+
+
+def _check_made_on_meta(module: nn.Module, state: list[tuple[str, str, Any]]) -> None:
+    made = [name for kind, name, tensor in state if tensor is not None and tensor.is_meta]
     if made:
         raise UncuttableModelError(
             f"{type(module).__name__} was built on the meta device, and its forward makes "
@@ -601,10 +701,6 @@ def _trace_on_meta(
             "build the model in __init__ (each process then moves only its own stage), or "
             "register them as buffers in __init__"
         )
-    for programs in traced.programs.values():
-        for program in programs:
-            _move_created(program.graph_module, torch.device("meta"), device)
-    return traced
 
 
 def _inputs_device(args: tuple, kwargs: dict) -> torch.device:
@@ -674,8 +770,18 @@ class _Traced:
     defaults: dict[str, Any]
     #: what tracing warned (:func:`_warn_static`)
     warned: tuple[str, ...] = ()
+    #: for an eval graph traced later (``eval_graph=False``): the example call (its tensors on
+    #: the meta device where the module was traced there), until :meth:`add_eval` uses it
+    example: list[Any] = dataclasses.field(default_factory=list)
+    dynamic: str = "auto"
+    #: traced on the meta device; the device its graphs make their tensors on
+    on_meta: bool = False
+    device: torch.device | None = None
 
-    def bind(self, module: nn.Module) -> SegmentedModule:
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Traced:
+        return self  # immutable once traced, apart from the eval graphs added to it (shared)
+
+    def _tensors(self, module: nn.Module) -> dict[tuple[str, str], Any]:
         tensors: dict[tuple[str, str], Any] = {}
         for kind, name, made in self.state:
             owner_name, _, attr = name.rpartition(".")
@@ -683,20 +789,64 @@ class _Traced:
             tensor = getattr(owner, attr, None) if made is None else made
             persistent = attr not in getattr(owner, "_non_persistent_buffers_set", set())
             tensors[(kind, name)] = (tensor, persistent)
+        return tensors
+
+    def bind(self, module: nn.Module) -> SegmentedModule:
+        tensors = self._tensors(module)
         n = len(self.programs[True])
         segments = [
             Segment(
                 i,
-                {mode: self.programs[mode][i] for mode in (True, False)},
+                {mode: programs[i] for mode, programs in self.programs.items()},
                 tensors,
                 self.out_spec if i == n - 1 else None,
-                self.range_constraints if i == 0 else None,
+                dict(self.range_constraints) if i == 0 else None,
             )
             for i in range(n)
         ]
         return SegmentedModule(
-            segments, self.cuts, self.in_spec, self.baked, self.signature, self.defaults
+            segments,
+            self.cuts,
+            self.in_spec,
+            self.baked,
+            self.signature,
+            self.defaults,
+            traced=self,
+            source=module,
         )
+
+    def add_eval(self, module: nn.Module) -> None:
+        """Trace ``module`` (this cut's, or one with its trace key) in eval mode and cut that
+        graph as the train graph was; kept here, so later binds take it at once."""
+        if False in self.programs:
+            return
+        args, kwargs = self.example
+        with _all_on_meta(module) if self.on_meta else contextlib.nullcontext():
+            ep = export_module(module, args, kwargs, training=False, dynamic=self.dynamic)
+            programs = split_program(ep, self.cuts)
+            state = _state_names(module, [ep])
+        if len(programs) != len(self.programs[True]):
+            raise UncuttableModelError(
+                f"the cuts give {len(self.programs[True])} segments in train mode but "
+                f"{len(programs)} in eval mode; choose split points whose modules run in both"
+            )
+        if self.on_meta:
+            assert self.device is not None
+            _check_made_on_meta(module, state)
+            for program in programs:
+                _move_created(program.graph_module, torch.device("meta"), self.device)
+        known = {(kind, name) for kind, name, _ in self.state}
+        self.state.extend(entry for entry in state if (entry[0], entry[1]) not in known)
+        self.range_constraints[False] = ep.range_constraints
+        self.programs[False] = programs
+        self.example.clear()
+
+    def install_eval(self, segmented: SegmentedModule, module: nn.Module) -> None:
+        """Give ``segmented`` (bound to ``module``) the eval graphs :meth:`add_eval` traced."""
+        tensors = self._tensors(module)
+        for i, segment in enumerate(segmented):
+            assert isinstance(segment, Segment)
+            segment._add_eval(self.programs[False][i], tensors, self.range_constraints[False])
 
 
 def _trace(
@@ -706,20 +856,22 @@ def _trace(
     cuts: list[Cut],
     dynamic: str,
     defaults: dict[str, Any],
+    eval_graph: bool = True,
 ) -> _Traced:
-    """Trace ``module`` in train and eval mode and cut both graphs at ``cuts``."""
+    """Trace ``module`` in train and eval mode (train mode only without ``eval_graph``) and
+    cut each graph at ``cuts``."""
     global _warned
     warned: list[str] = []
     _warned = warned
     try:
         eps = {
             mode: export_module(module, args, kwargs, training=mode, dynamic=dynamic)
-            for mode in (True, False)
+            for mode in ((True, False) if eval_graph else (True,))
         }
     finally:
         _warned = None
     programs = {mode: split_program(ep, cuts) for mode, ep in eps.items()}
-    if len(programs[True]) != len(programs[False]):
+    if eval_graph and len(programs[True]) != len(programs[False]):
         raise UncuttableModelError(
             f"the cuts give {len(programs[True])} segments in train mode but "
             f"{len(programs[False])} in eval mode; choose split points whose modules run in both"
@@ -741,4 +893,6 @@ def _trace(
         cuts=list(cuts),
         defaults=defaults,
         warned=tuple(warned),
+        example=[] if eval_graph else [args, kwargs],
+        dynamic=dynamic,
     )

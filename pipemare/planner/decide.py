@@ -108,6 +108,8 @@ class ModelFacts:
         layers: layers of the Sequential the pipeline cuts (segments, for a traced module).
         traced_seconds: for a module that is not a Sequential, how long tracing and cutting it
             into segments took; None for a Sequential.
+        eval_traced: its eval-mode graph was traced with the train one (else when something
+            first evaluates: a fit in one process that does not validate).
         cache_switched: its segments' calls get ``use_cache=False``.
         config_use_cache: its config's own ``use_cache``, kept as it is (None: no such field).
         label_shift: for a Hugging Face model, how its loss shifts the labels (1: a causal LM,
@@ -124,6 +126,7 @@ class ModelFacts:
     what: str
     layers: int
     traced_seconds: float | None = None
+    eval_traced: bool = True
     cache_switched: bool = False
     config_use_cache: bool | None = None
     label_shift: int | None = None
@@ -837,7 +840,13 @@ def _segments(model: ModelFacts) -> list[Decision]:
             "segments",
             f"{model.layers}, traced and cut in {model.traced_seconds:.1f} s",
             f"{model.what} is not an nn.Sequential: torch.export traced its forward at the "
-            "first batch",
+            "first batch"
+            + (
+                ""
+                if model.eval_traced
+                else " in train mode; this fit does not validate, so eval mode is traced when "
+                "something first evaluates"
+            ),
         )
     ]
     if not model.cache_switched:

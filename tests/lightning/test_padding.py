@@ -50,7 +50,7 @@ def test_padded_batches_of_varying_length_through_every_schedule(schedule, monke
     strategy = PipeMareStrategy(stages=2, microbatches=2, schedule=schedule)
     quiet_trainer(strategy, max_steps=STEPS).fit(piped, padded_data())
     got, want = _val(piped), _val(plain)
-    assert len(traces) == 2  # train and eval mode, once each, for every length
+    assert len(traces) == 1  # train mode once for every length (no validation: no eval graph)
     if schedule in ("gpipe", "1f1b"):
         assert got == pytest.approx(want, rel=1e-4)
     else:  # trains: below where it started, within the zoo's 10% of one device
@@ -59,7 +59,7 @@ def test_padded_batches_of_varying_length_through_every_schedule(schedule, monke
 
 def test_an_epoch_whose_last_batch_is_smaller_than_n_equals_one_device(monkeypatch):
     """43 samples in batches of 8 at N = 4: the last batch's 3 run a sample per microbatch
-    (a size the trace never saw) beside a weightless copy, on the same two traces."""
+    (a size the trace never saw) beside a weightless copy, on the same trace."""
     pytest.importorskip("transformers")
     base = ZooModule("gpt2")
     plain, piped = copy.deepcopy(base), copy.deepcopy(base)
@@ -70,7 +70,7 @@ def test_an_epoch_whose_last_batch_is_smaller_than_n_equals_one_device(monkeypat
     monkeypatch.setattr(torch.export, "export", lambda *a, **k: traces.append(1) or export(*a, **k))
     t = quiet_trainer(PipeMareStrategy(stages=2, microbatches=4, schedule="gpipe"), **epoch)
     t.fit(piped, padded_data(n=43))
-    assert t.global_step == 6 and len(traces) == 2
+    assert t.global_step == 6 and len(traces) == 1
     assert _val(piped) == pytest.approx(_val(plain), rel=1e-4)
 
 

@@ -8,6 +8,7 @@ import copy
 import gc
 import warnings
 import weakref
+from typing import ClassVar
 
 import pytest
 import pytorch_lightning as pl
@@ -251,3 +252,94 @@ def test_a_model_built_on_meta_is_traced_once_whatever_of_it_is_real():
 
     segment_module(real, (x,))  # built with real weights: a trace of its own
     assert (TRACES.hits, TRACES.misses) == (1, 2)
+
+
+def _exports(monkeypatch) -> list[tuple[bool, int]]:
+    """Each ``torch.export`` a cut makes from now on: its mode (True: train) and how many
+    training batches had started by then (``_exports.batches``)."""
+    from pipemare.model import segments
+
+    made: list[tuple[bool, int]] = []
+    real = segments.export_module
+
+    def counted(module, args, kwargs=None, *, training=True, dynamic="auto"):
+        made.append((training, len(_Batches.seen)))
+        return real(module, args, kwargs, training=training, dynamic=dynamic)
+
+    monkeypatch.setattr(segments, "export_module", counted)
+    _Batches.seen.clear()
+    return made
+
+
+class _Batches(pl.Callback):
+    seen: ClassVar[list[int]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.seen.append(batch_idx)
+
+
+class EvalOnly(Net):
+    """Reads a buffer in eval mode only: what the train graph does not read."""
+
+    def __init__(self, scale: float = 0.5) -> None:
+        super().__init__(scale=scale)
+        self.register_buffer("offset", torch.full((8,), 0.25))
+
+    def forward(self, x: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        x = super().forward(x, shift)
+        return x if self.training else x + self.offset
+
+
+def test_a_cut_for_training_only_traces_eval_mode_when_asked_and_keeps_it(monkeypatch):
+    """``eval_graph=False`` exports the train graph alone; eval mode then refuses with what to
+    do, and ``trace_eval`` traces it once: a copy made before shares the graph, a buffer only
+    eval mode reads is registered, and a later cut of the module takes both from the kept
+    trace, with no export."""
+    made = _exports(monkeypatch)
+    torch.manual_seed(0)
+    net, x = EvalOnly(), torch.randn(4, 8)
+    segments = segment_module(net, (x,), eval_graph=False)
+    assert made == [(True, 0)] and not segments.has_eval_graph
+    twin = copy.deepcopy(segments)
+    segments.eval()
+    with pytest.raises(RuntimeError, match=r"traced for training only .*\.trace_eval\(\)"):
+        run(segments, x)
+    segments.trace_eval()
+    assert made == [(True, 0), (False, 0)] and segments.has_eval_graph
+    net.eval()
+    torch.testing.assert_close(run(segments, x), net(x), rtol=0, atol=0)
+    segments.trace_eval()  # nothing left to trace
+    again = segment_module(net, (x,))
+    assert made == [(True, 0), (False, 0)] and (TRACES.hits, TRACES.misses) == (1, 1)
+    again.eval()
+    torch.testing.assert_close(run(again, x), net(x), rtol=0, atol=0)
+    # the copy shares the eval graph, but holds no copy of the buffer only it reads
+    twin.eval()
+    with pytest.raises(RuntimeError, match=r"copied before its eval graph .* offset"):
+        run(twin, x)
+
+
+@pytest.mark.parametrize("validation", [False, True])
+def test_a_fit_in_one_process_traces_eval_mode_at_the_cut_only_if_it_validates(
+    validation, monkeypatch
+):
+    """The eval export costs about as much as the train one. A fit without validation skips
+    it, and validate after the fit traces it before its first batch, and validates the trained
+    weights; a fit that validates traces both at the cut (its first training batch), even with
+    no sanity check: an eval graph that cannot be cut fails there, not an epoch later."""
+    made = _exports(monkeypatch)
+    torch.manual_seed(0)
+    module = Tiny(EvalOnly)
+    plain = copy.deepcopy(module)
+    strategy = PipeMareStrategy(stages=2, schedule="gpipe")
+    trainer = quiet_trainer(strategy, max_steps=8, num_sanity_val_steps=0, callbacks=[_Batches()])
+    trainer.fit(module, _loader(), _loader() if validation else None)
+    # the cut is made at the first training batch (the pipeline is built from it)
+    assert made == ([(True, 1), (False, 1)] if validation else [(True, 1)])
+    said = {d.subject: d for d in strategy.settings.decisions}["segments"].reason
+    assert ("eval mode is traced when something first evaluates" in said) is not validation
+    (result,) = trainer.validate(module, _loader(), verbose=False)
+    assert made[-1] == (False, 1 if validation else 8) and len(made) == 2
+    quiet_trainer("auto", max_steps=8).fit(plain, _loader())
+    (want,) = quiet_trainer("auto").validate(plain, _loader(), verbose=False)
+    assert result["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
