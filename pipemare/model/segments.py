@@ -823,7 +823,7 @@ class _Traced:
         args, kwargs = self.example
         with _all_on_meta(module) if self.on_meta else contextlib.nullcontext():
             ep = export_module(module, args, kwargs, training=False, dynamic=self.dynamic)
-            programs = split_program(ep, self.cuts)
+            programs = _split(ep, self.cuts, False)
             state = _state_names(module, [ep])
         if len(programs) != len(self.programs[True]):
             raise UncuttableModelError(
@@ -849,6 +849,20 @@ class _Traced:
             segment._add_eval(self.programs[False][i], tensors, self.range_constraints[False])
 
 
+def _split(ep: ExportedProgram, cuts: list[Cut], training: bool) -> list[SegmentProgram]:
+    """``ep`` cut at ``cuts``; a cut the eval-mode graph cannot take says so (its module may
+    run in train mode only)."""
+    if training:
+        return split_program(ep, cuts)
+    try:
+        return split_program(ep, cuts)
+    except UncuttableModelError as err:
+        raise UncuttableModelError(
+            f"in eval mode: {err} (the train-mode graph took this cut; choose split points "
+            "whose modules run in both modes)"
+        ) from err
+
+
 def _trace(
     module: nn.Module,
     args: tuple,
@@ -870,7 +884,7 @@ def _trace(
         }
     finally:
         _warned = None
-    programs = {mode: split_program(ep, cuts) for mode, ep in eps.items()}
+    programs = {mode: _split(ep, cuts, mode) for mode, ep in eps.items()}
     if eval_graph and len(programs[True]) != len(programs[False]):
         raise UncuttableModelError(
             f"the cuts give {len(programs[True])} segments in train mode but "

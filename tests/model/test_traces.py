@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipemare import PipeMareStrategy
-from pipemare.model.segments import segment_module
+from pipemare.model.segments import UncuttableModelError, segment_module
 from pipemare.model.traces import TRACES, TraceStore
 from support.models import quiet_trainer
 
@@ -343,3 +343,28 @@ def test_a_fit_in_one_process_traces_eval_mode_at_the_cut_only_if_it_validates(
     quiet_trainer("auto", max_steps=8).fit(plain, _loader())
     (want,) = quiet_trainer("auto").validate(plain, _loader(), verbose=False)
     assert result["val_loss"] == pytest.approx(want["val_loss"], rel=1e-5)
+
+
+class SkipsInEval(Net):
+    """Runs its middle block in train mode only: eval mode cannot be cut where train mode is."""
+
+    def forward(self, x: torch.Tensor, shift: int = 0) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if self.training or i != 1:
+                x = torch.tanh(block(x))
+        return x
+
+
+def test_an_eval_graph_that_cannot_be_cut_is_refused_when_it_is_traced():
+    """Traced with the train graph, the refusal comes at the cut; deferred, the train graph
+    trains and the refusal comes from trace_eval, before anything runs in eval mode."""
+    net, x = SkipsInEval(), torch.randn(4, 8)
+    with pytest.raises(UncuttableModelError, match="in eval mode: split point .blocks.1."):
+        segment_module(net, (x,))
+    TRACES.clear()
+    segments = segment_module(net, (x,), eval_graph=False)
+    run(segments, x).sum().backward()
+    assert net.blocks[1].weight.grad is not None
+    with pytest.raises(UncuttableModelError, match="in eval mode: split point .blocks.1."):
+        segments.trace_eval()
+    assert not segments.has_eval_graph
