@@ -32,7 +32,8 @@ def _plain_losses(model: nn.Module, batch, loss_fn, lr: float, steps: int) -> li
 
 
 def _piped_losses(model, batch, loss_fn, lr, steps, **options) -> list[float]:
-    segments = segment_module(model, batch[0])
+    # these pipelines only train: the cuts here skip the eval-mode trace (eval_graph=False)
+    segments = segment_module(model, batch[0], eval_graph=False)
     pipe = Pipeline(segments, torch.optim.SGD(segments.parameters(), lr=lr), loss_fn, **options)
     losses = [float(pipe.step(batch)) for _ in range(steps)]
     pipe.drain()
@@ -106,7 +107,7 @@ def test_a_tie_across_stages_trains_as_on_one_device(stages, schedule):
     batch = _gpt_batch()
     plain = copy.deepcopy(model)
     want = _plain_losses(plain, batch, _own_loss, 0.5, STEPS)
-    segments = segment_module(model, batch[0])
+    segments = segment_module(model, batch[0], eval_graph=False)
     ((param, where),) = tied_parameters(list(segments))
     assert param is model.transformer.wte.weight and list(where) == [0, len(segments) - 1]
     opt = torch.optim.SGD(segments.parameters(), lr=0.5)
@@ -125,7 +126,7 @@ def test_a_tie_across_stages_trains_as_on_one_device(stages, schedule):
 def _tied_gpt_pipeline():
     """The GPT with its head tied to its embedding, cut into segments, at P = 4, N = 4."""
     torch.manual_seed(0)
-    segments = segment_module(GPT(GPTConfig(dropout=0.0)), _gpt_batch()[0])
+    segments = segment_module(GPT(GPTConfig(dropout=0.0)), _gpt_batch()[0], eval_graph=False)
     opt = torch.optim.SGD(segments.parameters(), lr=0.5)
     pipe = Pipeline(segments, opt, _own_loss, stages=4, microbatches=4, schedule="pipemare")
     return pipe, _gpt_batch()
@@ -181,7 +182,7 @@ def test_the_planner_and_timed_balance_cut_a_segmented_resnet18():
     model = resnet18(num_classes=10)
     gen = torch.Generator().manual_seed(1)
     batch = ((torch.randn(8, 3, 16, 16, generator=gen),), torch.randint(0, 10, (8,), generator=gen))
-    segments = segment_module(copy.deepcopy(model), batch[0])
+    segments = segment_module(copy.deepcopy(model), batch[0], eval_graph=False)
     inputs = segments.flatten_inputs(*batch[0])
     timed = balance_by_time(segments, inputs, 4)
     planned = auto_balance(segments, inputs, stages=4, microbatches=2, repeats=2)
