@@ -111,14 +111,15 @@ def test_named_split_points_are_honoured():
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(n_layer=4, dropout=0.0))
     idx = torch.randint(0, 37, (3, 8))
-    seg = segment_module(gpt, (idx,), split_points=["transformer.h.2"])
+    seg = segment_module(gpt, (idx,), split_points=["transformer.h.2"], eval_graph=False)
     assert len(seg) == 2
     names = [{n for n, _ in s.named_parameters()} for s in seg]
     assert "transformer.h.1.ln_1.weight" in names[0] and "transformer.h.2.ln_1.weight" in names[1]
     assert not any(n.startswith("transformer.h.2") for n in names[0])
     assert ties(seg, gpt) == [("transformer.wte.weight", [0, 1])]
     torch.testing.assert_close(run(seg, idx)[0], gpt(idx)[0], rtol=0, atol=0)
-    after = segment_module(gpt, (idx,), split_points=[Cut("transformer.h.3", after=True)])
+    cut = [Cut("transformer.h.3", after=True)]
+    after = segment_module(gpt, (idx,), split_points=cut, eval_graph=False)
     head = {n for n, _ in after[1].named_parameters()}
     assert len(after) == 2 and head == {
         "lm_head.weight",
@@ -302,7 +303,7 @@ def test_the_cache_is_switched_off_for_the_calls_only_and_advice_that_works_othe
     )
     with pytest.raises(UncuttableModelError, match="Leave use_cache out of the call"):
         segment_module(model, (), {"input_ids": ids, "use_cache": True})
-    segment_module(model, (), {"input_ids": ids, "use_cache": False})  # the other advice
+    segment_module(model, (), {"input_ids": ids, "use_cache": False}, eval_graph=False)  # too
 
     config = transformers.T5Config(
         vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0
@@ -382,7 +383,8 @@ def test_hugging_face_models_reproduce_loss_and_gradients(build):
     model, embedding = build()
     ids = torch.randint(0, 50, (4, 8))
     mask = torch.ones_like(ids)
-    seg = segment_module(model, (), {"input_ids": ids, "attention_mask": mask, "labels": ids})
+    kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
+    seg = segment_module(model, (), kwargs, eval_graph=False)  # trains only
     assert len(seg) == 2 + 2 and ties(seg, model) == [(embedding, [0, 3])]
     if build is _hf_llama:
         assert [c.module for c in seg.cuts] == [
@@ -452,7 +454,7 @@ def test_a_copy_of_the_segments_trains_apart_from_the_original():
     torch.manual_seed(0)
     model = GPT(GPTConfig(dropout=0.0))
     idx = torch.randint(0, GPTConfig.vocab_size, (4, GPTConfig.block_size))
-    segments = segment_module(model, (idx,))
+    segments = segment_module(model, (idx,), eval_graph=False)  # a cut for training only
     twin = copy.deepcopy(segments)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     inputs = segments.flatten_inputs(idx)
