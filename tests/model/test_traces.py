@@ -359,12 +359,12 @@ def test_an_eval_graph_that_cannot_be_cut_is_refused_when_it_is_traced():
     """Traced with the train graph, the refusal comes at the cut; deferred, the train graph
     trains and the refusal comes from trace_eval, before anything runs in eval mode."""
     net, x = SkipsInEval(), torch.randn(4, 8)
-    with pytest.raises(UncuttableModelError, match="in eval mode: split point .blocks.1."):
+    with pytest.raises(UncuttableModelError, match=r"in eval mode: split point .blocks.1."):
         segment_module(net, (x,))
     TRACES.clear()
     segments = segment_module(net, (x,), eval_graph=False)
     run(segments, x).sum().backward()
     assert net.blocks[1].weight.grad is not None
-    with pytest.raises(UncuttableModelError, match="in eval mode: split point .blocks.1."):
+    with pytest.raises(UncuttableModelError, match=r"in eval mode: split point .blocks.1."):
         segments.trace_eval()
     assert not segments.has_eval_graph
