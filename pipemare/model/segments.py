@@ -823,7 +823,7 @@ class _Traced:
         args, kwargs = self.example
         with _all_on_meta(module) if self.on_meta else contextlib.nullcontext():
             ep = export_module(module, args, kwargs, training=False, dynamic=self.dynamic)
-            programs = _split(ep, self.cuts, False)
+            programs = _cut_program(ep, self.cuts, False)
             state = _state_names(module, [ep])
         if len(programs) != len(self.programs[True]):
             raise UncuttableModelError(
@@ -849,7 +849,7 @@ class _Traced:
             segment._add_eval(self.programs[False][i], tensors, self.range_constraints[False])
 
 
-def _split(ep: ExportedProgram, cuts: list[Cut], training: bool) -> list[SegmentProgram]:
+def _cut_program(ep: ExportedProgram, cuts: list[Cut], training: bool) -> list[SegmentProgram]:
     """``ep`` cut at ``cuts``; a cut the eval-mode graph cannot take says so (its module may
     run in train mode only)."""
     if training:
@@ -884,7 +884,7 @@ def _trace(
         }
     finally:
         _warned = None
-    programs = {mode: _split(ep, cuts, mode) for mode, ep in eps.items()}
+    programs = {mode: _cut_program(ep, cuts, mode) for mode, ep in eps.items()}
     if eval_graph and len(programs[True]) != len(programs[False]):
         raise UncuttableModelError(
             f"the cuts give {len(programs[True])} segments in train mode but "
