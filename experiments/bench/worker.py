@@ -315,6 +315,10 @@ def run_worker(args: argparse.Namespace) -> None:
     from pipemare.experiments.bench.torch_peer import TORCH_SCHEDULES, torch_pipeline_run
 
     torch.set_num_threads(1)
+    if args.compile:  # one thread here too: inductor compiles in this process, no worker pool
+        from torch._inductor import config as inductor
+
+        inductor.compile_threads = 1
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     gen = torch.Generator().manual_seed(1)
