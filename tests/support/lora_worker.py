@@ -1,11 +1,11 @@
 """One process of a two-process fine-tuning run (tests/lightning/test_lora.py), started by
-Lightning's launcher over gloo, a stage each. For each of support/lora.py's MODELS in turn, from
-its pretrained checkpoint: gpipe for ``--equal-steps`` with Lightning's ModelCheckpoint writing
-mid-run (every half of them), then the default schedule for ``--train-steps``, whose adapter
-(or model) rank 0 saves with ``save_pretrained`` into ``MODEL/saved``, then uncorrected
-``async`` as long. Every rank reports each
-run's held-out loss. Last, the fine-tuning example of docs/your-model.md as it is written, its
-adapter into ``doc-example``."""
+Lightning's launcher over gloo, a stage each. For each of ``--models`` (support/lora.py's
+MODELS) in turn, from its pretrained checkpoint: gpipe for ``--equal-steps`` with Lightning's
+ModelCheckpoint writing mid-run (every half of them), then the default schedule for
+``--train-steps``, whose adapter (or model) rank 0 saves with ``save_pretrained`` into
+``MODEL/saved``, then uncorrected ``async`` as long. Every rank reports each run's held-out
+loss. Last, the fine-tuning example of docs/your-model.md as it is written, its adapter into
+``doc-example``."""
 
 from __future__ import annotations
 
@@ -27,11 +27,13 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--pretrained", nargs="+", required=True, help="FAMILY=DIRECTORY")
+    parser.add_argument("--models", nargs="+", default=sorted(MODELS), choices=sorted(MODELS))
     parser.add_argument("--equal-steps", type=int, default=10)
     parser.add_argument("--train-steps", type=int, default=40)
     args = parser.parse_args()
     pretrained = dict(item.split("=", 1) for item in args.pretrained)
-    for name, (family, _) in MODELS.items():
+    for name in args.models:
+        family, _ = MODELS[name]
         out = Path(args.out) / name
         out.mkdir(parents=True, exist_ok=True)
         report, rank = {}, 0

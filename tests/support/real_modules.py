@@ -167,8 +167,7 @@ SETUPS = {
     "gpt2": (lambda: HFModule("gpt2"), tokens, 2, 10),
     "llama": (lambda: HFModule("llama"), tokens, 2, 10),
     "resnet": (ResNetModule, images, 1, 8),
-    # from the zoo (support/zoo.py, tests/lightning/test_zoo.py): an encoder-decoder and a
-    # mixture of experts, their configs as they ship
+    # from the zoo (support/zoo.py, tests/lightning/test_zoo.py): an encoder-decoder, its
+    # config as it ships
     "zoo-t5": (lambda: ZooModule("t5"), lambda: zoo_data("seq2seq", n=80), 2, 10),
-    "zoo-mixtral": (lambda: ZooModule("mixtral"), lambda: zoo_data("causal", n=80), 2, 10),
 }
