@@ -28,7 +28,6 @@ OPTIMIZERS = {
     "sgd": lambda m, lr: torch.optim.SGD(m.parameters(), lr=lr),
     "sgd-momentum": lambda m, lr: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9),
     "nesterov": lambda m, lr: torch.optim.SGD(m.parameters(), lr=lr, momentum=0.9, nesterov=True),
-    "adam": lambda m, lr: torch.optim.Adam(m.parameters(), lr=lr),
     "adamw": lambda m, lr: torch.optim.AdamW(m.parameters(), lr=lr, weight_decay=0.01),
     "muon-adamw": lambda m, lr: MuonAdamW(muon_param_groups(m), lr=lr, weight_decay=0.01),
 }
@@ -81,11 +80,13 @@ def test_one_layer_per_stage_sgd_momentum_trains_with_the_default_where_async_do
     assert math.isfinite(default) and default >= plain
 
 
-#: optimiser -> a rate at which async trains the network (from a sweep of 3 rates each)
+#: optimiser -> a rate at which async trains the network (from a sweep of 3 rates each). Adam
+#: is not here: AdamW at its rate runs the same corrections and, 3e-6 of decay per update
+#: apart, the same run (at 200 updates async 0.737 and 0.730, the default 0.803 and 0.810), so
+#: it repeated AdamW's check; AdamW's decoupled decay also takes spike compensation's decay path.
 RATES = {
     "sgd": 1e-2,
     "nesterov": 3e-3,
-    "adam": 3e-4,
     "adamw": 3e-4,
     "muon-adamw": 1e-3,
 }

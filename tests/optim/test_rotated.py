@@ -4,6 +4,7 @@ through the corrections."""
 
 from __future__ import annotations
 
+import functools
 import math
 from copy import deepcopy
 
@@ -180,8 +181,20 @@ def rotated(ps, lr):
 
 def best(tau, make, config):
     """The closest ``|u|`` gets to the minimum (relative to its start) in 600 delayed updates,
-    at the best of the rates."""
-    return min(delayed_quadratic_progress(r, tau, make, config, 600, CURVATURE) for r in RATES)
+    at the best of the rates: found by walking downhill from the middle of the grid, which in
+    every case of the test below stops at the rate the full 13-rate sweep finds best (measured;
+    the curves have small bumps, but none on the way there), after 3 to 8 runs instead of 13."""
+
+    @functools.cache
+    def progress(k: int) -> float:
+        return delayed_quadratic_progress(RATES[k], tau, make, config, 600, CURVATURE)
+
+    k = len(RATES) // 2
+    while True:
+        step = min((j for j in (k - 1, k + 1) if 0 <= j < len(RATES)), key=progress)
+        if progress(step) >= progress(k):
+            return progress(k)
+        k = step
 
 
 @pytest.mark.parametrize("tau", [1, 4, 8])
