@@ -148,8 +148,7 @@ def test_a_gpt2_cut_into_segments_compiles_with_inductor():
     base = ZooModule("gpt2")
     one, gpipe = copy.deepcopy(base), copy.deepcopy(base)
     fit(one, "auto")
-    # the default's cut and N: its compiled run below takes these segments' compiled graphs
-    # from inductor's cache instead of compiling them again
+    # the cut and N of the default's runs below (an even cut: no timing pass before it)
     even = dict(stages=2, microbatches=2, balance="even", compile=True)
     fit(gpipe, PipeMareStrategy(schedule="gpipe", **even))
     assert val(gpipe) == pytest.approx(val(one), rel=1e-4)
