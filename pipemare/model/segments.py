@@ -852,11 +852,11 @@ class _Traced:
 def _cut_program(ep: ExportedProgram, cuts: list[Cut], training: bool) -> list[SegmentProgram]:
     """``ep`` cut at ``cuts``; a cut the eval-mode graph cannot take says so (its module may
     run in train mode only)."""
-    if training:
-        return split_program(ep, cuts)
     try:
         return split_program(ep, cuts)
     except UncuttableModelError as err:
+        if training:
+            raise
         raise UncuttableModelError(
             f"in eval mode: {err} (the train-mode graph took this cut; choose split points "
             "whose modules run in both modes)"
