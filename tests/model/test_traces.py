@@ -262,9 +262,9 @@ def _exports(monkeypatch) -> list[tuple[bool, int]]:
     made: list[tuple[bool, int]] = []
     real = segments.export_module
 
-    def counted(module, args, kwargs=None, *, training=True, dynamic="auto"):
+    def counted(module, args, kwargs=None, *, training=True, **options):
         made.append((training, len(_Batches.seen)))
-        return real(module, args, kwargs, training=training, dynamic=dynamic)
+        return real(module, args, kwargs, training=training, **options)
 
     monkeypatch.setattr(segments, "export_module", counted)
     _Batches.seen.clear()
