@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pipemare.engine.p2p import SendsInFlight
-from pipemare.engine.watchdog import Watchdog
+from pipemare.engine.watchdog import Watchdog, posting
 from pipemare.schedule.actions import Op, stream
 
 __all__ = ["DistributedResults", "LocalResults", "Results", "result_lag", "snapshot_lag"]
@@ -180,7 +180,8 @@ class DistributedResults(Results):
 
     def _post(self) -> None:
         buf = torch.empty(_CAPACITY, dtype=torch.uint8)
-        self._posted.append((dist.irecv(buf, src=self.source, group=self._groups[0]), buf))
+        with posting(self.watchdog, self.source, "posting a receive for its next results"):
+            self._posted.append((dist.irecv(buf, src=self.source, group=self._groups[0]), buf))
 
     def publish(self, minibatch: int, value: Any) -> None:
         if self._merge_group is not None:
@@ -194,11 +195,13 @@ class DistributedResults(Results):
         message[_HEAD : _HEAD + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
         rest = data[_CAPACITY - _HEAD :]
         tail = torch.frombuffer(bytearray(rest), dtype=torch.uint8) if rest else None
+        what = f"the results of minibatch {minibatch}"
         for peer in self._peers:
-            sends = [(dist.isend(message, dst=peer, group=self._groups[0]), message)]
-            if tail is not None:
-                sends.append((dist.isend(tail, dst=peer, group=self._groups[1]), tail))
-            self._sent[peer].add(sends, f"the results of minibatch {minibatch}")
+            with posting(self.watchdog, peer, f"sending {what}"):
+                sends = [(dist.isend(message, dst=peer, group=self._groups[0]), message)]
+                if tail is not None:
+                    sends.append((dist.isend(tail, dst=peer, group=self._groups[1]), tail))
+            self._sent[peer].add(sends, what)
         self._own[minibatch] = value
 
     def _receive(self, minibatch: int) -> Any:
@@ -216,7 +219,11 @@ class DistributedResults(Results):
         data = bytes(buf[_HEAD : _HEAD + min(length, _CAPACITY - _HEAD)].numpy())
         if length > _CAPACITY - _HEAD:
             tail = torch.empty(length - (_CAPACITY - _HEAD), dtype=torch.uint8)
-            self._wait(dist.irecv(tail, src=self.source, group=self._groups[1]), minibatch)
+            with posting(
+                self.watchdog, self.source, f"posting a receive for minibatch {minibatch}"
+            ):
+                work = dist.irecv(tail, src=self.source, group=self._groups[1])
+            self._wait(work, minibatch)
             data += bytes(tail.numpy())
         return pickle.loads(data)
 

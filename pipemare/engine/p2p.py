@@ -15,7 +15,7 @@ from pipemare.engine import wire
 from pipemare.engine.errors import out_of_order
 from pipemare.engine.link import LinkClock
 from pipemare.engine.payload import tensors
-from pipemare.engine.watchdog import Watchdog
+from pipemare.engine.watchdog import Watchdog, posting
 
 __all__ = ["Inbox", "Outbox", "SendsInFlight"]
 
@@ -62,13 +62,14 @@ class Inbox:
     def post(self, expected: tuple[int, ...] | None) -> None:
         header_group, payload_group, _ = self.groups
         slot = _Slot(expected, torch.empty(wire.HEADER, dtype=torch.int64, device=self.device))
-        slot.works.append(dist.irecv(slot.header, src=self.peer, group=header_group))
-        if expected is not None:
-            free = self._pool.get(expected)
-            slot.buffers = free.pop() if free else wire.buffers(expected, self.device)
-            for t in slot.buffers:
-                if t is not None:
-                    slot.works.append(dist.irecv(t, src=self.peer, group=payload_group))
+        with posting(self.watchdog, self.peer, "posting a receive for its next message"):
+            slot.works.append(dist.irecv(slot.header, src=self.peer, group=header_group))
+            if expected is not None:
+                free = self._pool.get(expected)
+                slot.buffers = free.pop() if free else wire.buffers(expected, self.device)
+                for t in slot.buffers:
+                    if t is not None:
+                        slot.works.append(dist.irecv(t, src=self.peer, group=payload_group))
         self._slots.append(slot)
 
     def take(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
@@ -89,9 +90,12 @@ class Inbox:
             if slot.expected is not None:
                 self._recycle(slot.expected, slot.buffers)
             buffers = wire.buffers(signature, self.device)
-            works: list[Any] = [
-                dist.irecv(t, src=self.peer, group=self.groups[2]) for t in buffers if t is not None
-            ]
+            with posting(self.watchdog, self.peer, f"posting a receive for the {what}"):
+                works: list[Any] = [
+                    dist.irecv(t, src=self.peer, group=self.groups[2])
+                    for t in buffers
+                    if t is not None
+                ]
             for work in works:
                 self.watchdog.wait(work, self.peer, what)
         self.post(signature)
@@ -205,13 +209,15 @@ class Outbox:
         expected = self._expected.popleft()
         self._expected.append(signature)
         head = torch.tensor(header, dtype=torch.int64, device=device)
-        out = [(dist.isend(head, dst=self.peer, group=header_group), head)]
-        group = payload_group
-        if signature != expected:
-            if expected is not None:
-                for t in wire.buffers(expected, device):
-                    if t is not None:
-                        out.append((dist.isend(t, dst=self.peer, group=payload_group), t))
-            group = extra_group
-        out += [(dist.isend(t, dst=self.peer, group=group), t) for t in parts]
-        self.in_flight.add(out, f"the {self.channel} of microbatch {microbatch}")
+        what = f"the {self.channel} of microbatch {microbatch}"
+        with posting(self.in_flight.watchdog, self.peer, f"sending {what}"):
+            out = [(dist.isend(head, dst=self.peer, group=header_group), head)]
+            group = payload_group
+            if signature != expected:
+                if expected is not None:
+                    for t in wire.buffers(expected, device):
+                        if t is not None:
+                            out.append((dist.isend(t, dst=self.peer, group=payload_group), t))
+                group = extra_group
+            out += [(dist.isend(t, dst=self.peer, group=group), t) for t in parts]
+        self.in_flight.add(out, what)

@@ -15,12 +15,14 @@ the different case of a live process that makes no progress, and says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
 import socket
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from pipemare.engine.heartbeat import FatalReporter, Heartbeat, announce, store_address
@@ -194,6 +196,15 @@ class Watchdog:
         finally:
             self.reporter.waiting = None
 
+    @contextlib.contextmanager
+    def posting(self, rank: int, what: str) -> Iterator[None]:
+        """While a send to ``rank`` or a receive from it is posted: gloo finds a connection the
+        peer's death reset as it posts, not only as it waits, and that error names no stage."""
+        try:
+            yield
+        except RuntimeError as err:
+            raise self.failure(rank, f"connection ({what})", err) from err
+
     def culprit(self, settle: float = 2.0) -> int | None:
         """A rank whose process this host can see is gone or stopped, if any, looking again
         for ``settle`` seconds (a killed process reads as running for a moment)."""
@@ -285,3 +296,8 @@ class Watchdog:
         # a lost store while this process computes may be the normal end of the process
         # that hosts it: then only a wait that follows fails
         self.reporter.report(error, exit_unless_waiting=rank is not None)
+
+
+def posting(watchdog: Watchdog | None, rank: int, what: str) -> contextlib.AbstractContextManager:
+    """:meth:`Watchdog.posting`, or nothing where no watchdog is kept."""
+    return watchdog.posting(rank, what) if watchdog is not None else contextlib.nullcontext()

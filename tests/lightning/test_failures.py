@@ -6,6 +6,7 @@ signals sent by PID."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pipemare.engine.watchdog import Peer, describe_process
-from support.launch import Launched, environment, run
+from support.launch import Launched, environment, ranks, run, run_all
 
 pytestmark = pytest.mark.distributed
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
@@ -94,6 +95,19 @@ def test_a_stage_killed_or_stopped_ends_every_process_naming_it(tmp_path, sig):
     # how far the failed stage got: it was signalled after step 5 (its own report)
     completed = [int(n) for n in re.findall(r"when it had completed (\d+) steps", out)]
     assert completed and min(completed) >= 3, out[-4000:]
+
+
+def test_a_send_posted_to_a_stage_that_died_names_it(tmp_path):
+    """gloo can find the connection to a dead stage reset as a send is posted, before any wait
+    (once in CI, under load, the killed-stage test above got that raw error): posting is
+    watched as waiting is, and the error names the stage."""
+    cmd = [sys.executable, str(SUPPORT / "posting_worker.py"), "--out", str(tmp_path)]
+    run_all(ranks(cmd, 2), timeout=240)
+    record = json.loads((tmp_path / "posting.json").read_text())
+    assert record["reset_seen"], "the connection to the dead stage was never reported reset"
+    assert record["raised"] == "StageFailedError", record
+    assert _names_stage_1(record["message"], record["pid"]), record["message"]
+    assert "its connection (sending the act of microbatch 0)" in record["message"]
 
 
 def test_a_stage_hung_in_a_native_call_is_named_when_its_heartbeat_stops(tmp_path):
