@@ -62,11 +62,13 @@ class Inbox:
     def post(self, expected: tuple[int, ...] | None) -> None:
         header_group, payload_group, _ = self.groups
         slot = _Slot(expected, torch.empty(wire.HEADER, dtype=torch.int64, device=self.device))
+        if expected is not None:
+            free = self._pool.get(expected)
+            slot.buffers = free.pop() if free else wire.buffers(expected, self.device)
+        # only the posts: an allocation's error (out of memory) is this process's, not the peer's
         with posting(self.watchdog, self.peer, "posting a receive for its next message"):
             slot.works.append(dist.irecv(slot.header, src=self.peer, group=header_group))
             if expected is not None:
-                free = self._pool.get(expected)
-                slot.buffers = free.pop() if free else wire.buffers(expected, self.device)
                 for t in slot.buffers:
                     if t is not None:
                         slot.works.append(dist.irecv(t, src=self.peer, group=payload_group))
@@ -210,14 +212,15 @@ class Outbox:
         self._expected.append(signature)
         head = torch.tensor(header, dtype=torch.int64, device=device)
         what = f"the {self.channel} of microbatch {microbatch}"
-        with posting(self.in_flight.watchdog, self.peer, f"sending {what}"):
+        # the posted receive expected other shapes: it gets throwaway tensors of those first
+        filler = [] if signature == expected or expected is None else wire.buffers(expected, device)
+        group = payload_group if signature == expected else extra_group
+        with posting(self.in_flight.watchdog, self.peer, f"sending {what}"):  # the posts only
             out = [(dist.isend(head, dst=self.peer, group=header_group), head)]
-            group = payload_group
-            if signature != expected:
-                if expected is not None:
-                    for t in wire.buffers(expected, device):
-                        if t is not None:
-                            out.append((dist.isend(t, dst=self.peer, group=payload_group), t))
-                group = extra_group
+            out += [
+                (dist.isend(t, dst=self.peer, group=payload_group), t)
+                for t in filler
+                if t is not None
+            ]
             out += [(dist.isend(t, dst=self.peer, group=group), t) for t in parts]
         self.in_flight.add(out, what)
