@@ -4,12 +4,12 @@ instead of tracing it again, which costs seconds for a small Hugging Face model 
 each on two CPU cores, the zoo's printed cut times) and minutes for a large one.
 
 Two modules share a trace only where nothing the trace could bake in differs: the classes, the
-names, shapes, dtypes and devices of every parameter and buffer, every other attribute of every
-submodule (a dropout's rate, a config's settings), the call's structure, its non-tensor values
-and the sizes the trace keeps fixed, the split points, the default dtype and the autocast
-state. A module with hooks, or an attribute of a kind not known here, is traced each time.
-The kept graphs read the tensors of the module they are bound to
-(:class:`~pipemare.model.segments.Segment`); they hold none of the traced module's own, so
+names, shapes, dtypes and devices of every parameter and buffer and which of them are one tensor
+(a tie), every other attribute of every submodule (a dropout's rate, a config's settings), the
+call's structure, its non-tensor values and the sizes the trace keeps fixed, the split points,
+the default dtype and the autocast state. A module with hooks, or an attribute of a kind not
+known here, is traced each time. The kept graphs read the tensors of the module they are bound
+to (:class:`~pipemare.model.segments.Segment`); they hold none of the traced module's own, so
 keeping them keeps no model alive."""
 
 from __future__ import annotations
@@ -110,6 +110,9 @@ def trace_key(
     is checked against the new example's sizes before it is used)."""
     modules = list(module.named_modules(remove_duplicate=False))
     paths = {id(m): name for name, m in reversed(modules)}
+    # where each tensor is first held: a tie (a head sharing its embedding's weight) is traced
+    # as one input, so a tied module's graphs would compute an untied one's wrongly
+    first: dict[int, str] = {}
     try:
         tree = []
         for name, m in modules:
@@ -119,7 +122,11 @@ def trace_key(
                 (k, _value(v, paths)) for k, v in sorted(vars(m).items()) if k not in _INTERNAL
             )
             tensors = tuple(
-                (kind, k, None if t is None else _tensor(t))
+                (
+                    kind,
+                    k,
+                    None if t is None else (_tensor(t), first.setdefault(id(t), f"{name}.{k}")),
+                )
                 for kind, table in (("p", m._parameters), ("b", m._buffers))
                 for k, t in table.items()
             )

@@ -86,11 +86,21 @@ def test_a_copy_reuses_the_cut_and_computes_with_its_own_weights():
 
 @pytest.mark.parametrize(
     "change",
-    ["a float attribute", "a dropout rate", "a width", "a dtype", "a baked argument", "a cut"],
+    [
+        "a float attribute",
+        "a dropout rate",
+        "a width",
+        "a dtype",
+        "a baked argument",
+        "a cut",
+        "a tie",
+    ],
 )
 def test_anything_the_trace_bakes_in_gets_a_trace_of_its_own(change):
     torch.manual_seed(0)
     base, x, kwargs, cuts = Net(), torch.randn(4, 8), {}, None
+    if change == "a tie":  # traced as one input: the tied graphs would compute an untied copy
+        base.blocks[2].weight = base.blocks[0].weight  # with block 0's weight in block 2
     segment_module(base, (x,))
     other = copy.deepcopy(base)
     if change == "a float attribute":
@@ -103,6 +113,8 @@ def test_anything_the_trace_bakes_in_gets_a_trace_of_its_own(change):
         other, x = other.double(), x.double()
     elif change == "a baked argument":
         kwargs = {"shift": 1}
+    elif change == "a tie":
+        other.blocks[2].weight = nn.Parameter(torch.randn_like(other.blocks[0].weight))
     else:
         cuts = ["blocks.2"]
     cut = segment_module(other, (x,), kwargs, split_points=cuts)
