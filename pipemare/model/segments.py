@@ -390,6 +390,8 @@ def export_module(
                 shapes = _dynamic_shapes(module, args, kwargs, every=dynamic == "all")
                 ep = torch.export.export(module, args, kwargs, strict=False, dynamic_shapes=shapes)
             except Exception as dynamic_err:
+                if _CACHE_OUTPUT.search(str(dynamic_err)):
+                    raise  # the output's kind, not a size: a trace of fixed sizes fails alike
                 assigned.clear()
                 ep = torch.export.export(module, args, kwargs, strict=False)
                 _warn_static(module, f"{type(dynamic_err).__name__}: {dynamic_err}")
@@ -496,12 +498,19 @@ def cache_off(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"use_cache": False} if wanted else {}
 
 
+#: a trace refused for the key/value cache its forward returns (:func:`_explain`)
+_CACHE_OUTPUT = re.compile(r"Found <class '[\w.]*(cache_utils\.\w+|Cache)'> in output")
+#: the refusals :func:`_explain` words without a line of the trace: a trace again with the
+#: graph's source lines (:func:`_export_and_cut`) would say the same
+_TRACE_FREE = ("its forward returns a key/value cache", "its forward fails on the example batch")
+
+
 def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> str:
     message = str(err)
     found = re.search(r"The following call raised this error:\n(.*?)\n\n", message, re.S)
     where = " ".join(found.group(1).split()) if found else message.strip().splitlines()[0][:300]
     name = type(module).__name__
-    if re.search(r"Found <class '[\w.]*(cache_utils\.\w+|Cache)'> in output", message):
+    if _CACHE_OUTPUT.search(message):
         return (
             f"cannot cut {name} into segments: its forward returns a key/value cache for "
             "generation, which cannot travel between stages. Leave use_cache out of the call "
@@ -880,13 +889,15 @@ def _export_and_cut(
     lines: recording one per graph node took 8-22% of a Hugging Face model's trace (the median
     CPU time of five traces each of GPT-2, Qwen3, T5 and BART of two blocks; torch 2.13, this
     project's CPUs). Only errors quote them, so where the trace or the cut fails it is made
-    again with them, and that error is raised."""
+    again with them, and that error is raised (unless the refusal quotes no line)."""
     try:
         ep = export_module(
             module, args, kwargs, training=training, dynamic=dynamic, stack_traces=False
         )
         return ep, _cut_program(ep, cuts, training)
-    except UncuttableModelError:
+    except UncuttableModelError as err:
+        if str(err).partition(" into segments: ")[2].startswith(_TRACE_FREE):
+            raise
         ep = export_module(module, args, kwargs, training=training, dynamic=dynamic)
         return ep, _cut_program(ep, cuts, training)
 

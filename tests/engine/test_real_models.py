@@ -16,6 +16,10 @@ from pipemare.engine.ties import tied_parameters
 from pipemare.model.segments import segment_module
 from support.real_models import GPT, GPTConfig, resnet18
 
+# one worker runs the module: its tests cut the same models, which the process's kept traces
+# (pipemare.model.traces.TRACES) then trace once, not once per worker
+pytestmark = pytest.mark.xdist_group("engine_real_models")
+
 STEPS = 20
 
 

@@ -128,6 +128,28 @@ def test_named_split_points_are_honoured():
     }
 
 
+def test_a_copy_of_the_segments_trains_apart_from_the_original():
+    """deepcopy (Lightning and users copy models) gives segments with their own tensors that
+    compute what the original does and leave it untouched when they train."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, dropout=0.0))
+    idx = torch.randint(0, GPTConfig.vocab_size, (4, GPTConfig.block_size))
+    # a cut for training only, test_named_split_points_are_honoured's first: one trace for both
+    segments = segment_module(model, (idx,), split_points=["transformer.h.2"], eval_graph=False)
+    twin = copy.deepcopy(segments)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    inputs = segments.flatten_inputs(idx)
+    torch.testing.assert_close(twin(inputs)[0], segments(inputs)[0], rtol=0, atol=0)
+    assert all(a is not b for a, b in zip(twin.parameters(), segments.parameters(), strict=True))
+    assert ties(twin, twin) == ties(segments, segments)
+    tied = dict(twin[0].named_parameters())["lm_head.weight"]  # export names it so
+    assert tied is dict(twin[-1].named_parameters())["lm_head.weight"]  # still one tensor
+    twin(inputs)[0].sum().backward()
+    torch.optim.SGD(twin.parameters(), lr=1.0).step()
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert not torch.equal(twin(inputs)[0], segments(inputs)[0])
+
+
 def test_resnet_is_cut_at_stem_each_basic_block_and_head(resnet_cut):
     net, seg = resnet_cut
     assert [c.module for c in block_cuts(net)][:3] == ["layer1.0", "layer1.1", "layer2.0"]
@@ -298,12 +320,14 @@ def test_the_cache_is_switched_off_for_the_calls_only_and_advice_that_works_othe
     model, _ = _hf_gpt2()
     assert model.config.use_cache
     ids = torch.randint(0, 50, (4, 8))
-    seg = segment_module(model, (), {"input_ids": ids, "labels": ids})
+    # test_hugging_face_models_reproduce_loss_and_gradients[gpt2]'s call: one trace for both
+    call = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    seg = segment_module(model, (), call, eval_graph=False)
     assert seg.call_defaults == {"use_cache": False} and model.config.use_cache
-    model.eval(), seg.eval()  # its dropout
-    torch.testing.assert_close(
-        run(seg, input_ids=ids, labels=ids).loss, model(ids, labels=ids).loss
-    )
+    torch.manual_seed(5)  # its dropout draws the same masks in both
+    want = model(**call).loss
+    torch.manual_seed(5)
+    torch.testing.assert_close(run(seg, **call).loss, want)
     with pytest.raises(UncuttableModelError, match="Leave use_cache out of the call"):
         segment_module(model, (), {"input_ids": ids, "use_cache": True})
     segment_module(model, (), {"input_ids": ids, "use_cache": False}, eval_graph=False)  # too
@@ -316,9 +340,8 @@ def test_the_cache_is_switched_off_for_the_calls_only_and_advice_that_works_othe
         segment_module(t5, (), {"input_ids": ids, "labels": ids})
     assert "decoder_start_token_id" in str(err.value) and "cache" not in str(err.value)
     t5.config.decoder_start_token_id = 0  # as every T5 checkpoint's config sets it
-    seg = segment_module(t5, (), {"input_ids": ids, "labels": ids})
-    assert seg.call_defaults == {"use_cache": False}
-    t5.eval(), seg.eval()
+    seg = segment_module(t5, (), {"input_ids": ids, "labels": ids}, eval_graph=False)
+    assert seg.call_defaults == {"use_cache": False}  # no dropout: train mode is deterministic
     torch.testing.assert_close(run(seg, input_ids=ids, labels=ids).loss, t5(ids, labels=ids).loss)
 
 
@@ -347,14 +370,15 @@ def test_a_forward_taking_keywords_gets_the_cache_switch_and_a_dynamic_trace(cal
     model, _ = _hf_gpt2()
     wrapped = Keywords(model)
     ids = torch.randint(0, 50, (4, 8))
-    seg = segment_module(wrapped, (), {"input_ids": ids, "labels": ids, **call})
+    seg = segment_module(wrapped, (), {"input_ids": ids, "labels": ids, **call}, eval_graph=False)
     assert seg.call_defaults == ({} if call else {"use_cache": False})
     assert model.config.use_cache and "forward" not in vars(wrapped)  # both left as they were
     assert not [w for w in recwarn if "example batch's sizes only" in str(w.message)]
-    model.eval(), seg.eval()
     for rows, length in ((4, 8), (2, 5), (3, 11)):  # another batch and length: one trace
         other = torch.randint(0, 50, (rows, length))
+        torch.manual_seed(rows)  # the dropout draws the same masks in both
         got = run(seg, input_ids=other, labels=other, **call).loss
+        torch.manual_seed(rows)
         torch.testing.assert_close(got, wrapped(input_ids=other, labels=other, **call).loss)
 
 
@@ -449,24 +473,3 @@ def test_buffers_updated_in_place_stay_the_users_and_reassigned_ones_are_refused
     torch.testing.assert_close(run(seg, x), twin(x), rtol=0, atol=0)
     with pytest.raises(UncuttableModelError, match=r"assigns a new tensor to buffer 1\.mean"):
         segment_module(nn.Sequential(Tracker(), Tracker(in_place=False)), (torch.randn(3, 4),))
-
-
-def test_a_copy_of_the_segments_trains_apart_from_the_original():
-    """deepcopy (Lightning and users copy models) gives segments with their own tensors that
-    compute what the original does and leave it untouched when they train."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(dropout=0.0))
-    idx = torch.randint(0, GPTConfig.vocab_size, (4, GPTConfig.block_size))
-    segments = segment_module(model, (idx,), eval_graph=False)  # a cut for training only
-    twin = copy.deepcopy(segments)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    inputs = segments.flatten_inputs(idx)
-    torch.testing.assert_close(twin(inputs)[0], segments(inputs)[0], rtol=0, atol=0)
-    assert all(a is not b for a, b in zip(twin.parameters(), segments.parameters(), strict=True))
-    assert ties(twin, twin) == ties(segments, segments)
-    tied = dict(twin[0].named_parameters())["lm_head.weight"]  # export names it so
-    assert tied is dict(twin[-1].named_parameters())["lm_head.weight"]  # still one tensor
-    twin(inputs)[0].sum().backward()
-    torch.optim.SGD(twin.parameters(), lr=1.0).step()
-    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    assert not torch.equal(twin(inputs)[0], segments(inputs)[0])
