@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 CHILD = r"""
-import os, signal, sys, time
+import json, os, signal, sys, time
 
 def _open(fd):  # listing /proc/self/fd opens one more, closed by the time this asks
     return os.path.exists(f"/proc/self/fd/{fd}")
@@ -50,6 +50,22 @@ if what == "kill-self":
 if what == "wait":  # says its pid, then waits to be killed
     print(os.getpid(), flush=True)
     time.sleep(600)
+
+
+def tell(queue):  # in a process spawn started: it imported this file again, not as __main__
+    queue.put(["forked" if forked else "fresh", __name__])
+
+
+if what == "spawn" and __name__ == "__main__":  # the stand-in as support.launch.forked_spawns
+    import multiprocessing  # makes it: spawn's processes are forked, and get what it sends
+
+    multiprocessing.set_executable(sys.executable)
+    context = multiprocessing.get_context("spawn")
+    queue = context.SimpleQueue()
+    spawned = context.Process(target=tell, args=(queue,))
+    spawned.start()
+    spawned.join(120)
+    print(json.dumps([spawned.exitcode, queue.get() if not queue.empty() else None]))
 """
 
 PARENT = """
@@ -91,6 +107,9 @@ for _ in range(1200):  # the launcher kills the process it stood for (at most 2 
     time.sleep(0.1)
 out["stand-in killed"] = [pid != proc.pid, gone]
 
+done = subprocess.run([sys.executable, child, "spawn"], capture_output=True, text=True)
+out["spawn"] = [done.returncode, done.stdout.strip(), done.stderr[-2000:]]
+
 done = subprocess.run(
     [sys.executable, "-c", "import sys; print('torch' in sys.modules)"],
     capture_output=True, text=True,
@@ -117,3 +136,5 @@ def test_a_launched_process_starts_forked_processes_that_behave_as_fresh_ones(tm
     assert report["kill-self"] == -9  # killed by a signal: the stand-in dies of the same one
     assert report["stand-in killed"] == [True, True]  # the stand-in killed: the process too
     assert report["-c"] == "False"  # `-c` runs on the real interpreter, fresh
+    # multiprocessing's spawn, through the stand-in: forked, and what it sent came back
+    assert report["spawn"][:2] == [0, '[0, ["forked", "__mp_main__"]]'], report["spawn"][2]

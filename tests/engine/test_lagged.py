@@ -8,7 +8,6 @@ minibatch's values; epoch aggregates cover exactly their epoch; predictions stay
 from __future__ import annotations
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from pipemare.engine.lagged import LocalResults, result_lag
 from pipemare.engine.microbatch import combine, scatter
 from pipemare.schedule.actions import SCHEDULES, spec
 from support import lag_worker
-from support.launch import environment, ranks, reports, run_all, run_here
+from support.launch import environment, ranks, reports, run, run_all, run_here
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the worker scripts
 WORKER = str(SUPPORT / "lag_worker.py")
@@ -101,10 +100,8 @@ def test_lagged_reports_match_on_every_rank_and_in_the_simulator(tmp_path):
 def test_a_nan_in_the_data_stops_every_process_with_an_error_naming_step_and_stage(tmp_path):
     """No monitor attached: the loss check, on the lagged results every rank shares."""
     cmd = [sys.executable, WORKER, "--out", str(tmp_path), "--devices", "2", "--nan-at", "20"]
-    proc = subprocess.run(
-        cmd, env=environment(), capture_output=True, text=True, timeout=300, check=False
-    )
-    out = proc.stdout + proc.stderr
+    proc = run(cmd, environment(), timeout=300)  # forked: no fresh interpreter's imports
+    out = proc.stdout
     assert proc.returncode != 0, out[-3000:]
     # sample 20 is in the third minibatch (batch 8): step 3, computed on stage 1, rank 1
     assert "the loss of step 3 is nan (computed on stage 1, the last, rank 1)" in out, out[-3000:]

@@ -15,7 +15,7 @@ import torch
 
 from support import lightning_worker, recipes
 from support.data import DigitsDataModule
-from support.launch import environment, free_port, reports, run_all, run_here
+from support.launch import environment, forked_spawns, free_port, reports, run_all, run_here
 from support.models import DigitsCNN, quiet_trainer
 
 # one worker runs the module: its tests share a module-scoped launch
@@ -154,7 +154,8 @@ def test_spawn_returns_the_whole_trained_model_to_the_parent():
     model = DigitsCNN(lr=3e-3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     trainer = quiet_trainer("pipemare_spawn", devices=2, max_epochs=1)
-    trainer.fit(model, DigitsDataModule())
+    with forked_spawns():  # spawned all the same, without a fresh interpreter's imports
+        trainer.fit(model, DigitsDataModule())
     after = model.state_dict()
     # both stages changed in the parent, although only rank 0 sends its module back
     assert not torch.equal(before["net.0.weight"], after["net.0.weight"])

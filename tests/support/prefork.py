@@ -1,6 +1,7 @@
-"""A launcher that has imported torch, Lightning and pipemare once, and forks each launched
-worker from that state: a fresh interpreter spends about 8 s of CPU on those imports, and the
-suite starts well over a hundred workers on two cores.
+"""A launcher that has imported torch, Lightning and pipemare once (and scikit-learn's datasets,
+which the digits load), and forks each launched worker from that state: a fresh interpreter
+spends about 8 s of CPU on those imports, and the suite starts well over a hundred workers on
+two cores.
 
 Each launch is still a real process of its own: the fork's child takes the command's environment,
 working directory, ``sys.path`` and warnings filters, runs the script (or ``-m`` module) as
@@ -22,8 +23,12 @@ launcher, which forks it too, with the stand-in's environment, working directory
 group where it may, and every file descriptor the stand-in was given (its stdin, stdout and
 stderr, and any passed on). The stand-in stays in its place as that process: it hands on the
 signals it receives, and exits as the process did (with its status, or killed by its signal);
-killed itself, the process it stands for is killed too. Anything else (``-c``, other
-options, a script inside the installed packages) it runs with the real interpreter."""
+killed itself, the process it stands for is killed too. So it does for a process that
+multiprocessing's ``spawn`` starts (its ``-c "from multiprocessing.spawn import spawn_main; ..."``),
+where a test has made the stand-in multiprocessing's executable (``{"op": "stand-in"}`` ->
+``{"path": P}``): the spawned process still starts from none of its parent's state, only
+from what the parent sends it. Anything else (other ``-c`` code, other options, a script inside
+the installed packages) it runs with the real interpreter."""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import atexit
 import contextlib
 import fcntl
 import io
+import itertools
 import json
 import os
 import runpy
@@ -43,6 +49,7 @@ import tempfile
 import threading
 import time
 import traceback
+import types
 import warnings
 
 #: the filters Python starts with: CPython's defaults after this launcher's own -W options
@@ -50,8 +57,10 @@ _DEFAULTS = list(warnings.filters)[len(sys.warnoptions) :]
 _BEFORE = len(warnings.filters)
 
 # the imports every launch would otherwise repeat; not wandb, whose import makes a temporary
-# folder that the first launch to exit would delete for every later one
+# folder that the first launch to exit would delete for every later one; and scikit-learn's
+# datasets (with pandas, 0.7 s), which support/data.py loads the digits most workers train on with
 import pytorch_lightning  # noqa: E402, F401
+import sklearn.datasets  # noqa: E402, F401
 import torch  # noqa: E402, F401
 
 import pipemare  # noqa: E402, F401
@@ -74,14 +83,20 @@ _STAND_IN = """#!{python} -SE
 import json, os, signal, socket, sys
 
 PYTHON, SOCKET, INSTALLED = {python!r}, {socket!r}, {installed!r}
+SPAWN = "from multiprocessing.spawn import spawn_main;"  # how multiprocessing's spawn starts
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
+           signal.SIGUSR2, signal.SIGCONT)
 
 
 def handed_over(args):
-    # the forms that are forked: [-u] [-B] (SCRIPT.py | -m MODULE) ARGS...
+    # the forms that are forked: [-u] [-B] [-W ARG] (SCRIPT.py | -m MODULE | -c SPAWN...) ARGS...
     options = []
-    while args and args[0] in ("-u", "-B"):
-        options, args = options + [args[0]], args[1:]
+    while args and (args[0] in ("-u", "-B") or args[0].startswith("-W") and args[0:2] != ["-W"]):
+        take = 2 if args[0] == "-W" else 1  # -W ARG, or -WARG
+        options, args = options + args[:take], args[take:]
     if len(args) > 1 and args[0] == "-m":
+        return options, args
+    if len(args) > 1 and args[0] == "-c" and args[1].startswith(SPAWN):
         return options, args
     if args and args[0].endswith(".py") and not os.path.abspath(args[0]).startswith(INSTALLED):
         return options, args
@@ -99,6 +114,18 @@ def main():
         sock.connect(SOCKET)
     except OSError:  # the launcher is gone: the real interpreter instead
         os.execv(PYTHON, [PYTHON, *args])
+    # handed on from now: one that comes before the process is known waits for it (its
+    # process can be running, and seen, before this learns its PID)
+    pid, pending = None, []
+
+    def hand_on(number, frame):
+        if pid is None:
+            pending.append(number)
+        else:
+            os.kill(pid, number)
+
+    for sig in SIGNALS:
+        signal.signal(sig, hand_on)
     fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
     fds = [fd for fd in fds if fd != sock.fileno() and _open(fd)]
     request = dict(
@@ -108,11 +135,14 @@ def main():
     socket.send_fds(sock, [json.dumps(request).encode()], fds)
     answer = sock.recv(1 << 16)
     if not answer:  # nothing was started
+        for sig in SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        for number in pending:  # as it would have ended had it been there
+            os.kill(os.getpid(), number)
         os.execv(PYTHON, [PYTHON, *args])
     pid = json.loads(answer)["pid"]
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
-                signal.SIGUSR2, signal.SIGCONT):
-        signal.signal(sig, lambda number, frame: os.kill(pid, number))
+    for number in pending:
+        os.kill(pid, number)
     answer = sock.recv(1 << 16)
     code = json.loads(answer)["code"] if answer else 1
     if code < 0:  # as the process ended: killed by this signal
@@ -165,18 +195,21 @@ class _Server:
 _SERVER: _Server | None = None
 
 
-def _prepare(argv: list[str], env: dict[str, str], cwd: str) -> None:
+def _prepare(argv: list[str], env: dict[str, str], cwd: str, warn: list[str]) -> None:
     """What a fresh ``python ARGV`` would have set up before running its first line."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    module = argv[1] == "-m"
-    first = cwd if module else os.path.dirname(os.path.abspath(argv[1]))
+    if argv[1] in ("-m", "-c"):
+        first = cwd if argv[1] == "-m" else ""  # (as Python puts them)
+    else:
+        first = os.path.dirname(os.path.abspath(argv[1]))
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     sys.path[:] = [first, *extra, *_SITE]
     # as a fresh interpreter has them: its PYTHONWARNINGS over the defaults, then the imports'
     warnings.filters[:] = _DEFAULTS
-    options = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o]
+    options = [o for o in env.get("PYTHONWARNINGS", "").split(",") if o] + warn  # -W last
+    sys.warnoptions[:] = options
     warnings._processoptions(options)  # type: ignore[attr-defined]
     warnings.filters[:0] = _ADDED
     warnings._filters_mutated()  # type: ignore[attr-defined]
@@ -193,6 +226,10 @@ def _run(argv: list[str]) -> int:
         if argv[1] == "-m":
             sys.argv = [argv[2], *argv[3:]]
             runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+        elif argv[1] == "-c":
+            sys.argv = ["-c", *argv[3:]]
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(argv[2], "<string>", "exec"), main.__dict__)
         else:
             sys.argv = argv[1:]
             runpy.run_path(argv[1], run_name="__main__")
@@ -224,7 +261,10 @@ def _child(request: dict, stdio: tuple[int, int, int], unbuffered: bool = False)
                 os.dup2(fd, target)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115
         sys.stdout, sys.stderr = (_text(fd, unbuffered) for fd in (1, 2))
-        _prepare(request["argv"], request["env"], request["cwd"])
+        options = request.get("options", [])
+        warn = [v for o, v in itertools.pairwise(options) if o == "-W"]
+        warn += [o[2:] for o in options if o.startswith("-W") and o != "-W"]
+        _prepare(request["argv"], request["env"], request["cwd"], warn)
         if _SERVER is not None:  # what this launch starts with it is handed back here
             sys.executable = _SERVER.stand_in
         code = _run(request["argv"])
@@ -356,7 +396,9 @@ def main() -> None:
                     waiting = None
             while waiting is None and len(lines) > 1:
                 request = json.loads(lines.pop(0))
-                if request["op"] == "spawn":
+                if request["op"] == "stand-in":
+                    answer({"path": server.stand_in})
+                elif request["op"] == "spawn":
                     pid = _fork()
                     if pid == 0:
                         server.leave()
