@@ -194,14 +194,29 @@ def _run(job: Job) -> dict[str, Any]:
 
 
 def run(jobs: list[Job], out: Path, workers: int) -> None:
-    """Train the jobs of :data:`EXTRA` variants not stored under ``out/runs`` yet."""
+    """Train the jobs of :data:`EXTRA` variants not stored under ``out/runs`` yet, ``workers``
+    at a time (one: in this process)."""
     todo = [j for j in jobs if not (out / "runs" / f"{j.key}.json").exists()]
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    if workers <= 1:  # in this process: no interpreter to start
+        import torch
+
+        threads = torch.get_num_threads()
+        try:
+            for job in todo:
+                _store(out, job, _run(job))
+        finally:
+            torch.set_num_threads(threads)
+        return
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(workers) as pool:
         for job, result in zip(todo, pool.imap(_run, todo), strict=True):
-            (out / "runs" / f"{job.key}.json").write_text(json.dumps(result))
-            print(f"{job.key}: {result['metric'][-1] if result['metric'] else 'refused'}")
+            _store(out, job, result)
+
+
+def _store(out: Path, job: Job, result: dict[str, Any]) -> None:
+    (out / "runs" / f"{job.key}.json").write_text(json.dumps(result))
+    print(f"{job.key}: {result['metric'][-1] if result['metric'] else 'refused'}")
 
 
 def _final(run: dict[str, Any]) -> float:

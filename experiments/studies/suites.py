@@ -119,10 +119,10 @@ def quick() -> list[RunSpec]:
     """A few steps of three schedules per task: checks the whole path (tests use it)."""
     short = {
         "trainer.max_epochs": 1,
-        "trainer.max_steps": 12,
-        "trainer.limit_train_batches": 12,
+        "trainer.max_steps": 8,
+        "trainer.limit_train_batches": 8,
         "trainer.limit_val_batches": 1,
-        "trainer.val_check_interval": 6,
+        "trainer.val_check_interval": 4,
         "trainer.log_every_n_steps": 2,
     }
     runs = _grid(["mnist", "char_lm"], BASELINES, short)

@@ -20,7 +20,7 @@ def test_bench_writes_one_json_line_per_configuration_a_table_and_a_chart(tmp_pa
     cmd = [
         sys.executable, "-m", "pipemare.experiments.bench", "--out", str(tmp_path),
         "--processes", "2", "--width", "16", "--depth", "3", "--batch", "8",
-        "--microbatches", "2", "--steps", "24", "--memory-steps", "24", "--warmup", "2",
+        "--microbatches", "2", "--steps", "8", "--memory-steps", "8", "--warmup", "2",
         "--schedules", "1f1b", "pipedream", "pipemare", "--memory-stages", "2", "3",
         "--compile",
     ]  # fmt: skip
@@ -51,7 +51,7 @@ def test_bench_writes_one_json_line_per_configuration_a_table_and_a_chart(tmp_pa
             )
             assert r["vs_eager"] == pytest.approx(r["samples_per_s"] / eager["samples_per_s"])
             assert r["warmup_s"] > 0
-        if r["kind"] in ("engine", "lightning", "engine+compile"):  # memory over 24 steps
+        if r["kind"] in ("engine", "lightning", "engine+compile"):  # memory over 8 steps
             growth = r["resident_mb_per_1000"]
             assert len(growth) == stages and all(math.isfinite(g) for g in growth)
     assert "resident MB per 1,000 steps" in (tmp_path / "bench.md").read_text()

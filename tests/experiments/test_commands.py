@@ -29,14 +29,16 @@ def test_the_cli_plans_a_gpt_that_is_no_sequential(capsys, monkeypatch):
     """configs/char_gpt.yaml: blocks in a ModuleList and a tied head, cut into segments as the
     strategy cuts it, then planned like any Sequential."""
     argv = ["--config", "configs/char_gpt.yaml", "--devices", "4", "--microbatches", "4"]
-    out = _plan([*argv, "--repeats", "1"], capsys, monkeypatch)
+    out = _plan([*argv, "--repeats", "1", "--rounds", "1"], capsys, monkeypatch)
     assert "profiled 8 layers" in out  # 6 blocks, the embeddings and the head
     assert "choice: P=" in out
 
 
 def test_the_cli_plans_the_mnist_config(capsys, monkeypatch):
     argv = ["--config", "configs/mnist.yaml", "--devices", "2", "--microbatches", "1,2"]
-    out = _plan([*argv, "--repeats", "2", "--memory-limit", "1GiB"], capsys, monkeypatch)
+    out = _plan(
+        [*argv, "--repeats", "2", "--rounds", "1", "--memory-limit", "1GiB"], capsys, monkeypatch
+    )
     assert "choice: P=" in out and "modelled step time" in out
     assert "runner-ups" in out
 

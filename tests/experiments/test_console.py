@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: short runs of the packaged configs that train on the CPU from offline data
 SHORT = {
-    "mnist": ["--trainer.max_epochs=1", "--trainer.limit_train_batches=30"],
-    "char_lm": ["--trainer.max_steps=30", "--trainer.val_check_interval=15"],
-    "char_gpt": ["--trainer.max_steps=30", "--trainer.val_check_interval=15"],
+    "mnist": ["--trainer.max_epochs=1", "--trainer.limit_train_batches=20"],
+    "char_lm": ["--trainer.max_steps=20", "--trainer.val_check_interval=10"],
+    "char_gpt": ["--trainer.max_steps=20", "--trainer.val_check_interval=10"],
 }
 
 #: what every stage logs (docs/watching.md); a stage without parameters has no weight

@@ -129,12 +129,12 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
         assert summary["status"] == "complete"
         assert summary["pipeline_time_s"] == summary["global_step"] * summary["step_s"]
         if name.endswith("gpipe"):
-            assert summary["global_step"] == 12 and summary["budget_s"] is None
+            assert summary["global_step"] == 8 and summary["budget_s"] is None
         else:  # gpipe's pipeline time, with room for 4x its steps: spent, or out of room
             gpipe = summaries[name.split("-")[0] + "-gpipe"]
             assert summary["budget_s"] == gpipe["pipeline_time_s"] > 0
             allowed = int(summary["budget_s"] / summary["step_s"] * (1 + 1e-9))
-            assert summary["global_step"] == min(allowed, 48)
+            assert summary["global_step"] == min(allowed, 32)
         assert summary["stages"] == 8 and len(summary["memory"]["stages"]) == 8
         assert (run / "csv" / "metrics.csv").exists() and (run / "config.yaml").exists()
         (wandb_run,) = (run / "wandb").glob("offline-run-*")
@@ -171,7 +171,7 @@ def test_quick_study_end_to_end_with_dashboard(tmp_path, monkeypatch, capsys):
     table = (tmp_path / "dash" / "results.md").read_text()
     answers = [line for line in table.splitlines() if line.startswith("- ")]
     assert len(answers) == 2 and all("gpipe" in a and "pipemare" in a for a in answers)
-    assert all("in gpipe's pipeline time" in a and "At gpipe's 12 steps" in a for a in answers)
+    assert all("in gpipe's pipeline time" in a and "At gpipe's 8 steps" in a for a in answers)
     header, _, *body = [line for line in table.splitlines() if line.startswith("|")]
     columns = [c.strip() for c in header.strip("|").split("|")]
     cells = [

@@ -36,9 +36,9 @@ def test_protocol_writes_a_table_with_each_schedule_at_its_best_rate(tmp_path):
         grid=((4, 1), (4, 2)),
         seeds=2,
         workers=1,
-        steps=20,
+        steps=8,
         lrs=(1e-3, 3e-3),
-        time_steps=2,
+        time_steps=1,
         extend=0,
     )
     runs = list((tmp_path / "runs").glob("*.json"))
@@ -82,9 +82,9 @@ def test_protocol_writes_a_table_with_each_schedule_at_its_best_rate(tmp_path):
         ((4, 1), (4, 2)),
         2,
         1,
-        20,
+        8,
         (1e-3, 3e-3),
-        2,
+        1,
         phase="table",
         extend=0,
     )
