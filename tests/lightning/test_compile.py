@@ -129,8 +129,19 @@ def test_a_bad_compile_value_is_refused_at_construction(value, message):
         PipeMareStrategy(compile=value)
 
 
+@pytest.fixture
+def inductor_in_process():
+    """Inductor compiles its C++ in this process, not in a pool of compile workers: on CI's
+    two cores, beside the other pytest worker, the pool's processes (each importing torch)
+    only add their start to the compile's time; the kernels are the same."""
+    import torch._inductor.config
+
+    with torch._inductor.config.patch(compile_threads=1):
+        yield
+
+
 @pytest.mark.zoo
-def test_a_gpt2_cut_into_segments_compiles_with_inductor():
+def test_a_gpt2_cut_into_segments_compiles_with_inductor(inductor_in_process):
     """torch.compile's defaults (inductor) on the exported segments of a Hugging Face GPT-2:
     gpipe ends with one device's held-out loss, and the default schedule where its eager run
     ends, saving no more than it and making no weight copies."""

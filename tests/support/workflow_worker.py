@@ -62,6 +62,11 @@ def run(args: argparse.Namespace, out: Path, strategy: str, steps: int, dropout:
         model = GPT2Module(dropout=dropout)
         if args.compile:
             model.model = torch.compile(model.model)
+            # its C++ compiled in this process, not in a pool of compile workers that each
+            # import torch: on two cores shared by two ranks the pool only adds its start
+            from torch._inductor import config as inductor
+
+            inductor.compile_threads = 1
         trainer.fit(model, data("causal", n=8 * steps))
         (val,) = trainer.validate(model, data("causal", n=64, seed=1), verbose=False)
     elif args.task == "padded":
