@@ -400,7 +400,10 @@ def export_module(
                     _warn_static(module, "its forward fixes the batch size (a reshape or a "
                                  "size written into the model)")  # fmt: skip
     except Exception as err:
-        raise UncuttableModelError(_explain(err, module, args, kwargs)) from err
+        message, quotes_trace = _explain(err, module, args, kwargs)
+        refusal = UncuttableModelError(message)
+        refusal.quotes_trace = quotes_trace  # type: ignore[attr-defined]
+        raise refusal from err
     finally:
         torch.fx.config.do_not_emit_stack_traces = skip_lines
         hook.remove()
@@ -500,12 +503,12 @@ def cache_off(module: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 #: a trace refused for the key/value cache its forward returns (:func:`_explain`)
 _CACHE_OUTPUT = re.compile(r"Found <class '[\w.]*(cache_utils\.\w+|Cache)'> in output")
-#: the refusals :func:`_explain` words without a line of the trace: a trace again with the
-#: graph's source lines (:func:`_export_and_cut`) would say the same
-_TRACE_FREE = ("its forward returns a key/value cache", "its forward fails on the example batch")
 
 
-def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> str:
+def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> tuple[str, bool]:
+    """The refusal's message, and whether it quotes the trace (the user's line where it failed):
+    only then would a trace again with the graph's source lines (:func:`_export_and_cut`) say
+    more."""
     message = str(err)
     found = re.search(r"The following call raised this error:\n(.*?)\n\n", message, re.S)
     where = " ".join(found.group(1).split()) if found else message.strip().splitlines()[0][:300]
@@ -516,14 +519,14 @@ def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> st
             "generation, which cannot travel between stages. Leave use_cache out of the call "
             "(pipemare then switches the cache off for the pipelined calls, as Hugging Face's "
             "gradient checkpointing does) or pass use_cache=False"
-        )
+        ), False
     own = _eager_error(module, args, kwargs)
     if own is not None:
         return (
             f"cannot cut {name} into segments: its forward fails on the example batch on its "
             f"own, before any cut: {type(own).__name__}: {own}. Fix the model or its "
             "configuration; pipemare runs it as it is"
-        )
+        ), False
     data_dependent = "data-dependent" in message or "GuardOnDataDependent" in type(err).__name__
     construct = (
         "data-dependent control flow (a Python branch, loop or .item() on a tensor's values)"
@@ -535,7 +538,7 @@ def _explain(err: Exception, module: nn.Module, args: tuple, kwargs: dict) -> st
         f"{where}. pipemare traces the forward into one graph to cut it. Express it with "
         "tensor operations (torch.where, torch.cond), make it depend on shapes only, or move "
         "it out of the pipelined module into the step before or after the call"
-    )
+    ), True
 
 
 def _state_names(module: nn.Module, eps: list[ExportedProgram]) -> list[tuple[str, str, Any]]:
@@ -896,7 +899,7 @@ def _export_and_cut(
         )
         return ep, _cut_program(ep, cuts, training)
     except UncuttableModelError as err:
-        if str(err).partition(" into segments: ")[2].startswith(_TRACE_FREE):
+        if not getattr(err, "quotes_trace", True):  # the same words again: nothing to add
             raise
         ep = export_module(module, args, kwargs, training=training, dynamic=dynamic)
         return ep, _cut_program(ep, cuts, training)

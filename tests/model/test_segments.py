@@ -312,10 +312,11 @@ def _hf_llama():
     return transformers.LlamaForCausalLM(config), "model.embed_tokens.weight"
 
 
-def test_the_cache_is_switched_off_for_the_calls_only_and_advice_that_works_otherwise():
+def test_the_cache_is_switched_off_for_the_calls_only_and_advice_that_works_otherwise(monkeypatch):
     """A causal LM as it ships (``use_cache=True``) is traced and called without its cache, its
     config untouched; asked for the cache explicitly, the refusal's advice works; a model whose
-    own forward fails is told so, and fixing what it names works."""
+    own forward fails is told so, and fixing what it names works. Neither refusal quotes a line
+    of the trace, so neither is traced again (with fixed sizes, or with the graph's lines)."""
     transformers = pytest.importorskip("transformers")
     model, _ = _hf_gpt2()
     assert model.config.use_cache
@@ -328,16 +329,22 @@ def test_the_cache_is_switched_off_for_the_calls_only_and_advice_that_works_othe
     want = model(**call).loss
     torch.manual_seed(5)
     torch.testing.assert_close(run(seg, **call).loss, want)
+    exports = []
+    real = torch.export.export
+    monkeypatch.setattr(torch.export, "export", lambda *a, **k: exports.append(1) or real(*a, **k))
     with pytest.raises(UncuttableModelError, match="Leave use_cache out of the call"):
         segment_module(model, (), {"input_ids": ids, "use_cache": True})
+    assert len(exports) == 1
     segment_module(model, (), {"input_ids": ids, "use_cache": False}, eval_graph=False)  # too
 
     config = transformers.T5Config(
         vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0
     )  # T5Config() names no decoder start token: T5 cannot compute a loss on one device either
     t5 = transformers.T5ForConditionalGeneration(config)
+    exports.clear()
     with pytest.raises(UncuttableModelError, match="fails on the example batch on its own") as err:
         segment_module(t5, (), {"input_ids": ids, "labels": ids})
+    assert len(exports) == 2  # dynamic, then fixed sizes: not again with the graph's lines
     assert "decoder_start_token_id" in str(err.value) and "cache" not in str(err.value)
     t5.config.decoder_start_token_id = 0  # as every T5 checkpoint's config sets it
     seg = segment_module(t5, (), {"input_ids": ids, "labels": ids}, eval_graph=False)
