@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
+import tempfile
 import time
 from typing import Any
 
@@ -133,12 +133,12 @@ def _torch(args: argparse.Namespace) -> float:
     return _timed(step, args)
 
 
-def run_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None:
-    """One of the two processes: every engine in turn, the same steps."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-    os.environ.update(WORLD_SIZE="2", OMP_NUM_THREADS="1")
+def run_rank(rank: int, store: str, args: argparse.Namespace, queue: Any) -> None:
+    """One of the two processes: every engine in turn, the same steps. The two meet through a
+    file store, so no port is picked and none can be taken by another process meanwhile."""
+    os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
     results = {}
     for name in args.engines:
         if name == "torch-1F1B":
@@ -151,12 +151,6 @@ def run_rank(rank: int, port: int, args: argparse.Namespace, queue: Any) -> None
     if rank == 0:
         queue.put(results)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
@@ -180,13 +174,14 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parser.parse_args(argv)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=run_rank, args=(r, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = queue.get(timeout=1800)
-    for p in procs:
-        p.join(timeout=120)
+    with tempfile.TemporaryDirectory() as folder:
+        store = os.path.join(folder, "store")
+        procs = [ctx.Process(target=run_rank, args=(r, store, args, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        results = queue.get(timeout=1800)
+        for p in procs:
+            p.join(timeout=120)
     base = results.get("torch-1F1B")
     seq = results.get("pipemare-sequential")
     for name, rate in results.items():
