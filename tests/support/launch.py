@@ -82,6 +82,9 @@ def environment(**extra: str) -> dict[str, str]:
     }
     path = os.pathsep.join(filter(None, [str(TESTS), env.get("PYTHONPATH")]))
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore", PYTHONPATH=path)
+    # a port for Lightning's own launcher, which would otherwise pick one with bind(0)-then-close
+    # (the race ``free_port`` avoids); torchrun and ``ranks`` set their own
+    env["MASTER_PORT"] = str(free_port())
     env.update(extra)
     return env
 
