@@ -1,5 +1,5 @@
 """One process of a 2-process run of a model as people write it (support/real_modules.py: the
-tied GPT, Hugging Face GPT-2 or Llama, a resnet18) through
+tied GPT, Hugging Face GPT-2, a resnet18) through
 Trainer(strategy=PipeMareStrategy(...), devices=2) over gloo, nothing named; started by
 Lightning's launcher. Every rank writes its final weights and validation loss; rank 0 also a
 checkpoint. ``--models`` trains several in turn in one launch (the tests share it)."""

@@ -165,7 +165,6 @@ SETUPS = {
     # two optimisers, each step counted: 20 batches; N = 1 as torch's Muon is bfloat16 inside
     "gpt-manual": (ManualGPTModule, tokens, 1, 40),
     "gpt2": (lambda: HFModule("gpt2"), tokens, 2, 10),
-    "llama": (lambda: HFModule("llama"), tokens, 2, 10),
     "resnet": (ResNetModule, images, 1, 8),
     # from the zoo (support/zoo.py, tests/lightning/test_zoo.py): an encoder-decoder, its
     # config as it ships
