@@ -7,17 +7,17 @@ dividing the batch (its fastest is the baseline), gpipe and uncorrected ``async`
 pipemare at N = P, 2P, 4P where N divides the batch. Written to ``step_times-{SITTING}.json``;
 table.py takes each configuration's median over the sittings.
 
-NOT RUN in this round: it must run alone on the machine (nothing else training), and this
-machine was shared throughout. Two sittings, each alone, then the table:
+Run it alone on the machine (nothing else training): sitting 1 ran so (the quality queue
+paused with SIGSTOP); a second sitting is still to run. Each sitting, then the table:
 
-    cd /work/nbound && for s in 1 2; do PYTHONPATH=. OMP_NUM_THREADS=1 WANDB_MODE=disabled \
-        python experiments/results/n_bound/times.py --sitting $s; \
+    S=2 && PYTHONPATH=. OMP_NUM_THREADS=1 WANDB_MODE=disabled \
+        python experiments/results/n_bound/times.py --sitting $S && \
       PYTHONPATH=. OMP_NUM_THREADS=1 python experiments/results/n_bound/cost_per_row.py \
-        --sitting $s; done
+        --sitting $S
     PYTHONPATH=. python experiments/results/n_bound/table.py --readme
 
-(cost_per_row.py's sittings 1-3 stored now were measured on the shared machine: delete them
-before measuring alone.)
+(cost_per_row.py's sitting 1 was measured alone too; the shared machine's earlier sittings
+2 and 3 were removed.)
 """
 
 from __future__ import annotations
