@@ -7,8 +7,8 @@ dividing the batch (its fastest is the baseline), gpipe and uncorrected ``async`
 pipemare at N = P, 2P, 4P where N divides the batch. Written to ``step_times-{SITTING}.json``;
 table.py takes each configuration's median over the sittings.
 
-Run it alone on the machine (nothing else training): sitting 1 ran so (the quality queue
-paused with SIGSTOP); a second sitting is still to run. Each sitting, then the table:
+Run it alone on the machine (nothing else training): sittings 1 and 2 ran so (the quality
+queue paused with SIGSTOP). Each sitting, then the table:
 
     S=2 && PYTHONPATH=. OMP_NUM_THREADS=1 WANDB_MODE=disabled \
         python experiments/results/n_bound/times.py --sitting $S && \
@@ -16,8 +16,8 @@ paused with SIGSTOP); a second sitting is still to run. Each sitting, then the t
         --sitting $S
     PYTHONPATH=. python experiments/results/n_bound/table.py --readme
 
-(cost_per_row.py's sitting 1 was measured alone too; the shared machine's earlier sittings
-2 and 3 were removed.)
+(cost_per_row.py's sittings 1 and 2 were measured alone too; the shared machine's earlier
+sittings were removed.)
 """
 
 from __future__ import annotations
