@@ -32,6 +32,10 @@ class UncuttableModelError(ValueError):
     """The model cannot be cut into segments as asked; the message says why, where, and what
     to do instead."""
 
+    #: whether the message quotes the trace (the user's line where it failed); a refusal that
+    #: does not would say the same after a trace with the graph's source lines
+    quotes_trace: bool = True
+
 
 @dataclass
 class SegmentProgram:

@@ -402,7 +402,7 @@ def export_module(
     except Exception as err:
         message, quotes_trace = _explain(err, module, args, kwargs)
         refusal = UncuttableModelError(message)
-        refusal.quotes_trace = quotes_trace  # type: ignore[attr-defined]
+        refusal.quotes_trace = quotes_trace
         raise refusal from err
     finally:
         torch.fx.config.do_not_emit_stack_traces = skip_lines
@@ -899,7 +899,7 @@ def _export_and_cut(
         )
         return ep, _cut_program(ep, cuts, training)
     except UncuttableModelError as err:
-        if not getattr(err, "quotes_trace", True):  # the same words again: nothing to add
+        if not err.quotes_trace:  # the same words again: nothing to add
             raise
         ep = export_module(module, args, kwargs, training=training, dynamic=dynamic)
         return ep, _cut_program(ep, cuts, training)

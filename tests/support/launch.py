@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import itertools
 import json
 import multiprocessing.spawn
 import os
@@ -29,38 +31,35 @@ from pathlib import Path
 import torch
 
 
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768  # Linux's default
-
-
+@functools.cache
 def _port_slice() -> range:
     """This test process's own ports: below the range the kernel hands out to ``bind(0)`` and to
     outgoing connections, so no gloo socket, TCPStore client or other test can take a port
     between the moment it is picked here and the moment a launched rank listens on it (the race
     a ``bind(0)``-then-close pick loses under load: ``EADDRINUSE``). Each xdist worker gets a
     disjoint slice, so two workers never pick the same port either."""
-    low = max(1024, _ephemeral_low() - 12288)
+    try:
+        ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768  # Linux's default
+    low = max(1024, ephemeral - 12288)
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     index = int(worker) if worker.isdigit() else 0
-    width = (_ephemeral_low() - low) // 8
+    width = (ephemeral - low) // 8
     start = low + (index % 8) * width
     return range(start, start + width)
 
 
-#: Where this process's next pick starts: a random place in its slice, so that two test sessions
-#: on one machine (two clones' suites) are unlikely to meet either.
-_next_port = [random.randrange(1 << 16)]
+#: This process's picks in turn, from a random place in its slice, so that two test sessions on
+#: one machine (two clones' suites) are unlikely to meet either.
+_picks = itertools.count(random.randrange(1 << 16))
 
 
 def free_port() -> int:
     """A port no one listens on, from this process's slice (``_port_slice``), taken in turn."""
     ports = _port_slice()
     for _ in range(len(ports)):
-        port = ports[_next_port[0] % len(ports)]
-        _next_port[0] += 1
+        port = ports[next(_picks) % len(ports)]
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
@@ -84,7 +83,8 @@ def environment(**extra: str) -> dict[str, str]:
     env.update(OMP_NUM_THREADS="1", WANDB_MODE="offline", PYTHONWARNINGS="ignore", PYTHONPATH=path)
     # a port for Lightning's own launcher, which would otherwise pick one with bind(0)-then-close
     # (the race ``free_port`` avoids); torchrun and ``ranks`` set their own
-    env["MASTER_PORT"] = str(free_port())
+    if "MASTER_PORT" not in extra:
+        env["MASTER_PORT"] = str(free_port())
     env.update(extra)
     return env
 
