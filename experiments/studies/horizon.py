@@ -22,6 +22,10 @@ live weights. Step times are not measured here.
 
 "One device" is gpipe (P = 2, N = 1, as the user protocol runs it): it computes what one device
 computes for the minibatch, and so does 1F1B.
+
+``--task gpt_c64s_halves`` (each command) runs the same GPT cut between each block's attention
+and its MLP as well (``experiments/results/horizon_halves``): a cut does not change what one
+device computes, so ``table`` there reads gpt_c64s's one-device runs beside the runs of its own.
 """
 
 from __future__ import annotations
@@ -38,7 +42,9 @@ from typing import Any
 
 _ROOT = Path(__file__).resolve().parents[2]
 _OUT = _ROOT / "experiments" / "results" / "horizon"
-_TASK = "gpt_c64s"
+_TASK = "gpt_c64s"  # or TASKS_HERE's other, set by --task before any command runs
+#: the tasks this study runs, each with its results folder
+TASKS_HERE = {"gpt_c64s": _OUT, "gpt_c64s_halves": _OUT.with_name("horizon_halves")}
 _RATE = 1e-3
 _STEPS = 2400
 
@@ -486,6 +492,9 @@ def _finite(value: float | None) -> float | None:
 def _table(args: argparse.Namespace) -> None:
     out = Path(args.out)
     every = [json.loads(p.read_text()) for p in sorted(out.glob(f"{_TASK}-*steps*.json"))]
+    if _TASK != "gpt_c64s":  # a cut changes nothing one device computes: gpt_c64s's own runs
+        ones = sorted(TASKS_HERE["gpt_c64s"].glob("gpt_c64s-gpipe-*steps*.json"))
+        every += [json.loads(p.read_text()) for p in ones]
     records = [r for r in every if r["lr"] == _RATE]
     cells = _cells(records)
     sittings = [json.loads(p.read_text()) for p in sorted(out.glob("step_times-*.json"))]
@@ -529,7 +538,15 @@ def main(argv: list[str] | None = None) -> None:
         "--links", action="store_true", help="replay the same windows over LINKS too"
     )
     times.add_argument("--gloo-link", help="the gloo link measured between two processes")
+    for command in (run, table, times):
+        command.add_argument(
+            "--task", choices=tuple(TASKS_HERE), default="gpt_c64s", help="the GPT's cut"
+        )
     args = parser.parse_args(argv)
+    global _TASK
+    _TASK = args.task
+    if args.out == str(_OUT):  # the task's own folder unless one is named
+        args.out = str(TASKS_HERE[args.task])
     {"run": _run, "table": _table, "times": _times}[args.what](args)
 
 

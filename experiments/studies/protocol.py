@@ -114,17 +114,24 @@ _LONG_CONTEXT = 64
 _char_long = functools.partial(_char_windows, _LONG_CONTEXT, 256)
 
 
-def _gpt_c64(blocks: int = 8) -> nn.Sequential:
+def _gpt_c64(blocks: int = 8, halves: bool = False) -> nn.Sequential:
     """A GPT whose stages cost about their rows: ``blocks`` blocks of width 128 at context 64,
-    tied head, cut into segments at its blocks (``blocks + 2`` layers: P = 8 cuts from 6)."""
+    tied head, cut into segments at its blocks (``blocks + 2`` layers: P = 8 cuts from 6), and
+    with ``halves`` inside each block too, between its attention and its MLP (``2 * blocks + 2``
+    layers: where P does not divide the blocks, the stages come out more even). The cut does
+    not change what the model computes: the same weights, the same outputs."""
     from pipemare.experiments.tasks.gpt import GPT
+    from pipemare.model.blocks import Cut, block_cuts
     from pipemare.model.segments import segment_module
 
     model = GPT(256, 128, 4, blocks, _LONG_CONTEXT)
     for module in model.modules():  # nanoGPT's initialisation: logits start near uniform
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
-    return segment_module(model, (torch.zeros(2, _LONG_CONTEXT, dtype=torch.long),))
+    cuts = block_cuts(model) + ([Cut(f"blocks.{i}.ln_2") for i in range(blocks)] if halves else [])
+    return segment_module(
+        model, (torch.zeros(2, _LONG_CONTEXT, dtype=torch.long),), split_points=cuts
+    )
 
 
 def _plain_mlp(inputs: int, width: int, layers: int) -> Callable[[], nn.Sequential]:
@@ -311,6 +318,13 @@ TASKS: dict[str, Task] = {
         eval_every=20,
     ),
 }
+# the main job's GPT cut between each block's attention and its MLP as well: six blocks on four
+# or eight stages leave some stage two blocks' work (or one beside an idle one) at the blocks'
+# cut; its halves even the stages out. The same model and data: gpt_c64s's one-device curve is
+# its too
+TASKS["gpt_c64s_halves"] = dataclasses.replace(
+    TASKS["gpt_c64s"], name="gpt_c64s_halves", build=functools.partial(_gpt_c64, 6, halves=True)
+)
 # every task but the language models with SGD momentum and with Muon + AdamW too
 for _base in ("mnist", "digits", "plain"):
     for _opt in ("sgdm", "muon"):

@@ -93,10 +93,12 @@ def cut_positions(compute: list[fx.Node], cuts: Sequence[Cut]) -> list[int]:
             calls fall on both sides of a cut (a block reused).
     """
     runs: dict[str, list[int]] = {cut.module: [] for cut in cuts}
+    calls: dict[str, dict[int, str]] = {cut.module: {} for cut in cuts}  # node -> its call
     for i, node in enumerate(compute):
-        for _, path in _module_paths(node):
+        for key, path in _module_paths(node):
             if path in runs:
                 runs[path].append(i)
+                calls[path][i] = key
     positions = set()
     for cut in cuts:
         if not runs[cut.module]:
@@ -110,12 +112,18 @@ def cut_positions(compute: list[fx.Node], cuts: Sequence[Cut]) -> list[int]:
             positions.add(at)
     cuts_at = sorted(positions)
     for cut in cuts:
-        segments = {bisect.bisect_right(cuts_at, i) for i in runs[cut.module]}
-        if len(segments) > 1:
-            nodes = [compute[i] for i in runs[cut.module]]
-            again = next(
-                n for n in nodes if bisect.bisect_right(cuts_at, compute.index(n)) != min(segments)
-            )
+        # One call of the module may span cuts (another cut falls inside it: an attention
+        # sublayer and an MLP sublayer on two stages); two calls on two sides of a cut may not
+        first, *_ = runs[cut.module]
+        segment = {i: bisect.bisect_right(cuts_at, i) for i in runs[cut.module]}
+        reused = [
+            i
+            for i in runs[cut.module]
+            if calls[cut.module][i] != calls[cut.module][first] and segment[i] != segment[first]
+        ]
+        if reused:
+            nodes = [compute[first], compute[reused[0]]]
+            again = nodes[1]
             raise UncuttableModelError(
                 f"module {cut.module!r} is called more than once and its calls fall on both sides "
                 f"of a cut (first at {_where(nodes[0])}; again at {_where(again)}): the cut "

@@ -128,6 +128,33 @@ def test_named_split_points_are_honoured():
     }
 
 
+def test_a_block_cut_between_its_attention_and_its_mlp_beside_the_cut_before_it():
+    """Six blocks on four stages leave two blocks on some stage; a cut inside a block (before
+    its second LayerNorm) as well as before it evens the stages out. The block is called once,
+    so the nested cut is not a reuse: the halves reproduce the model's loss and gradients."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(n_layer=2, dropout=0.0))
+    idx = torch.randint(0, 37, (3, 8))
+    cuts = ["transformer.h.0", "transformer.h.0.ln_2", "transformer.h.1", "transformer.h.1.ln_2"]
+    seg = segment_module(gpt, (idx,), {"targets": idx}, split_points=cuts, eval_graph=False)
+    names = [{n for n, _ in s.named_parameters()} for s in seg]
+    assert len(seg) == 5
+    assert {"transformer.h.0.attn.c_attn.weight", "transformer.h.0.ln_1.weight"} <= names[1]
+    assert {"transformer.h.0.mlp.c_fc.weight", "transformer.h.0.ln_2.weight"} <= names[2]
+    assert not any(n.startswith("transformer.h.0") for n in names[3])
+    torch.manual_seed(7)
+    _, loss = gpt(idx, idx)
+    loss.backward()
+    expected = grads(gpt)
+    seg_loss = run(seg, idx, targets=idx)[1]
+    seg_loss.backward()
+    assert torch.equal(seg_loss, loss)
+    got = grads(gpt)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)
+
+
 def test_a_copy_of_the_segments_trains_apart_from_the_original():
     """deepcopy (Lightning and users copy models) gives segments with their own tensors that
     compute what the original does and leave it untouched when they train."""
