@@ -547,6 +547,7 @@ def main(argv: list[str] | None = None) -> None:
     _TASK = args.task
     if args.out == str(_OUT):  # the task's own folder unless one is named
         args.out = str(TASKS_HERE[args.task])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     {"run": _run, "table": _table, "times": _times}[args.what](args)
 
 
