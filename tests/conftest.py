@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import compileall
+import json
 import os
 import random
 import sys
@@ -59,7 +61,35 @@ def pytest_configure(config):
         compileall.compile_dir(root / part, quiet=1)
 
 
+def _unit(item: pytest.Item) -> str:
+    """What one worker runs as a whole (``--dist loadgroup``): the test's xdist group, whose
+    tests share module-scoped fixtures, else the test alone."""
+    mark = item.get_closest_marker("xdist_group")
+    if mark is not None:
+        return "@" + str(mark.args[0] if mark.args else mark.kwargs.get("name"))
+    return item.nodeid
+
+
+def _longest_first(items: list[pytest.Item]) -> None:
+    """Order the tests by their unit's measured seconds (tests/durations.json), the longest
+    first. pytest-xdist hands the units out in this order (``--no-loadscope-reorder``), so the
+    long ones start early and the short ones fill in at the end, where one worker would
+    otherwise idle while the other finishes a long one. Within a unit, and for tests the file
+    does not know (0 s), the collection's order stays."""
+    path = Path(__file__).with_name("durations.json")
+    seconds = json.loads(path.read_text()) if path.exists() else {}
+    per_unit: dict[str, float] = collections.defaultdict(float)
+    for item in items:
+        per_unit[_unit(item)] += seconds.get(item.nodeid.split("@")[0], 0.0)  # xdist: "@group"
+    first = {}  # each unit's first place in the collection, to keep a unit's tests together
+    for i, item in enumerate(items):
+        first.setdefault(_unit(item), i)
+    items.sort(key=lambda item: (-per_unit[_unit(item)], first[_unit(item)]))
+
+
+@pytest.hookimpl(trylast=True)  # after -m has deselected: only the tests that run count
 def pytest_collection_modifyitems(config, items):
+    _longest_first(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; the CPU path is tested elsewhere")
