@@ -12,6 +12,8 @@ Regimes (each entry names its results file and the command that wrote it):
   1F1B at its fastest N, and uncorrected ``async``; ``long_rate`` says how much better one
   device does at its best rate at that length, and how the default does at each rate it also ran at.
 - ``long_1gbps``: the same runs' pipeline time replayed over 1 Gb/s links at 1 ms.
+- ``long_halves``: the same GPT at the same length, cut between each block's attention and its
+  MLP as well (``gpt_c64s_halves``), every schedule on that cut: the P it ran at.
 - ``short``: the user's protocol on a compute-bound GPT (``gpt_c64``, 300 steps, 3 seeds).
 - ``dispatch``: the user's protocol on the small dispatch-bound tasks (2 seeds): in how many
   (task, P) cells pipemare is within 2% (1 point) of 1F1B at equal steps, and in how many
@@ -28,6 +30,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "experiments" / "results" / "verdict.json"
 HORIZON = "experiments/results/horizon/verdict.json"
+HALVES = "experiments/results/horizon_halves/verdict.json"
 SHORT = "experiments/results/user_protocol_c64/results.json"
 DISPATCH = "experiments/results/user_protocol/results.json"
 
@@ -36,8 +39,9 @@ def _finite(x: float | None) -> float | None:
     return x if x is not None and math.isfinite(x) else None
 
 
-def _long(root: Path) -> dict[str, Any]:
-    study = json.loads((root / HORIZON).read_text())
+def _per_p(study: dict[str, Any], source: str, command: str) -> dict[str, Any]:
+    """The default N's cells of a horizon study at its longest length and the task's rate, per
+    P: pipemare's (and ``async``'s, prefixed) gap, spread, seeds, time and step."""
     rate = study["task_rate"]
     at = [
         c
@@ -50,8 +54,8 @@ def _long(root: Path) -> dict[str, Any]:
             f"{study['task']}, compute-bound, {steps} steps ({steps // study['main_job_steps']}x"
             f" the main job's), rate {rate:g}, stages simulated in one process on CPU"
         ),
-        "source": HORIZON,
-        "command": "python experiments/studies/horizon.py table",
+        "source": source,
+        "command": command,
         "steps": steps,
     }
     for c in at:
@@ -68,6 +72,14 @@ def _long(root: Path) -> dict[str, Any]:
                 f"{prefix}step": c["step_vs_1f1b"],
             }
         )
+    return entry
+
+
+def _long(root: Path) -> dict[str, Any]:
+    study = json.loads((root / HORIZON).read_text())
+    rate = study["task_rate"]
+    entry = _per_p(study, HORIZON, "python experiments/studies/horizon.py table")
+    steps = entry["steps"]
     ones = {c["lr"]: c for c in study["cells"] if c["schedule"] == "gpipe" and c["steps"] == steps}
     best = min(ones.values(), key=lambda c: c["mean"])
     rates = {
@@ -108,7 +120,14 @@ def _long(root: Path) -> dict[str, Any]:
     for c in study["over_links"].get("1Gb/s@1ms", []):
         if c["steps"] == steps and c["schedule"] == "pipemare" and c["N"] == c["P"]:
             links[f"P{c['P']}"] = {"time": c["time_vs_1f1b"], "step": c["step_vs_1f1b"]}
-    return {"long": entry, "long_rate": rates, "long_1gbps": links}
+    halves = json.loads((root / HALVES).read_text())
+    command = "python experiments/studies/horizon.py table --task gpt_c64s_halves"
+    return {
+        "long": entry,
+        "long_rate": rates,
+        "long_1gbps": links,
+        "long_halves": _per_p(halves, HALVES, command),
+    }
 
 
 def _default_row(stage: dict[str, Any], schedule: str) -> dict[str, Any]:
