@@ -63,6 +63,8 @@ RUNS: dict[str, tuple[float, int]] = {"gpt_c64s": (1e-3, 240), "char_gpt@adamw":
 
 #: the stored long-horizon study shown beside the fresh short answer (``horizon.py table``)
 HORIZON = Path(__file__).resolve().parents[1] / "results" / "horizon" / "verdict.json"
+#: the same study on the same GPT cut between each block's attention and its MLP as well
+HALVES = HORIZON.parents[1] / "horizon_halves" / "verdict.json"
 
 #: the layout the main job answers for
 STAGES = (4,)
@@ -125,7 +127,7 @@ def run_main_job(
         "stages": list(STAGES),
     }
     results["answer"] = answer_lines(results)
-    results["stored"] = stored_lines()
+    results["stored"] = stored_lines() + stored_lines(HALVES)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     stored = "".join(f"- {line}\n" for line in results["stored"])
     (out / "results.md").write_text(
@@ -160,6 +162,9 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
         return []
     longest = max(c["steps"] for c in cells)
     source = f"{path.relative_to(path.parents[3])}" if len(path.parents) > 3 else str(path)
+    command = "python experiments/studies/horizon.py table"
+    if study["task"] != "gpt_c64s":  # the study's other cut
+        command += f" --task {study['task']}"
     lines = []
     for lr in sorted({c["lr"] for c in cells if c["steps"] == longest}):
         at = {(c["schedule"], c["P"]): c for c in cells if c["steps"] == longest and c["lr"] == lr}
@@ -172,7 +177,7 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
                 f"{study['task']}, {longest:,} steps "
                 f"({longest / study['main_job_steps']:.0f}x this job's {study['main_job_steps']}),"
                 f" rate {lr:g} ({rate}), P = {p}, every stage simulated in one process "
-                f"({source}, `python experiments/studies/horizon.py table`): pipemare "
+                f"({source}, `{command}`): pipemare "
                 f"(N = {p}) ends {_stored_cell(pm)}"
             )
             if asy is not None:

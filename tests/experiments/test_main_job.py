@@ -52,7 +52,8 @@ def test_the_main_job_trains_what_it_reports_and_keeps_its_times(tmp_path, monke
     assert "P = 4" in line and "at equal steps" in line and "rate 0.003" in line
     assert (out / "results.md").read_text().startswith(f"- {line}")
     # beside it, the stored long-horizon study, labelled as such (the repository's file)
-    assert first["stored"] == main_job.stored_lines() and first["stored"]
+    assert main_job.stored_lines() and main_job.stored_lines(main_job.HALVES)
+    assert first["stored"] == main_job.stored_lines() + main_job.stored_lines(main_job.HALVES)
     assert "Stored, not run now:" in (out / "results.md").read_text()
     # one W&B run per reported series and seed (1F1B, gpipe, async, pipemare), offline
     assert len(list((out / "wandb").glob("offline-run-*"))) == 8
