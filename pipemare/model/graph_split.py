@@ -92,13 +92,12 @@ def cut_positions(compute: list[fx.Node], cuts: Sequence[Cut]) -> list[int]:
         UncuttableModelError: a cut names a module that runs no operation, or a module whose
             calls fall on both sides of a cut (a block reused).
     """
-    runs: dict[str, list[int]] = {cut.module: [] for cut in cuts}
-    calls: dict[str, dict[int, str]] = {cut.module: {} for cut in cuts}  # node -> its call
+    # per named module, in graph order: each of its operations' position -> the call it is in
+    runs: dict[str, dict[int, str]] = {cut.module: {} for cut in cuts}
     for i, node in enumerate(compute):
         for key, path in _module_paths(node):
             if path in runs:
-                runs[path].append(i)
-                calls[path][i] = key
+                runs[path][i] = key
     positions = set()
     for cut in cuts:
         if not runs[cut.module]:
@@ -107,26 +106,22 @@ def cut_positions(compute: list[fx.Node], cuts: Sequence[Cut]) -> list[int]:
                 "(a misspelt name, a module that is never called, or one that computes nothing); "
                 "name a module the forward calls, e.g. one of its blocks"
             )
-        at = runs[cut.module][-1] + 1 if cut.after else runs[cut.module][0]
+        at = max(runs[cut.module]) + 1 if cut.after else min(runs[cut.module])
         if 0 < at < len(compute):
             positions.add(at)
     cuts_at = sorted(positions)
     for cut in cuts:
         # One call of the module may span cuts (another cut falls inside it: an attention
         # sublayer and an MLP sublayer on two stages); two calls on two sides of a cut may not
-        first, *_ = runs[cut.module]
-        segment = {i: bisect.bisect_right(cuts_at, i) for i in runs[cut.module]}
-        reused = [
-            i
-            for i in runs[cut.module]
-            if calls[cut.module][i] != calls[cut.module][first] and segment[i] != segment[first]
-        ]
+        ops = runs[cut.module]
+        first = min(ops)
+        segment = {i: bisect.bisect_right(cuts_at, i) for i in ops}
+        reused = [i for i in ops if ops[i] != ops[first] and segment[i] != segment[first]]
         if reused:
-            nodes = [compute[first], compute[reused[0]]]
-            again = nodes[1]
+            again = compute[reused[0]]
             raise UncuttableModelError(
                 f"module {cut.module!r} is called more than once and its calls fall on both sides "
-                f"of a cut (first at {_where(nodes[0])}; again at {_where(again)}): the cut "
+                f"of a cut (first at {_where(compute[first])}; again at {_where(again)}): the cut "
                 f"{cut} is ambiguous. Cut at a module the forward calls once, or drop this split "
                 "point so that all calls of the module stay in one segment"
             )
