@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -410,15 +411,19 @@ def auto_microbatches(schedule: str, stages: int, rows: int | None = None) -> tu
         return 1, Decision("microbatches", "N=1", "one stage: no delay")
     n = stages if rows is None else max(1, min(stages, rows))
     late = (stages - 1) / n
+    worst = math.ceil((stages - 1) / n)
+    bound = (
+        f"the r-th microbatch of a step reaches stage i on weights ceil((P-1-i-r)/N) updates "
+        f"old: at most {worst}, {late:.2g} on average at the first stage"
+    )
     why = (
-        f"N = P: the first stage's weights {late:.2g} update(s) late on average, none more than "
-        "one; N = 1 would make them P - 1 updates late"
+        f"N = P: no microbatch more than one update stale ({bound}); N = 1 would make them up "
+        "to P - 1 updates stale"
     )
     if n < stages:
         why = (
-            f"as many as the smallest batch's {rows} sample(s) allow (N = P = {stages} keeps "
-            f"every delay under one update): the first stage's weights {late:.2g} updates late "
-            "on average"
+            f"as many as the smallest batch's {rows} sample(s) allow (N = P = {stages} would "
+            f"keep every microbatch within one update): {bound}"
         )
     return n, Decision("microbatches", f"N={n}", why)
 

@@ -453,7 +453,9 @@ def test_default_microbatches_bound_the_delay_and_fit_the_last_batch(caplog):
     assert strategy.microbatches == strategy.pipeline.microbatches == 4
     assert max(d.forward_max for d in strategy.delays) == 1
     assert all(d.forward < 1 for d in strategy.delays)
-    assert "pipemare:   microbatches: N=4 (N = P:" in caplog.text
+    # the line says the bound in the engine's own delays
+    assert "microbatches: N=4 (N = P: no microbatch more than one update stale" in caplog.text
+    assert "updates old: at most 1, 0.75 on average at the first stage" in caplog.text
     caplog.clear()
     # 98 samples in batches of 12: the last holds 2, and N stays P (the copies fill it)
     short = PipeMareStrategy(stages=4)
@@ -466,6 +468,8 @@ def test_default_microbatches_bound_the_delay_and_fit_the_last_batch(caplog):
     trainer(small, max_steps=2).fit(Tiny(), tiny_data(n=24, batch=3))
     assert small.microbatches == 3
     assert "microbatches: N=3 (as many as the smallest batch's 3 sample(s) allow" in caplog.text
+    worst = max(d.forward_max for d in small.delays)
+    assert f"updates old: at most {worst}, 1 on average at the first stage" in caplog.text
     # a flushing schedule takes the N whose replayed step was fastest on this machine: which
     # one depends on the timings, but it divides the batch and its reason is said
     caplog.clear()

@@ -75,7 +75,7 @@ def test_plain_facts_give_the_whole_frozen_plan():
     assert s.total_steps == 1000 and s.horizon is not None
     said = _said(plan)
     assert said["stages"] == "P=2 (one per process)"
-    assert said["microbatches"].startswith("N=2 (N = P:")
+    assert said["microbatches"].startswith("N=2 (N = P: no microbatch more than one update stale")
     assert said["layers per stage"].startswith("[2, 4] (balance='time': from each layer's time")
     assert said["last batch"].startswith("1 sample(s) < N=2 (97 samples in batches of 32")
     assert said["weight_prediction"].startswith("on")
