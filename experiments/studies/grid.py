@@ -25,6 +25,10 @@ _ALONE = {
 }
 
 
+#: T3's synchronous steps in the horizon study (experiments/studies/horizon.py): 5%, 10%, 20%
+#: and a third of its 2,400 steps
+T3_HORIZON = (120, 240, 480, 800)
+
 #: variant -> (schedule, config); ``pipemare`` is the schedule's default, the others take
 #: its corrections one at a time (the ablation behind the default).
 VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
@@ -68,6 +72,8 @@ VARIANTS: dict[str, tuple[str, PipeMareConfig | None]] = {
     "pipemare+lookahead2": ("pipemare", PipeMareConfig(prediction_scale=2.0)),
     # T3: the first 30 steps synchronous (the compute-bound GPT's warm-up, a tenth of its run)
     "pipemare+T3w30": ("pipemare", PipeMareConfig(warmup_steps=30)),
+    # T3 over 5%, 10%, 20% and a third of issue 61's 2,400-step horizon runs
+    **{f"pipemare+T3w{k}": ("pipemare", PipeMareConfig(warmup_steps=k)) for k in T3_HORIZON},
     # the default with delay-aware momentum rising with the delay itself, not its share
     "pipemare-DMwindow": ("pipemare", PipeMareConfig(delay_momentum_rise="window")),
     "pipemare-DMstretch": ("pipemare", PipeMareConfig(delay_momentum_rise="stretch")),

@@ -23,6 +23,11 @@ live weights. Step times are not measured here.
 "One device" is gpipe (P = 2, N = 1, as the user protocol runs it): it computes what one device
 computes for the minibatch, and so does 1F1B.
 
+``--variant pipemare+T3w240`` (and T3w120, T3w480, T3w800: 5% to a third of the run) trains
+the default with T3, its first K steps synchronous (1F1B at the same P and N) and asynchronous
+after; ``table`` charges those K steps at 1F1B's step at that P and N, and the rest at
+pipemare's.
+
 ``--task gpt_c64s_halves`` (each command) runs the same GPT cut between each block's attention
 and its MLP as well (``experiments/results/horizon_halves``): a cut does not change what one
 device computes, so ``table`` there reads gpt_c64s's one-device runs beside the runs of its own.
@@ -53,6 +58,16 @@ def _commit() -> str:
     """The commit the imported code was archived from (the queue sets it), and where it is."""
     code = Path(sys.modules["pipemare"].__file__ or "").resolve().parents[1]
     return f"{os.environ.get('HORIZON_CODE_COMMIT', 'unknown')} (imported from {code})"
+
+
+#: T3's variants (experiments/studies/grid.py's T3_HORIZON): the first K steps synchronous
+#: (1F1B), the default pipemare after
+T3_VARIANTS = tuple(f"pipemare+T3w{k}" for k in (120, 240, 480, 800))
+
+
+def _synchronous_steps(variant: str) -> int:
+    """The steps a T3 variant runs synchronously (0 for any other)."""
+    return int(variant.rsplit("+T3w", 1)[1]) if "+T3w" in variant else 0
 
 
 def _name(variant: str, stages: int, n: int, seed: int, steps: int, lr: float = _RATE) -> str:
@@ -89,7 +104,13 @@ def _run(args: argparse.Namespace) -> None:
         "schedule": args.variant,
         "label": "one device (gpipe; 1F1B computes the same)"
         if args.variant == "gpipe"
-        else (f"{args.variant} at P = {stages}, N = {n}"),
+        else (f"{args.variant} at P = {stages}, N = {n}")
+        + (
+            f" (T3: the first {_synchronous_steps(args.variant)} steps synchronous, 1F1B)"
+            if _synchronous_steps(args.variant)
+            else ""
+        ),
+        "synchronous_steps": _synchronous_steps(args.variant),
         "stages": stages,
         "microbatches": n,
         "default_n": auto_n(task, stages),
@@ -213,9 +234,10 @@ def _time_cells(
             for (cv, cp, n, st), runs in sorted(cells.items()):
                 if cp != p or cv == "gpipe" or st != steps:
                     continue
-                step = times.get(f"{_TASK}-{cv}-P{p}-N{n}{at}", math.nan)
+                schedule, sync = cv.split("+", 1)[0], _synchronous_steps(cv)
+                step = times.get(f"{_TASK}-{schedule}-P{p}-N{n}{at}", math.nan)
                 reach = _mean_reach(list(runs.values()), target)
-                time = reach * step if reach is not None else math.nan
+                time = _pipeline_time(reach, step, sync, times.get(f"{prefix}{n}{at}", math.nan))
                 out.append(
                     {
                         "steps": steps,
@@ -230,6 +252,22 @@ def _time_cells(
                     }
                 )
     return out
+
+
+def _pipeline_time(reach: float | None, step: float, sync: int, sync_step: float) -> float:
+    """Seconds to ``reach`` steps at ``step`` seconds each, the first ``sync`` of them (T3's)
+    charged at ``sync_step``, 1F1B's at the same P and N (NaN: never reached).
+
+    Example:
+        >>> _pipeline_time(100, 1.0, 0, 9.0), _pipeline_time(100, 1.0, 20, 3.0)
+        (100.0, 140.0)
+        >>> _pipeline_time(10, 1.0, 20, 3.0), _pipeline_time(None, 1.0, 0, 3.0)
+        (30.0, nan)
+    """
+    if reach is None:
+        return math.nan
+    early = min(reach, sync)
+    return early * sync_step + (reach - early) * step
 
 
 def _time_rows(
@@ -521,7 +559,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
     run = sub.add_parser("run", help="train one run and write its curve")
-    run.add_argument("--variant", required=True, choices=("gpipe", "pipemare", "async"))
+    run.add_argument(
+        "--variant", required=True, choices=("gpipe", "pipemare", "async", *T3_VARIANTS)
+    )
     run.add_argument("--stages", type=int, default=2)
     run.add_argument("--microbatches", type=int, help="N (default: the strategy's default N)")
     run.add_argument("--seed", type=int, default=0)

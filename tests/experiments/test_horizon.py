@@ -79,3 +79,26 @@ def test_each_rate_is_judged_against_one_device_at_that_rate(tmp_path):
     assert "The gap along the run at this rate" in retuned
     (row,) = [line for line in retuned.splitlines() if line.startswith("| 40 | pipemare | 4 |")]
     assert "-17.7% (step 20)" in row and "+0.0% (step 40)" in row
+
+
+def test_t3s_synchronous_steps_are_charged_at_1f1bs_step(tmp_path):
+    """T3 (``pipemare+T3w10``: the first 10 steps run 1F1B) reaches one device's final loss at
+    step 20: 10 steps at 1F1B's 40 ms at its own P and N, then 10 at pipemare's 20 ms, 0.6 s
+    against 1F1B's 40 x 40 ms = 1.6 s, so 0.375 of 1F1B's time (0.25 if the synchronous steps
+    were charged at pipemare's step)."""
+    out = tmp_path / "h"
+    out.mkdir()
+    shutil.copy(OUT / "README.template.md", out / "README.template.md")
+    runs = [
+        _run("gpipe", 2, 0, 1e-3, [(20, 2.5), (40, 2.0)]),
+        _run("pipemare+T3w10", 4, 0, 1e-3, [(20, 2.01), (40, 2.0)]),
+    ]
+    for i, r in enumerate(runs):
+        (out / f"gpt_c64s-{i}-40steps.json").write_text(json.dumps(r))
+    times = {"gpt_c64s-1f1b-P4-N4": 0.04, "gpt_c64s-pipemare-P4-N4": 0.02}
+    (out / "step_times-1.json").write_text(json.dumps(times))
+    horizon.main(["table", "--out", str(out)])
+    cells = json.loads((out / "verdict.json").read_text())["cells"]
+    (t3,) = [c for c in cells if c["schedule"] == "pipemare+T3w10"]
+    assert t3["reach"] == 20 and abs(t3["step_vs_1f1b"] - 0.5) < 1e-9
+    assert abs(t3["time_vs_1f1b"] - 0.375) < 1e-9
