@@ -17,7 +17,7 @@ export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 WANDB_MODE=disabled PYTHONPATH=$CODE 
 OUT=experiments/results/horizon
 PY=".venv/bin/python -P experiments/studies/horizon.py"
 for s in ${SEEDS:-0 1 2}; do
-  for k in ${KS:-240 800 120 480}; do
+  for k in ${KS:-240 480 800 120}; do
     name="gpt_c64s-pipemare+T3w$k-P4-N4-s$s-2400steps"
     [ -f "$OUT/$name.json" ] && continue
     args="run --variant pipemare+T3w$k --stages 4 --seed $s --steps 2400"
