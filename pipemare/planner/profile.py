@@ -177,7 +177,7 @@ def engine_overhead(
     training = _Training(_sum_loss, optimizer, schedule, config, repeats)
     delayed = _empty()
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
-        for name, samples in _calibrate(training, torch.device(device)):
+        for name, samples in _calibrate(training, torch.device(device), hooked=False):
             if name == "delayed":
                 _extend(delayed, samples)
     return Overhead(*_medians(delayed))

@@ -285,10 +285,13 @@ class _Scalar(nn.Module):
         return x * self.weight
 
 
-def _calibrate(training: _Training, device: torch.device) -> list[tuple[str, _Samples]]:
+def _calibrate(
+    training: _Training, device: torch.device, hooked: bool = True
+) -> list[tuple[str, _Samples]]:
     """The engine's fixed seconds per action: a pipeline of trivial layers, whose middle
     stages (delayed) and last stage (no delay; it hands the loss over) do next to nothing;
-    and the middle stages again with :class:`_LayerClock`'s hooks on."""
+    and, with ``hooked``, the middle stages again with :class:`_LayerClock`'s hooks on (a
+    second pipeline run, which only a profile of the layers needs)."""
     model = nn.Sequential(*[_Scalar() for _ in range(5)]).to(device)
     x = torch.ones(1, 1, device=device)
     batch = (x, torch.zeros(1, device=device))
@@ -296,9 +299,11 @@ def _calibrate(training: _Training, device: torch.device) -> list[tuple[str, _Sa
         training, loss=_sum_loss, repeats=max(training.repeats, 10), forward_context=None
     )
     times, _ = _time_engine(model, batch, trivial, [1] * 5)
+    out = [("delayed", t) for t in times[1:4]] + [("undelayed", times[4])]
+    if not hooked:
+        return out
     clocked = copy.deepcopy(model)
     clock = _LayerClock(clocked)  # what the layer hooks themselves cost, to take it out
     with_hooks, _ = _time_engine(clocked, batch, trivial, [1] * 5, clock)
     clock.close()
-    out = [("delayed", t) for t in times[1:4]] + [("undelayed", times[4])]
     return out + [("hooked", t) for t in with_hooks[1:4]]
