@@ -4,8 +4,11 @@ seed that lost, with each correction off in turn, uncorrected ``async`` with and
 the switch moved past the rate's warm-up (300 steps, nanoGPT's recipe: the rate peaks at step 30).
 
     PYTHONPATH=. OMP_NUM_THREADS=1 WANDB_MODE=disabled \
-        python -P experiments/results/horizon_t3/why.py --out runs/t3why
-    python -P experiments/results/horizon_t3/why.py --out runs/t3why --table
+        python -P experiments/results/horizon_t3/why.py --out runs/t3why --seeds 1
+    PYTHONPATH=. OMP_NUM_THREADS=1 WANDB_MODE=disabled \
+        python -P experiments/results/horizon_t3/why.py --out runs/t3why --seeds 2 3 \
+        --only pipemare pipemare+T3w30 pipemare+T3w30-noWP pipemare+T3w60
+    python -P experiments/results/horizon_t3/why.py --out runs/t3why --seeds 1 2 3 --table
 
 Quality runs only, through the protocol's engine (one process, every stage simulated with the
 staleness of one process per stage), at the task's one-device rate 1e-3, N = P = 4.
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import statistics
 from pathlib import Path
 
 from pipemare.experiments.studies import grid
@@ -39,39 +43,44 @@ RUNS = {
     "pipemare+T3w60": ("pipemare", PipeMareConfig(warmup_steps=60)),
 }
 ORDER = ("pipemare", "pipemare+T3w30", *RUNS, "async")
+#: the training-loss windows shown (first steps of ten)
+WINDOWS = (20, 30, 40, 50, 100, 150, 290)
 
 
-def _table(out: Path, seed: int) -> None:
-    runs = {}
+def _table(out: Path, seeds: list[int]) -> None:
+    """Final validation loss per run and seed, and the mean training loss over windows of ten
+    steps around the switch (the first seed's)."""
+    print("| run | final validation loss per seed | mean | " + " | ".join(
+        f"train loss, steps {a}-{a + 9}" for a in WINDOWS) + " |")  # fmt: skip
+    print("|---|---|---|" + "---|" * len(WINDOWS))
     for v in ORDER:
-        path = out / "runs" / f"{Job('gpt_c64', v, 4, 4, 1e-3, seed).key}.json"
-        if path.exists():
-            runs[v] = json.loads(path.read_text())
-    print(
-        "| run | final validation loss | "
-        + " | ".join(f"train loss, steps {a}-{a + 9}" for a in (20, 30, 40, 50, 100, 150, 290))
-        + " |"
-    )
-    print("|---|---|" + "---|" * 7)
-    for v, r in runs.items():
-        t = r["train_loss"]
-        windows = " | ".join(
-            f"{sum(t[a : a + 10]) / 10:.3f}" for a in (20, 30, 40, 50, 100, 150, 290)
-        )
-        print(f"| {v} | {r['metric'][-1]:.3f} | {windows} |")
+        runs = {}
+        for seed in seeds:
+            path = out / "runs" / f"{Job('gpt_c64', v, 4, 4, 1e-3, seed).key}.json"
+            if path.exists():
+                runs[seed] = json.loads(path.read_text())
+        if not runs:
+            continue
+        finals = ", ".join(f"{r['metric'][-1]:.3f} (s{k})" for k, r in runs.items())
+        mean = statistics.fmean(r["metric"][-1] for r in runs.values())
+        t = next(iter(runs.values()))["train_loss"]
+        windows = " | ".join(f"{sum(t[a : a + 10]) / 10:.3f}" for a in WINDOWS)
+        print(f"| {v} | {finals} | {mean:.3f} | {windows} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, default=Path("runs/t3why"))
-    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1])
+    parser.add_argument("--only", nargs="+", choices=ORDER, help="these runs (default: all)")
     parser.add_argument("--table", action="store_true", help="tabulate what is stored")
     args = parser.parse_args()
     grid.VARIANTS.update(RUNS)
     if not args.table:
-        jobs = [Job("gpt_c64", v, 4, 4, 1e-3, args.seed) for v in ORDER]
+        variants = args.only or ORDER
+        jobs = [Job("gpt_c64", v, 4, 4, 1e-3, s) for s in args.seeds for v in variants]
         execute(jobs, args.out, 1, "t3 why")
-    _table(args.out, args.seed)
+    _table(args.out, args.seeds)
 
 
 if __name__ == "__main__":
