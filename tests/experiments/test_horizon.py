@@ -41,14 +41,24 @@ def _run(schedule: str, p: int, seed: int, lr: float, curve: list[tuple[int, flo
     }
 
 
+def _table(out: pathlib.Path, runs: list[dict], times: dict[str, float]) -> list[dict]:
+    """``horizon.py table`` over ``runs`` and one sitting's ``times`` in ``out``: its verdict's
+    cells (the README is written beside them)."""
+    out.mkdir()
+    shutil.copy(OUT / "README.template.md", out / "README.template.md")
+    for i, r in enumerate(runs):
+        (out / f"gpt_c64s-{i}-40steps.json").write_text(json.dumps(r))
+    (out / "step_times-1.json").write_text(json.dumps(times))
+    horizon.main(["table", "--out", str(out)])
+    return json.loads((out / "verdict.json").read_text())["cells"]
+
+
 def test_each_rate_is_judged_against_one_device_at_that_rate(tmp_path):
     """At 1e-3 one device ends at 2.0 (seeds 2.0, 2.0) and pipemare at 2.1 (+5%, never within
     1%); at 2e-3 one device ends at 1.8 and pipemare at 1.8 (+0%, within 1% at step 20).
     1F1B's fastest N is 4 (40 ms), pipemare's step 20 ms: at 2e-3 one device reaches its
     final at step 40, pipemare at 20, so 20 x 20 ms against 40 x 40 ms is 0.25."""
     out = tmp_path / "h"
-    out.mkdir()
-    shutil.copy(OUT / "README.template.md", out / "README.template.md")
     runs = [
         _run("gpipe", 2, 0, 1e-3, [(20, 2.5), (40, 2.0)]),
         _run("gpipe", 2, 1, 1e-3, [(20, 2.5), (40, 2.0)]),
@@ -56,16 +66,12 @@ def test_each_rate_is_judged_against_one_device_at_that_rate(tmp_path):
         _run("gpipe", 2, 0, 2e-3, [(20, 2.2), (40, 1.8)]),
         _run("pipemare", 4, 0, 2e-3, [(20, 1.81), (40, 1.8)]),
     ]
-    for i, r in enumerate(runs):
-        (out / f"gpt_c64s-{i}-40steps.json").write_text(json.dumps(r))
     times = {
         "gpt_c64s-1f1b-P4-N4": 0.04,
         "gpt_c64s-1f1b-P4-N8": 0.05,
         "gpt_c64s-pipemare-P4-N4": 0.02,
     }
-    (out / "step_times-1.json").write_text(json.dumps(times))
-    horizon.main(["table", "--out", str(out)])
-    cells = json.loads((out / "verdict.json").read_text())["cells"]
+    cells = _table(out, runs, times)
     at = {(c["lr"], c["schedule"]): c for c in cells}
     slow, fast = at[1e-3, "pipemare"], at[2e-3, "pipemare"]
     assert abs(slow["gap"] - 0.05) < 1e-9 and slow["reach"] is None
@@ -86,19 +92,12 @@ def test_t3s_synchronous_steps_are_charged_at_1f1bs_step(tmp_path):
     step 20: 10 steps at 1F1B's 40 ms at its own P and N, then 10 at pipemare's 20 ms, 0.6 s
     against 1F1B's 40 x 40 ms = 1.6 s, so 0.375 of 1F1B's time (0.25 if the synchronous steps
     were charged at pipemare's step)."""
-    out = tmp_path / "h"
-    out.mkdir()
-    shutil.copy(OUT / "README.template.md", out / "README.template.md")
     runs = [
         _run("gpipe", 2, 0, 1e-3, [(20, 2.5), (40, 2.0)]),
         _run("pipemare+T3w10", 4, 0, 1e-3, [(20, 2.01), (40, 2.0)]),
     ]
-    for i, r in enumerate(runs):
-        (out / f"gpt_c64s-{i}-40steps.json").write_text(json.dumps(r))
     times = {"gpt_c64s-1f1b-P4-N4": 0.04, "gpt_c64s-pipemare-P4-N4": 0.02}
-    (out / "step_times-1.json").write_text(json.dumps(times))
-    horizon.main(["table", "--out", str(out)])
-    cells = json.loads((out / "verdict.json").read_text())["cells"]
+    cells = _table(tmp_path / "h", runs, times)
     (t3,) = [c for c in cells if c["schedule"] == "pipemare+T3w10"]
     assert t3["reach"] == 20 and abs(t3["step_vs_1f1b"] - 0.5) < 1e-9
     assert abs(t3["time_vs_1f1b"] - 0.375) < 1e-9
