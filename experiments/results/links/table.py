@@ -1,11 +1,13 @@
 """The links check's tables from ``results.jsonl`` (written by ``sitting.sh``): per model and
 link, the advice's replayed steps against the measured ones, median over the sittings.
 
-    python experiments/results/links/table.py   # prints the tables (Markdown)
+    python experiments/results/links/table.py                   # every sitting (Markdown)
+    python experiments/results/links/table.py --sittings 4 5 6  # those sittings only
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from collections import defaultdict
@@ -15,8 +17,10 @@ _HERE = Path(__file__).parent
 _REGIME = {(192, 8, 64): "compute-bound", (64, 4, 32): "dispatch-bound"}
 
 
-def rows(path: Path = _HERE / "results.jsonl") -> list[str]:
+def rows(path: Path = _HERE / "results.jsonl", sittings: set[int] | None = None) -> list[str]:
+    """The table's lines, over ``sittings`` (every one where None)."""
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if sittings is None or r["sitting"] in sittings]
     # per (model, link, sitting): the pipemare run (with the advice) and the 1F1B run
     runs: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in records:
@@ -70,4 +74,7 @@ def rows(path: Path = _HERE / "results.jsonl") -> list[str]:
 
 
 if __name__ == "__main__":
-    print("\n".join(rows()))
+    parser = argparse.ArgumentParser(description="the links check's table")
+    parser.add_argument("--sittings", type=int, nargs="+", help="only these sittings")
+    args = parser.parse_args()
+    print("\n".join(rows(sittings=set(args.sittings) if args.sittings else None)))
