@@ -66,7 +66,7 @@ from pipemare.planner.decide import (
     microbatch_candidates,
     overheads_to_measure,
 )
-from pipemare.planner.measurements import ForwardContext
+from pipemare.planner.measurements import ForwardContext, Overhead
 from pipemare.planner.stage_memory import (
     StageMemory,
     check_fits,
@@ -79,11 +79,12 @@ from pipemare.schedule.delay import StageDelay, derive_delays
 __all__ = ["PipelineOptions", "PipelineRunner", "Placement", "stepped"]
 
 
-#: The engine's own seconds per action (forward, backward, update) that advice and a flushing
-#: schedule's N are replayed with, by (schedule, device, corrections, kind of optimiser): they
-#: do not depend on the model (a pipeline of trivial layers is timed), so the runs of a sweep,
-#: or fit then test, measure them once per process (about 0.1 s a schedule on the CPU).
-OVERHEADS: dict[tuple[str, ...], tuple[float, float, float]] = {}
+#: The engine's own seconds per action (forward, backward, update) and its update's seconds
+#: per trained parameter, that advice and a flushing schedule's N are replayed with, by
+#: (schedule, device, corrections, kind of optimiser): they do not depend on the model
+#: (pipelines of trivial and of dense layers are timed), so the runs of a sweep, or fit then
+#: test, measure them once per process (about 0.2 s a schedule on the CPU).
+OVERHEADS: dict[tuple[str, ...], Overhead] = {}
 
 
 def _optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -820,7 +821,10 @@ class PipelineRunner:
             return dataclasses.replace(
                 facts,
                 layer_passes=passes,
-                action_overhead=overheads,
+                action_overhead={
+                    s: (o.forward_s, o.backward_s, o.update_s) for s, o in overheads.items()
+                },
+                update_per_param={s: o.update_per_param_s for s, o in overheads.items()},
                 layer_out_bytes=sizes,
                 links=links,
                 links_why=why,
@@ -857,13 +861,11 @@ class PipelineRunner:
         )
         return tuple(links), why
 
-    def _overheads(
-        self, seq: nn.Sequential, schedules: tuple[str, ...]
-    ) -> dict[str, tuple[float, float, float]]:
-        """The engine's own seconds per action under each of ``schedules`` with the run's
-        optimiser, on this device (:func:`~pipemare.planner.engine_overhead`): measured once
-        per process for each schedule, kind of optimiser, corrections and device
-        (:data:`OVERHEADS`)."""
+    def _overheads(self, seq: nn.Sequential, schedules: tuple[str, ...]) -> dict[str, Overhead]:
+        """The engine's own seconds per action, and its update's per trained parameter, under
+        each of ``schedules`` with the run's optimiser, on this device
+        (:func:`~pipemare.planner.engine_overhead`): measured once per process for each
+        schedule, kind of optimiser, corrections and device (:data:`OVERHEADS`)."""
         from pipemare.planner import engine_overhead
 
         device = next((p.device for p in seq.parameters()), torch.device("cpu"))
@@ -875,10 +877,9 @@ class PipelineRunner:
             for schedule in schedules:
                 key = (schedule, *kind)
                 if key not in OVERHEADS:
-                    fixed = engine_overhead(
-                        schedule, factory, config=self.options.config, device=device
+                    OVERHEADS[key] = engine_overhead(
+                        schedule, factory, config=self.options.config, device=device, per_param=True
                     )
-                    OVERHEADS[key] = (fixed.forward_s, fixed.backward_s, fixed.update_s)
                 out[schedule] = OVERHEADS[key]
         return out
 

@@ -272,6 +272,9 @@ class ModuleAdapter:
             label_shift=label_shift,
             user_compiled=self.user_compiled,
             layer_params=tuple(sum(p.numel() for p in layer.parameters()) for layer in seq),
+            layer_trained=tuple(
+                sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in seq
+            ),
             # the user's module, not the cut: a traced one's segments hold plain modules in
             # BatchNorm's place, and the run would take its N from timing where N = 1 keeps
             # the statistics

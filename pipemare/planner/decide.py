@@ -117,6 +117,8 @@ class ModelFacts:
             0: other); None for other models.
         user_compiled: how the user compiled it (``"torch.compile"``, ``"compile()"``), or None.
         layer_params: parameters of each layer, for ``balance="params"``.
+        layer_trained: the parameters of each layer that train (``requires_grad``): what a
+            stage's update works on.
         batch_statistics: it normalises over its batch (BatchNorm), so microbatches change
             what it computes (read from the user's module, not the cut: a traced model's
             segments hold plain modules where its BatchNorms were).
@@ -133,6 +135,7 @@ class ModelFacts:
     label_shift: int | None = None
     user_compiled: str | None = None
     layer_params: tuple[int, ...] = ()
+    layer_trained: tuple[int, ...] = ()
     batch_statistics: bool = False
     gradient_checkpointing: bool = False
 
@@ -165,6 +168,10 @@ class RunFacts:
             action whatever the layers (:func:`~pipemare.planner.engine_overhead`),
             added to each stage's layers in a replay; a schedule without one replays the
             layers alone.
+        update_per_param: per schedule, the seconds its update adds per trained parameter
+            (:attr:`~pipemare.planner.measurements.Overhead.update_per_param_s`): a replay
+            charges each stage's update this times :attr:`ModelFacts.layer_trained` over its
+            layers.
         built: the model was built on the meta device and each process made only its own
             stage real at setup (:class:`LeanBuild`): the cut was taken then, and no process
             holds every layer to time.
@@ -197,6 +204,7 @@ class RunFacts:
     action_overhead: Mapping[str, tuple[float, float, float]] = dataclasses.field(
         default_factory=dict
     )
+    update_per_param: Mapping[str, float] = dataclasses.field(default_factory=dict)
     built: LeanBuild | None = None
     sample: str | None = None
     layer_out_bytes: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -508,11 +516,14 @@ def _replayed_steps(
     (:func:`~pipemare.planner.cost.replayed_step_time`): the layers cut at that N as the
     options cut them, each stage's forward and backward the sums of its layers' measured at
     that N's microbatch plus the engine's own seconds per action
-    (:attr:`RunFacts.action_overhead`), its update the engine's (the parameters' arithmetic,
-    the same per step whatever the schedule). Where :attr:`RunFacts.links` are known, each
-    microbatch's activations and gradients cross them (the bytes of the last layer before
-    each cut); otherwise communication is free."""
+    (:attr:`RunFacts.action_overhead`), its update the engine's fixed cost plus its rate per
+    parameter (:attr:`RunFacts.update_per_param`) times the parameters the stage trains (the
+    optimiser's and the corrections' arithmetic: once a step whatever N). Where
+    :attr:`RunFacts.links` are known, each microbatch's activations and gradients cross them
+    (the bytes of the last layer before each cut); otherwise communication is free."""
     fixed = facts.action_overhead.get(schedule, (0.0, 0.0, 0.0))
+    per_param = facts.update_per_param.get(schedule, 0.0)
+    trained = facts.model.layer_trained
     replayed = {}
     for n in ns:
         cut, _ = _layers_per_stage(options, facts, stages, n)
@@ -523,7 +534,7 @@ def _replayed_steps(
             (
                 fixed[0] + sum(f for f, _ in passes[a:b]),
                 fixed[1] + sum(b_ for _, b_ in passes[a:b]),
-                fixed[2],
+                fixed[2] + per_param * sum(trained[a:b]),
             )
             for a, b in itertools.pairwise(bounds)
         ]

@@ -72,11 +72,15 @@ class Overhead:
 
     Measured on a pipeline of trivial layers (one scalar weight each) with the same schedule
     and optimiser; a stage's action costs this plus what each of its layers adds.
+    ``update_per_param_s``: what the update adds per trained parameter of the stage (the
+    optimiser's and the corrections' arithmetic), from the same pipeline with dense layers; 0
+    where not measured.
     """
 
     forward_s: float
     backward_s: float
     update_s: float
+    update_per_param_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pipemare.planner.measurements import (
 from pipemare.planner.saved_bytes import _Bytes, _bytes_pass, _rows, _sum_loss
 from pipemare.planner.timing import (
     _calibrate,
+    _calibrate_dense,
     _empty,
     _extend,
     _median,
@@ -161,6 +162,7 @@ def engine_overhead(
     config: PipeMareConfig | None = None,
     device: torch.device | str = "cpu",
     repeats: int = 10,
+    per_param: bool = False,
 ) -> Overhead:
     """The engine's own seconds per forward, backward and update action of a stage under
     ``schedule`` with ``optimizer``, whatever its layers: a pipeline of trivial layers (one
@@ -168,19 +170,30 @@ def engine_overhead(
     this plus what its layers add; a replay of layer times alone misses it, which matters
     where a schedule runs many small actions (:func:`pipemare.planner.decide.decide` adds it).
 
+    With ``per_param``, it times the same pipeline again with dense layers: what their update
+    takes beyond the fixed cost, per parameter, is what a stage's update adds for each
+    parameter it trains, which a replay of the layers' own passes would otherwise miss (a
+    stage's update is the optimiser's and the corrections' arithmetic over its weights:
+    milliseconds for a few million parameters on a CPU thread).
+
     Example:
-        >>> fixed = engine_overhead("1f1b")
-        >>> fixed.forward_s > 0 and fixed.update_s > 0
+        >>> fixed = engine_overhead("1f1b", per_param=True)
+        >>> fixed.forward_s > 0 and fixed.update_s > 0 and fixed.update_per_param_s > 0
         True
     """
     spec(schedule)
     training = _Training(_sum_loss, optimizer, schedule, config, repeats)
     delayed = _empty()
+    device = torch.device(device)
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
-        for name, samples in _calibrate(training, torch.device(device), hooked=False):
+        for name, samples in _calibrate(training, device, hooked=False):
             if name == "delayed":
                 _extend(delayed, samples)
-    return Overhead(*_medians(delayed))
+        fixed = _medians(delayed)
+        if not per_param:
+            return Overhead(*fixed)
+        update, params = _calibrate_dense(training, device)
+    return Overhead(*fixed, update_per_param_s=max(update - fixed[2], 0.0) / params)
 
 
 def _share(total: float, weights: Sequence[float]) -> list[float]:

@@ -285,6 +285,27 @@ class _Scalar(nn.Module):
         return x * self.weight
 
 
+#: width of :func:`_calibrate_dense`'s layers: 512 x 512 weights and 512 biases each, whose
+#: update costs about a millisecond on one CPU thread, far above the engine's fixed cost
+DENSE = 512
+
+
+def _calibrate_dense(training: _Training, device: torch.device) -> tuple[float, int]:
+    """The update seconds of a delayed stage holding one ``Linear(DENSE, DENSE)``, timed as
+    :func:`_calibrate` times its scalar layers, and that layer's parameter count: what the
+    engine's update (the optimiser and the corrections) costs on a typical dense weight. A
+    weight of the same size read one element at a time updates about twice as slowly (measured
+    on the CPU), so the stand-in is a layer of the kind models hold."""
+    model = nn.Sequential(*[nn.Linear(DENSE, DENSE) for _ in range(5)]).to(device)
+    x = torch.ones(1, DENSE, device=device)
+    trivial = dataclasses.replace(
+        training, loss=_sum_loss, repeats=max(training.repeats, 10), forward_context=None
+    )
+    times, _ = _time_engine(model, (x, torch.zeros(1, device=device)), trivial, [1] * 5)
+    updates = [u for t in times[1:4] for u in t[2]]
+    return _median(updates), sum(p.numel() for p in model[0].parameters())
+
+
 def _calibrate(
     training: _Training, device: torch.device, hooked: bool = True
 ) -> list[tuple[str, _Samples]]:

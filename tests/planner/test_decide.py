@@ -294,6 +294,44 @@ def test_the_advice_counts_the_engines_cost_per_action_and_can_favour_1f1b():
     )
 
 
+def test_the_replay_charges_each_stage_update_by_the_parameters_it_trains():
+    """A stage's update is the optimiser's and the corrections' arithmetic over the weights it
+    trains: the replay adds the measured rate per trained parameter (frozen ones cost
+    nothing) to the fixed cost of each stage's update, as the run at setup measured it."""
+    frozen_head = dataclasses.replace(
+        SEQ, layer_params=(100,) * 6, layer_trained=(100, 100, 100, 100, 100, 0)
+    )
+    overhead = {"pipemare": (0.001, 0.001, 0.002), "1f1b": (0.001, 0.001, 0.002)}
+    rate = {"pipemare": 1e-5, "1f1b": 4e-6}
+    facts = RunFacts(
+        frozen_head,
+        rows=8,
+        layer_passes={rows: _passes(*[0.001 * rows] * 6) for rows in (1, 2, 4, 8)},
+        optimizer=_adamw(),
+        action_overhead=overhead,
+        update_per_param=rate,
+    )
+    advice = decide(PipelineOptions(stages=2, balance="even"), facts).advice
+    assert advice is not None
+    stage = lambda rows: (3 * 0.001 * rows / 3, 3 * 2 * 0.001 * rows / 3)  # noqa: E731
+
+    def replay(schedule, n):
+        fixed = overhead[schedule]
+        durations = [
+            (fixed[0] + f, fixed[1] + b, fixed[2] + rate[schedule] * trained)
+            for (f, b), trained in zip([stage(8 // n)] * 2, (300, 200), strict=True)
+        ]
+        return replayed_step_time(schedule, durations, n)
+
+    assert advice.step_s == pytest.approx(replay("pipemare", 2))
+    assert dict(advice.baseline_by_n) == pytest.approx({n: replay("1f1b", n) for n in (1, 2, 4, 8)})
+    # without the rate, the same facts replay a shorter step
+    plain = decide(
+        PipelineOptions(stages=2, balance="even"), dataclasses.replace(facts, update_per_param={})
+    ).advice
+    assert plain is not None and plain.step_s < advice.step_s
+
+
 def test_a_layout_the_references_did_not_measure_is_said_to_be_not_measured():
     """AdamW's family at an N no reference task ran: where the family was measured is said."""
     passes = lambda rows: _passes(*[0.001 * rows] * 6)  # noqa: E731
