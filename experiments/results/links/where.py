@@ -5,9 +5,11 @@ GPT whatever the link, so the missing time is not the link's. This runs ``measur
 (the experiments' GPT over the char corpus, batch 16, AdamW, two gloo processes, one thread
 each) with every rank's actions recorded from step 10 on (``Probe(timeline=True)``), and keeps
 what the run measured at setup for its replays (each layer's forward and backward at the run's
-microbatch, the engine's fixed seconds per action). Each rank then prints, per action kind, the
-median measured time against the setup's charge for that stage (its layers' sum plus the fixed
-cost), and its CPU time against the wall clock. Run alone on the machine::
+microbatch, the engine's fixed seconds per action, its update's seconds per trained parameter).
+Each rank then prints, per action kind, the median measured time against the setup's charge
+for that stage (its layers' sum plus the fixed cost; for the update, the fixed cost plus the
+rate times the parameters the stage trains), and its CPU time against the wall clock. Run
+alone on the machine::
 
     python experiments/results/links/where.py 192 8 64 pipemare
     python experiments/results/links/where.py 192 8 64 1f1b 4
@@ -50,6 +52,8 @@ def _keep_setup(decide):
         _SETUP.update(
             passes=facts.layer_passes,
             fixed=dict(facts.action_overhead),
+            per_param=dict(facts.update_per_param),
+            trained=facts.model.layer_trained,
             cut=list(plan.balance),
             n=plan.microbatches,
             rows=facts.rows,
@@ -96,10 +100,11 @@ def _figures(
     bounds = list(itertools.accumulate([0, *cut]))
     layers = _SETUP["passes"][-(-rows // n)][bounds[rank] : bounds[rank + 1]]
     fixed = _SETUP["fixed"].get(schedule, (0.0, 0.0, 0.0))
+    trained = sum(_SETUP["trained"][bounds[rank] : bounds[rank + 1]])
     charged = {
         "F": fixed[0] + sum(f for f, _ in layers),
         "B": fixed[1] + sum(b for _, b in layers),
-        "U": fixed[2],
+        "U": fixed[2] + _SETUP["per_param"].get(schedule, 0.0) * trained,
     }
     return {
         "rank": rank,
