@@ -8,13 +8,24 @@ the machine.
 
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Any
 
 import pytorch_lightning as pl
 import torch
 
-__all__ = ["timed_fit"]
+__all__ = ["gpt_and_schedule_arguments", "timed_fit"]
+
+
+def gpt_and_schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every script timing :func:`timed_fit`'s GPT takes: its width, blocks and
+    context, then the schedule (the default ``pipemare`` or ``1f1b``) and 1F1B's N."""
+    parser.add_argument("width", type=int)
+    parser.add_argument("layers", type=int)
+    parser.add_argument("context", type=int)
+    parser.add_argument("schedule", choices=["pipemare", "1f1b"])
+    parser.add_argument("n", type=int, nargs="?", help="1F1B's N")
 
 
 class _Clock(pl.Callback):

@@ -22,16 +22,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 from pipemare import PipeMareStrategy
-from pipemare.experiments.studies.step_clock import timed_fit
+from pipemare.experiments.studies.step_clock import gpt_and_schedule_arguments, timed_fit
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("width", type=int)
-    parser.add_argument("layers", type=int)
-    parser.add_argument("context", type=int)
-    parser.add_argument("schedule", choices=["pipemare", "1f1b"])
-    parser.add_argument("n", type=int, nargs="?", help="1F1B's N")
+    gpt_and_schedule_arguments(parser)
     parser.add_argument("--link", help="a simulated link, e.g. 1Gb/s@1ms (default: the real one)")
     parser.add_argument("--sitting", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.jsonl")

@@ -39,6 +39,7 @@ import pipemare.lightning.runner as runner_module
 from pipemare import PipeMareStrategy
 from pipemare.engine.telemetry import Probe
 from pipemare.experiments.studies import step_clock
+from pipemare.experiments.studies.step_clock import gpt_and_schedule_arguments
 
 FROM_STEP = 10
 _SETUP: dict[str, Any] = {}
@@ -120,11 +121,7 @@ def _figures(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("width", type=int)
-    parser.add_argument("layers", type=int)
-    parser.add_argument("context", type=int)
-    parser.add_argument("schedule", choices=["pipemare", "1f1b"])
-    parser.add_argument("n", type=int, nargs="?", help="1F1B's N")
+    gpt_and_schedule_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "where.jsonl")
     args = parser.parse_args()
     if args.schedule == "pipemare":
