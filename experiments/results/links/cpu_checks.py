@@ -1,0 +1,93 @@
+"""Two checks behind the links README's "Where the missing time goes" (issue 62), run alone:
+
+    python experiments/results/links/cpu_checks.py messages    # CPU per gloo message, each side
+    python experiments/results/links/cpu_checks.py contention  # a matmul, alone and beside another
+
+``messages``: two processes (a file store, so no port is taken) stream 300 one-way messages of
+16 KB, 0.2 MB and 0.8 MB; each prints the CPU time of all its threads per message and the wall
+time. ``contention``: a 192-wide MLP layer's two matmuls on 256 rows, one thread, timed alone
+and then while a second process runs the same loop on the other core.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+SIZES = (16_384, 200_000, 800_000)  # bytes per message
+MESSAGES = 300
+
+
+def _stream(rank: int, store: str, nbytes: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    buffer = torch.zeros(nbytes // 4)
+    move = dist.send if rank == 0 else dist.recv
+    for _ in range(20):  # warm the connection up
+        move(buffer, 1 - rank)
+    dist.barrier()
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in range(MESSAGES):
+        move(buffer, 1 - rank)
+    dist.barrier()
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    side = "sender" if rank == 0 else "receiver"
+    print(
+        f"{nbytes / 1e6:.3f} MB, {side}: {1e3 * cpu / MESSAGES:.3f} ms of CPU a message (every "
+        f"thread), {1e3 * wall / MESSAGES:.3f} ms of wall time",
+        flush=True,
+    )
+    dist.destroy_process_group()
+
+
+def messages() -> None:
+    context = mp.get_context("spawn")
+    for nbytes in SIZES:
+        with tempfile.TemporaryDirectory() as folder:
+            store = os.path.join(folder, "store")
+            procs = [context.Process(target=_stream, args=(r, store, nbytes)) for r in (0, 1)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(120)
+                assert p.exitcode == 0, f"a streaming process ended with {p.exitcode}"
+
+
+def _layer_loop(calls: int, out: mp.Queue | None = None) -> float:
+    torch.set_num_threads(1)
+    x, w1, w2 = torch.randn(256, 192), torch.randn(192, 768), torch.randn(768, 192)
+    for _ in range(50):
+        torch.nn.functional.gelu(x @ w1) @ w2
+    start = time.process_time()
+    for _ in range(calls):
+        torch.nn.functional.gelu(x @ w1) @ w2
+    seconds = (time.process_time() - start) / calls
+    if out is not None:
+        out.put(seconds)
+    return seconds
+
+
+def contention() -> None:
+    alone = _layer_loop(3000)
+    context = mp.get_context("spawn")
+    other = context.Process(target=_layer_loop, args=(6000,))
+    other.start()
+    time.sleep(3)  # the other process past its imports and warm-up, computing
+    beside = _layer_loop(3000)
+    other.join(300)
+    print(
+        f"a 192-wide MLP layer on 256 rows: {1e3 * alone:.3f} ms of CPU alone, "
+        f"{1e3 * beside:.3f} ms beside a second process doing the same ({beside / alone - 1:+.0%})"
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("check", choices=["messages", "contention"])
+    {"messages": messages, "contention": contention}[parser.parse_args().check]()
