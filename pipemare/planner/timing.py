@@ -285,6 +285,14 @@ class _Scalar(nn.Module):
         return x * self.weight
 
 
+def _calibration_training(training: _Training) -> _Training:
+    """How the calibration pipelines train: ``training``'s optimiser, schedule and corrections,
+    a plain sum for the loss, no forward context, at least ten timed steps."""
+    return dataclasses.replace(
+        training, loss=_sum_loss, repeats=max(training.repeats, 10), forward_context=None
+    )
+
+
 #: width of :func:`_calibrate_dense`'s layers: 512 x 512 weights and 512 biases each, whose
 #: update costs about a millisecond on one CPU thread, far above the engine's fixed cost
 DENSE = 512
@@ -298,9 +306,7 @@ def _calibrate_dense(training: _Training, device: torch.device) -> tuple[float, 
     on the CPU), so the stand-in is a layer of the kind models hold."""
     model = nn.Sequential(*[nn.Linear(DENSE, DENSE) for _ in range(5)]).to(device)
     x = torch.ones(1, DENSE, device=device)
-    trivial = dataclasses.replace(
-        training, loss=_sum_loss, repeats=max(training.repeats, 10), forward_context=None
-    )
+    trivial = _calibration_training(training)
     times, _ = _time_engine(model, (x, torch.zeros(1, device=device)), trivial, [1] * 5)
     updates = [u for t in times[1:4] for u in t[2]]
     return _median(updates), sum(p.numel() for p in model[0].parameters())
@@ -316,9 +322,7 @@ def _calibrate(
     model = nn.Sequential(*[_Scalar() for _ in range(5)]).to(device)
     x = torch.ones(1, 1, device=device)
     batch = (x, torch.zeros(1, device=device))
-    trivial = dataclasses.replace(
-        training, loss=_sum_loss, repeats=max(training.repeats, 10), forward_context=None
-    )
+    trivial = _calibration_training(training)
     times, _ = _time_engine(model, batch, trivial, [1] * 5)
     out = [("delayed", t) for t in times[1:4]] + [("undelayed", times[4])]
     if not hooked:
