@@ -65,6 +65,7 @@ from pipemare.planner.decide import (
     measurements_needed,
     microbatch_candidates,
     overheads_to_measure,
+    trained_per_stage,
 )
 from pipemare.planner.measurements import ForwardContext, Overhead
 from pipemare.planner.stage_memory import (
@@ -79,11 +80,12 @@ from pipemare.schedule.delay import StageDelay, derive_delays
 __all__ = ["PipelineOptions", "PipelineRunner", "Placement", "stepped"]
 
 
-#: The engine's own seconds per action (forward, backward, update) and its update's seconds
-#: per trained parameter, that advice and a flushing schedule's N are replayed with, by
-#: (schedule, device, corrections, kind of optimiser): they do not depend on the model
-#: (pipelines of trivial and of dense layers are timed), so the runs of a sweep, or fit then
-#: test, measure them once per process (about 0.2 s a schedule on the CPU).
+#: The engine's own seconds per action (forward, backward, update) and its forward's and
+#: update's seconds per trained parameter, that advice and a flushing schedule's N are
+#: replayed with, by (schedule, device, corrections, kind of optimiser, width of the dense
+#: stand-in): they depend on the model only through its stages' size (pipelines of trivial
+#: and of dense layers are timed), so the runs of a sweep, or fit then test, measure them
+#: once per process.
 OVERHEADS: dict[tuple[str, ...], Overhead] = {}
 
 
@@ -812,7 +814,11 @@ class PipelineRunner:
             if kind == "time":
                 measured = (
                     measured,
-                    self._overheads(seq, overheads_to_measure(self.options, facts)),
+                    self._overheads(
+                        seq,
+                        overheads_to_measure(self.options, facts),
+                        trained_per_stage(self.options, facts),
+                    ),
                 )
         measured = place.broadcast(measured, 0)
         if kind == "time":
@@ -821,10 +827,7 @@ class PipelineRunner:
             return dataclasses.replace(
                 facts,
                 layer_passes=passes,
-                action_overhead={
-                    s: (o.forward_s, o.backward_s, o.update_s) for s, o in overheads.items()
-                },
-                update_per_param={s: o.update_per_param_s for s, o in overheads.items()},
+                overheads=overheads,
                 layer_out_bytes=sizes,
                 links=links,
                 links_why=why,
@@ -861,24 +864,38 @@ class PipelineRunner:
         )
         return tuple(links), why
 
-    def _overheads(self, seq: nn.Sequential, schedules: tuple[str, ...]) -> dict[str, Overhead]:
-        """The engine's own seconds per action, and its update's per trained parameter, under
-        each of ``schedules`` with the run's optimiser, on this device
-        (:func:`~pipemare.planner.engine_overhead`): measured once per process for each
-        schedule, kind of optimiser, corrections and device (:data:`OVERHEADS`)."""
+    def _overheads(
+        self, seq: nn.Sequential, schedules: tuple[str, ...], stage_params: int | None
+    ) -> dict[str, Overhead]:
+        """The engine's own seconds per action, and its forward's and update's per trained
+        parameter on stages of about ``stage_params``, under each of ``schedules`` with the
+        run's optimiser, on this device (:func:`~pipemare.planner.engine_overhead`): measured
+        once per process for each schedule, kind of optimiser, corrections, device and size
+        of stand-in stage (:data:`OVERHEADS`)."""
         from pipemare.planner import engine_overhead
+        from pipemare.planner.timing import dense_width
 
         device = next((p.device for p in seq.parameters()), torch.device("cpu"))
         optimizer = self._user_optimizer(seq)
         factory = copies_of(optimizer, seq.parameters())
-        kind = (str(device), repr(self.options.config), _optimizer_kind(optimizer))
+        kind = (
+            str(device),
+            repr(self.options.config),
+            _optimizer_kind(optimizer),
+            str(dense_width(stage_params)),
+        )
         out = {}
         with self.steps.discarding_logs():
             for schedule in schedules:
                 key = (schedule, *kind)
                 if key not in OVERHEADS:
                     OVERHEADS[key] = engine_overhead(
-                        schedule, factory, config=self.options.config, device=device, per_param=True
+                        schedule,
+                        factory,
+                        config=self.options.config,
+                        device=device,
+                        per_param=True,
+                        stage_params=stage_params,
                     )
                 out[schedule] = OVERHEADS[key]
         return out

@@ -42,7 +42,7 @@ from pipemare.model import partition
 from pipemare.optim.config import PipeMareConfig
 from pipemare.optim.settings import Decision, RunSettings, resolve
 from pipemare.planner.cost import replayed_step_time
-from pipemare.planner.measurements import Profile
+from pipemare.planner.measurements import Overhead, Profile
 from pipemare.planner.reference import ReferenceQuality, measured_layouts, measured_quality
 from pipemare.planner.search import best_cut
 from pipemare.schedule.actions import spec
@@ -61,6 +61,7 @@ __all__ = [
     "microbatches_to_measure",
     "optimizer_family",
     "overheads_to_measure",
+    "trained_per_stage",
 ]
 
 #: how each microbatch's loss is weighted: a function from the microbatches to their shares
@@ -164,14 +165,12 @@ class RunFacts:
         fitting: whether the run trains (evaluation applies no corrections).
         previous: ``(stages, microbatches, balance)`` of this run's earlier pipeline (a rebuild
             after fit, for test, runs the same layout); None at the first build.
-        action_overhead: per schedule, the engine's own seconds per forward, backward and update
-            action whatever the layers (:func:`~pipemare.planner.engine_overhead`),
-            added to each stage's layers in a replay; a schedule without one replays the
-            layers alone.
-        update_per_param: per schedule, the seconds its update adds per trained parameter
-            (:attr:`~pipemare.planner.measurements.Overhead.update_per_param_s`): a replay
-            charges each stage's update this times :attr:`ModelFacts.layer_trained` over its
-            layers.
+        overheads: per schedule, the engine's own seconds per forward, backward and update
+            action whatever the layers, and per trained parameter in an update and in a
+            delayed stage's forward (:func:`~pipemare.planner.engine_overhead`): a replay adds
+            the fixed seconds to each stage's layers and charges the rates times the
+            parameters the stage trains (:attr:`ModelFacts.layer_trained`); a schedule
+            without one replays the layers alone.
         built: the model was built on the meta device and each process made only its own
             stage real at setup (:class:`LeanBuild`): the cut was taken then, and no process
             holds every layer to time.
@@ -201,10 +200,7 @@ class RunFacts:
     short_last_batches: tuple[tuple[int, int, int], ...] = ()
     fitting: bool = True
     previous: tuple[int, int, tuple[int, ...]] | None = None
-    action_overhead: Mapping[str, tuple[float, float, float]] = dataclasses.field(
-        default_factory=dict
-    )
-    update_per_param: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    overheads: Mapping[str, Overhead] = dataclasses.field(default_factory=dict)
     built: LeanBuild | None = None
     sample: str | None = None
     layer_out_bytes: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
@@ -516,14 +512,18 @@ def _replayed_steps(
     (:func:`~pipemare.planner.cost.replayed_step_time`): the layers cut at that N as the
     options cut them, each stage's forward and backward the sums of its layers' measured at
     that N's microbatch plus the engine's own seconds per action
-    (:attr:`RunFacts.action_overhead`), its update the engine's fixed cost plus its rate per
-    parameter (:attr:`RunFacts.update_per_param`) times the parameters the stage trains (the
-    optimiser's and the corrections' arithmetic: once a step whatever N). Where
+    (:attr:`RunFacts.overheads`), its update the engine's fixed cost plus its rate per
+    parameter times the parameters the stage trains (the optimiser's and the corrections'
+    arithmetic: once a step whatever N), and a delayed stage's forward (every stage but an
+    asynchronous schedule's last) the forward's rate per parameter on top (weight prediction:
+    once a microbatch). Where
     :attr:`RunFacts.links` are known, each microbatch's activations and gradients cross them
     (the bytes of the last layer before each cut); otherwise communication is free."""
-    fixed = facts.action_overhead.get(schedule, (0.0, 0.0, 0.0))
-    per_param = facts.update_per_param.get(schedule, 0.0)
+    overhead = facts.overheads.get(schedule, Overhead(0.0, 0.0, 0.0))
+    fixed = overhead.fixed
     trained = facts.model.layer_trained
+    # the last stage of an asynchronous schedule runs without delay: nothing to predict
+    delayed = stages if spec(schedule).flushes else stages - 1
     replayed = {}
     for n in ns:
         cut, _ = _layers_per_stage(options, facts, stages, n)
@@ -532,11 +532,13 @@ def _replayed_steps(
         bounds = [0, *itertools.accumulate(cut)]
         durations = [
             (
-                fixed[0] + sum(f for f, _ in passes[a:b]),
+                fixed[0]
+                + sum(f for f, _ in passes[a:b])
+                + (overhead.forward_per_param_s * sum(trained[a:b]) if i < delayed else 0.0),
                 fixed[1] + sum(b_ for _, b_ in passes[a:b]),
-                fixed[2] + per_param * sum(trained[a:b]),
+                fixed[2] + overhead.update_per_param_s * sum(trained[a:b]),
             )
-            for a, b in itertools.pairwise(bounds)
+            for i, (a, b) in enumerate(itertools.pairwise(bounds))
         ]
         out = facts.layer_out_bytes.get(rows)
         if facts.links is not None and out is not None and len(facts.links) == stages - 1:
@@ -735,7 +737,7 @@ def microbatches_to_measure(options: PipelineOptions, facts: RunFacts) -> tuple[
 
 
 def overheads_to_measure(options: PipelineOptions, facts: RunFacts) -> tuple[str, ...]:
-    """The schedules whose engine seconds per action (:attr:`RunFacts.action_overhead`) a
+    """The schedules whose engine seconds per action (:attr:`RunFacts.overheads`) a
     replay needs: the run's own, for a flushing schedule's ``"auto"`` N, and 1F1B's too where
     the run says which steps sooner."""
     stages, _ = _stages(options, facts)
@@ -744,6 +746,22 @@ def overheads_to_measure(options: PipelineOptions, facts: RunFacts) -> tuple[str
     if _advises(options, facts, stages):
         return (options.schedule, "1f1b")
     return ()
+
+
+def trained_per_stage(options: PipelineOptions, facts: RunFacts) -> int | None:
+    """About the parameters a stage trains (the model's over P): the size the engine's costs
+    per parameter are measured at (:func:`~pipemare.planner.engine_overhead`); None where
+    the layers' trained parameters are not known.
+
+    Example:
+        >>> facts = RunFacts(ModelFacts("Net.layers", layers=4, layer_trained=(5, 5, 5, 1)), 8)
+        >>> trained_per_stage(PipelineOptions(stages=2), facts)
+        8
+    """
+    if not facts.model.layer_trained:
+        return None
+    stages, _ = _stages(options, facts)
+    return sum(facts.model.layer_trained) // max(stages, 1)
 
 
 def microbatch_candidates(options: PipelineOptions, stages: int) -> tuple[int, ...]:

@@ -73,14 +73,22 @@ class Overhead:
     Measured on a pipeline of trivial layers (one scalar weight each) with the same schedule
     and optimiser; a stage's action costs this plus what each of its layers adds.
     ``update_per_param_s``: what the update adds per trained parameter of the stage (the
-    optimiser's and the corrections' arithmetic), from the same pipeline with dense layers; 0
-    where not measured.
+    optimiser's and the corrections' arithmetic), from the same pipeline with dense layers;
+    ``forward_per_param_s``: what a delayed stage's forward adds per trained parameter beyond
+    its layers (weight prediction moves every weight before the forward and back after it),
+    from the same dense pipeline; 0 where not measured.
     """
 
     forward_s: float
     backward_s: float
     update_s: float
     update_per_param_s: float = 0.0
+    forward_per_param_s: float = 0.0
+
+    @property
+    def fixed(self) -> tuple[float, float, float]:
+        """The fixed seconds of a forward, a backward and an update action."""
+        return self.forward_s, self.backward_s, self.update_s
 
 
 @dataclasses.dataclass(frozen=True)

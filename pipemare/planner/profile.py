@@ -35,6 +35,7 @@ from pipemare.planner.timing import (
     _time_stages,
     _time_updates,
     _Training,
+    dense_width,
 )
 from pipemare.schedule.actions import spec
 
@@ -163,6 +164,7 @@ def engine_overhead(
     device: torch.device | str = "cpu",
     repeats: int = 10,
     per_param: bool = False,
+    stage_params: int | None = None,
 ) -> Overhead:
     """The engine's own seconds per forward, backward and update action of a stage under
     ``schedule`` with ``optimizer``, whatever its layers: a pipeline of trivial layers (one
@@ -170,15 +172,22 @@ def engine_overhead(
     this plus what its layers add; a replay of layer times alone misses it, which matters
     where a schedule runs many small actions (:func:`pipemare.planner.decide.decide` adds it).
 
-    With ``per_param``, it times the same pipeline again with dense layers: what their update
-    takes beyond the fixed cost, per parameter, is what a stage's update adds for each
-    parameter it trains, which a replay of the layers' own passes would otherwise miss (a
-    stage's update is the optimiser's and the corrections' arithmetic over its weights:
-    milliseconds for a few million parameters on a CPU thread).
+    With ``per_param``, it times a pipeline of dense layers too, each about the size of a
+    stage of ``stage_params`` trained parameters (:func:`~pipemare.planner.timing.dense_width`):
+    what their update takes beyond the fixed cost, per parameter, is what a stage's update
+    adds for each parameter it trains, and what a delayed stage's forward takes beyond the
+    fixed cost and the layer's own pass, what it adds per parameter (weight prediction). A
+    replay of the layers' own passes would otherwise miss both: a stage's update is the
+    optimiser's and the corrections' arithmetic over its weights, milliseconds for a few
+    million parameters on a CPU thread, and pipemare moves every weight of a delayed stage
+    twice around each forward.
 
     Example:
         >>> fixed = engine_overhead("1f1b", per_param=True)
         >>> fixed.forward_s > 0 and fixed.update_s > 0 and fixed.update_per_param_s > 0
+        True
+        >>> predicted = engine_overhead("pipemare", torch.optim.AdamW, per_param=True)
+        >>> predicted.forward_per_param_s > 0
         True
     """
     spec(schedule)
@@ -192,8 +201,12 @@ def engine_overhead(
         fixed = _medians(delayed)
         if not per_param:
             return Overhead(*fixed)
-        update, params = _calibrate_dense(training, device)
-    return Overhead(*fixed, update_per_param_s=max(update - fixed[2], 0.0) / params)
+        forward, update, params = _calibrate_dense(training, device, dense_width(stage_params))
+    return Overhead(
+        *fixed,
+        update_per_param_s=max(update - fixed[2], 0.0) / params,
+        forward_per_param_s=max(forward - fixed[0], 0.0) / params,
+    )
 
 
 def _share(total: float, weights: Sequence[float]) -> list[float]:

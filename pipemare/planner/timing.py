@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 from pipemare.engine.telemetry import replay_timeline
-from pipemare.model.partition import _flat, _layers, _leaf
+from pipemare.model.partition import _flat, _layers, _leaf, layer_passes
 from pipemare.optim.config import PipeMareConfig
 from pipemare.planner.measurements import ForwardContext, OptimizerFactory
 from pipemare.planner.saved_bytes import _first_holders, _nbytes, _sum_loss
@@ -293,23 +294,47 @@ def _calibration_training(training: _Training) -> _Training:
     )
 
 
-#: width of :func:`_calibrate_dense`'s layers: 512 x 512 weights and 512 biases each, whose
-#: update costs about a millisecond on one CPU thread, far above the engine's fixed cost
-DENSE = 512
+#: widths of :func:`_calibrate_dense`'s layers, a factor of about sqrt(2) apart: its stand-in
+#: stage is the one nearest (in log) the run's stage in parameters, within this range. The
+#: update's cost per parameter grows with the weights' size on a CPU, as they and the optimiser's
+#: state outgrow the caches (AdamW with pipemare's corrections, one thread, this project's CI
+#: machine: 7.7 ns a parameter at width 512, 9.3 at 1,330).
+DENSE_WIDTHS = (256, 362, 512, 724, 1024, 1448)
 
 
-def _calibrate_dense(training: _Training, device: torch.device) -> tuple[float, int]:
-    """The update seconds of a delayed stage holding one ``Linear(DENSE, DENSE)``, timed as
-    :func:`_calibrate` times its scalar layers, and that layer's parameter count: what the
-    engine's update (the optimiser and the corrections) costs on a typical dense weight. A
-    weight of the same size read one element at a time updates about twice as slowly (measured
-    on the CPU), so the stand-in is a layer of the kind models hold."""
-    model = nn.Sequential(*[nn.Linear(DENSE, DENSE) for _ in range(5)]).to(device)
-    x = torch.ones(1, DENSE, device=device)
+def dense_width(stage_params: int | None) -> int:
+    """The width of :func:`_calibrate_dense`'s layers for stages of about ``stage_params``
+    trained parameters (512 where unknown).
+
+    Example:
+        >>> dense_width(None), dense_width(1_770_000), dense_width(1), dense_width(10**9)
+        (512, 1448, 256, 1448)
+    """
+    if stage_params is None:
+        return 512
+    root = max(stage_params, 1) ** 0.5
+    return min(DENSE_WIDTHS, key=lambda w: abs(math.log(w / root)))
+
+
+def _calibrate_dense(
+    training: _Training, device: torch.device, width: int = 512
+) -> tuple[float, float, int]:
+    """A delayed stage holding one ``Linear(width, width)``, timed as :func:`_calibrate` times
+    its scalar layers: its forward's seconds beyond the layer's own (timed alone, as
+    :func:`~pipemare.model.partition.layer_passes` times a model's layers), its update's
+    seconds, and the layer's parameter count. What the engine does per parameter around a
+    forward (weight prediction) and in an update (the optimiser and the corrections) on a
+    typical dense weight; a weight of the same size read one element at a time updates about
+    twice as slowly (measured on the CPU), so the stand-in is a layer of the kind models hold.
+    Three layers, one a stage: the middle one is delayed and is not the last."""
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(3)]).to(device)
+    x = torch.ones(1, width, device=device)
     trivial = _calibration_training(training)
-    times, _ = _time_engine(model, (x, torch.zeros(1, device=device)), trivial, [1] * 5)
-    updates = [u for t in times[1:4] for u in t[2]]
-    return _median(updates), sum(p.numel() for p in model[0].parameters())
+    times, _ = _time_engine(model, (x, torch.zeros(1, device=device)), trivial, [1] * 3)
+    forward, _, update = _medians(times[1])
+    alone = nn.Sequential(copy.deepcopy(model[1]))
+    ((own, _),) = layer_passes(alone, x)
+    return max(forward - own, 0.0), update, sum(p.numel() for p in model[1].parameters())
 
 
 def _calibrate(

@@ -20,6 +20,7 @@ from pipemare.planner.decide import (
     decide,
     measurements_needed,
 )
+from pipemare.planner.measurements import Overhead
 from pipemare.planner.reference import ReferenceQuality, measured_quality
 
 SEQ = ModelFacts("Net.layers", layers=6, layer_params=(10, 10, 10, 10, 10, 50))
@@ -216,7 +217,7 @@ def _advised(passes, overhead=None, optimizer=None, **options) -> RunPlan:
         rows=8,
         layer_passes={rows: passes(rows) for rows in (1, 2, 4, 8)},
         optimizer=optimizer or _adamw(),
-        action_overhead=overhead or {},
+        overheads={s: Overhead(*fixed) for s, fixed in (overhead or {}).items()},
     )
     return decide(PipelineOptions(stages=2, **options), facts)
 
@@ -294,40 +295,53 @@ def test_the_advice_counts_the_engines_cost_per_action_and_can_favour_1f1b():
     )
 
 
-def test_the_replay_charges_each_stage_update_by_the_parameters_it_trains():
+def test_the_replay_charges_each_stage_update_and_delayed_forward_by_the_parameters_it_trains():
     """A stage's update is the optimiser's and the corrections' arithmetic over the weights it
-    trains: the replay adds the measured rate per trained parameter (frozen ones cost
-    nothing) to the fixed cost of each stage's update, as the run at setup measured it."""
+    trains, and a delayed stage's forward moves them (weight prediction): the replay adds the
+    measured rates per trained parameter (frozen ones cost nothing) to the fixed costs, as the
+    run at setup measured them; an asynchronous schedule's last stage has no delay and its
+    forward pays no rate, a flushing schedule's stages all pay theirs."""
     frozen_head = dataclasses.replace(
         SEQ, layer_params=(100,) * 6, layer_trained=(100, 100, 100, 100, 100, 0)
     )
-    overhead = {"pipemare": (0.001, 0.001, 0.002), "1f1b": (0.001, 0.001, 0.002)}
-    rate = {"pipemare": 1e-5, "1f1b": 4e-6}
+    overheads = {
+        "pipemare": Overhead(
+            0.001, 0.001, 0.002, update_per_param_s=1e-5, forward_per_param_s=3e-6
+        ),
+        "1f1b": Overhead(0.001, 0.001, 0.002, update_per_param_s=4e-6, forward_per_param_s=1e-6),
+    }
     facts = RunFacts(
         frozen_head,
         rows=8,
         layer_passes={rows: _passes(*[0.001 * rows] * 6) for rows in (1, 2, 4, 8)},
         optimizer=_adamw(),
-        action_overhead=overhead,
-        update_per_param=rate,
+        overheads=overheads,
     )
     advice = decide(PipelineOptions(stages=2, balance="even"), facts).advice
     assert advice is not None
     stage = lambda rows: (3 * 0.001 * rows / 3, 3 * 2 * 0.001 * rows / 3)  # noqa: E731
 
     def replay(schedule, n):
-        fixed = overhead[schedule]
+        o = overheads[schedule]
+        predicted = (1, 1) if schedule == "1f1b" else (1, 0)
         durations = [
-            (fixed[0] + f, fixed[1] + b, fixed[2] + rate[schedule] * trained)
-            for (f, b), trained in zip([stage(8 // n)] * 2, (300, 200), strict=True)
+            (
+                o.forward_s + f + o.forward_per_param_s * trained * moved,
+                o.backward_s + b,
+                o.update_s + o.update_per_param_s * trained,
+            )
+            for (f, b), trained, moved in zip(
+                [stage(8 // n)] * 2, (300, 200), predicted, strict=True
+            )
         ]
         return replayed_step_time(schedule, durations, n)
 
     assert advice.step_s == pytest.approx(replay("pipemare", 2))
     assert dict(advice.baseline_by_n) == pytest.approx({n: replay("1f1b", n) for n in (1, 2, 4, 8)})
-    # without the rate, the same facts replay a shorter step
+    # without the rates, the same facts replay a shorter step
+    fixed_only = {s: Overhead(*o.fixed) for s, o in overheads.items()}
     plain = decide(
-        PipelineOptions(stages=2, balance="even"), dataclasses.replace(facts, update_per_param={})
+        PipelineOptions(stages=2, balance="even"), dataclasses.replace(facts, overheads=fixed_only)
     ).advice
     assert plain is not None and plain.step_s < advice.step_s
 

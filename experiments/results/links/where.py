@@ -40,6 +40,8 @@ from pipemare import PipeMareStrategy
 from pipemare.engine.telemetry import Probe
 from pipemare.experiments.studies import step_clock
 from pipemare.experiments.studies.step_clock import gpt_and_schedule_arguments
+from pipemare.planner.measurements import Overhead
+from pipemare.schedule.actions import spec
 
 FROM_STEP = 10
 _SETUP: dict[str, Any] = {}
@@ -52,8 +54,7 @@ def _keep_setup(decide):
         plan = decide(options, facts)
         _SETUP.update(
             passes=facts.layer_passes,
-            fixed=dict(facts.action_overhead),
-            per_param=dict(facts.update_per_param),
+            overheads=dict(facts.overheads),
             trained=facts.model.layer_trained,
             cut=list(plan.balance),
             n=plan.microbatches,
@@ -100,12 +101,16 @@ def _figures(
     cut, n, rows = _SETUP["cut"], _SETUP["n"], _SETUP["rows"]
     bounds = list(itertools.accumulate([0, *cut]))
     layers = _SETUP["passes"][-(-rows // n)][bounds[rank] : bounds[rank + 1]]
-    fixed = _SETUP["fixed"].get(schedule, (0.0, 0.0, 0.0))
+    overhead = _SETUP["overheads"].get(schedule, Overhead(0.0, 0.0, 0.0))
     trained = sum(_SETUP["trained"][bounds[rank] : bounds[rank + 1]])
+    # as the replay charges it: an asynchronous schedule's last stage predicts nothing
+    delayed = spec(schedule).flushes or rank < len(cut) - 1
     charged = {
-        "F": fixed[0] + sum(f for f, _ in layers),
-        "B": fixed[1] + sum(b for _, b in layers),
-        "U": fixed[2] + _SETUP["per_param"].get(schedule, 0.0) * trained,
+        "F": overhead.forward_s
+        + sum(f for f, _ in layers)
+        + (overhead.forward_per_param_s * trained if delayed else 0.0),
+        "B": overhead.backward_s + sum(b for _, b in layers),
+        "U": overhead.update_s + overhead.update_per_param_s * trained,
     }
     return {
         "rank": rank,
