@@ -36,10 +36,12 @@ class _Clock(pl.Callback):
         self.t.append(time.perf_counter())
 
 
-def timed_fit(strategy: Any, width: int, layers: int, context: int) -> tuple[pl.Trainer, float]:
+def timed_fit(
+    strategy: Any, width: int, layers: int, context: int, devices: int = 2
+) -> tuple[pl.Trainer, float]:
     """Fit the GPT of ``width``, ``layers`` blocks and ``context`` tokens for 30 steps under
-    ``strategy`` on two processes; the trainer and, on rank 0, milliseconds per step over steps
-    10-30 (NaN on other ranks)."""
+    ``strategy`` on ``devices`` processes; the trainer and, on rank 0, milliseconds per step
+    over steps 10-30 (NaN on other ranks)."""
     from pipemare.experiments.tasks.datamodules import CharCorpusDataModule
     from pipemare.experiments.tasks.gpt import CharGPT
 
@@ -49,7 +51,7 @@ def timed_fit(strategy: Any, width: int, layers: int, context: int) -> tuple[pl.
     trainer = pl.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=2,
+        devices=devices,
         max_steps=30,
         logger=False,
         enable_checkpointing=False,

@@ -514,9 +514,10 @@ def _replayed_steps(
     that N's microbatch plus the engine's own seconds per action
     (:attr:`RunFacts.overheads`), its update the engine's fixed cost plus its rate per
     parameter times the parameters the stage trains (the optimiser's and the corrections'
-    arithmetic: once a step whatever N), and a delayed stage's forward (every stage but an
-    asynchronous schedule's last) the forward's rate per parameter on top (weight prediction:
-    once a microbatch). Where
+    arithmetic: once a step whatever N; an asynchronous schedule's last stage, which has no
+    delay, at its own rate), and a delayed stage's forward (every stage but an asynchronous
+    schedule's last) the forward's rate per parameter on top (weight prediction: once a
+    microbatch). Where
     :attr:`RunFacts.links` are known, each microbatch's activations and gradients cross them
     (the bytes of the last layer before each cut); otherwise communication is free."""
     overhead = facts.overheads.get(schedule, Overhead(0.0, 0.0, 0.0))
@@ -524,6 +525,11 @@ def _replayed_steps(
     trained = facts.model.layer_trained
     # the last stage of an asynchronous schedule runs without delay: nothing to predict
     delayed = stages if spec(schedule).flushes else stages - 1
+    undelayed = overhead.undelayed_update_per_param_s
+    update_rate = {  # by whether the stage is delayed
+        True: overhead.update_per_param_s,
+        False: overhead.update_per_param_s if undelayed is None else undelayed,
+    }
     replayed = {}
     for n in ns:
         cut, _ = _layers_per_stage(options, facts, stages, n)
@@ -536,7 +542,7 @@ def _replayed_steps(
                 + sum(f for f, _ in passes[a:b])
                 + (overhead.forward_per_param_s * sum(trained[a:b]) if i < delayed else 0.0),
                 fixed[1] + sum(b_ for _, b_ in passes[a:b]),
-                fixed[2] + overhead.update_per_param_s * sum(trained[a:b]),
+                fixed[2] + update_rate[i < delayed] * sum(trained[a:b]),
             )
             for i, (a, b) in enumerate(itertools.pairwise(bounds))
         ]

@@ -76,7 +76,9 @@ class Overhead:
     optimiser's and the corrections' arithmetic), from the same pipeline with dense layers;
     ``forward_per_param_s``: what a delayed stage's forward adds per trained parameter beyond
     its layers (weight prediction moves every weight before the forward and back after it),
-    from the same dense pipeline; 0 where not measured.
+    from the same dense pipeline; 0 where not measured. ``undelayed_update_per_param_s``: the
+    update's rate on a stage without delay (an asynchronous pipeline's last: the corrections
+    that serve a delay keep nothing there); None where it is the same as the others'.
     """
 
     forward_s: float
@@ -84,6 +86,7 @@ class Overhead:
     update_s: float
     update_per_param_s: float = 0.0
     forward_per_param_s: float = 0.0
+    undelayed_update_per_param_s: float | None = None
 
     @property
     def fixed(self) -> tuple[float, float, float]:

@@ -176,7 +176,8 @@ def engine_overhead(
     stage of ``stage_params`` trained parameters (:func:`~pipemare.planner.timing.dense_width`):
     what their update takes beyond the fixed cost, per parameter, is what a stage's update
     adds for each parameter it trains, and what a delayed stage's forward takes beyond the
-    fixed cost and the layer's own pass, what it adds per parameter (weight prediction). A
+    fixed cost and the layer's own pass, what it adds per parameter (weight prediction); and,
+    for an asynchronous schedule, the update's rate on its last stage, which has no delay. A
     replay of the layers' own passes would otherwise miss both: a stage's update is the
     optimiser's and the corrections' arithmetic over its weights, milliseconds for a few
     million parameters on a CPU thread, and pipemare moves every weight of a delayed stage
@@ -201,11 +202,16 @@ def engine_overhead(
         fixed = _medians(delayed)
         if not per_param:
             return Overhead(*fixed)
-        forward, update, params = _calibrate_dense(training, device, dense_width(stage_params))
+        width = dense_width(stage_params)
+        forward, update, last_update, params = _calibrate_dense(training, device, width)
+    flushing = spec(schedule).flushes  # every stage updates alike
     return Overhead(
         *fixed,
         update_per_param_s=max(update - fixed[2], 0.0) / params,
         forward_per_param_s=max(forward - fixed[0], 0.0) / params,
+        undelayed_update_per_param_s=None
+        if flushing
+        else max(last_update - fixed[2], 0.0) / params,
     )
 
 

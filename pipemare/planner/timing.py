@@ -318,23 +318,26 @@ def dense_width(stage_params: int | None) -> int:
 
 def _calibrate_dense(
     training: _Training, device: torch.device, width: int = 512
-) -> tuple[float, float, int]:
-    """A delayed stage holding one ``Linear(width, width)``, timed as :func:`_calibrate` times
-    its scalar layers: its forward's seconds beyond the layer's own (timed alone, as
+) -> tuple[float, float, float, int]:
+    """Stages holding one ``Linear(width, width)`` each, timed as :func:`_calibrate` times its
+    scalar layers: a delayed stage's forward seconds beyond the layer's own (timed alone, as
     :func:`~pipemare.model.partition.layer_passes` times a model's layers), its update's
-    seconds, and the layer's parameter count. What the engine does per parameter around a
-    forward (weight prediction) and in an update (the optimiser and the corrections) on a
-    typical dense weight; a weight of the same size read one element at a time updates about
-    twice as slowly (measured on the CPU), so the stand-in is a layer of the kind models hold.
-    Three layers, one a stage: the middle one is delayed and is not the last."""
+    seconds, the last stage's update seconds (no delay), and the layer's parameter count. What
+    the engine does per parameter around a forward (weight prediction) and in an update (the
+    optimiser and the corrections) on a typical dense weight; a weight of the same size read
+    one element at a time updates about twice as slowly (measured on the CPU), so the stand-in
+    is a layer of the kind models hold. Three layers, one a stage: the middle one is delayed
+    and is not the last."""
     model = nn.Sequential(*[nn.Linear(width, width) for _ in range(3)]).to(device)
     x = torch.ones(1, width, device=device)
     trivial = _calibration_training(training)
     times, _ = _time_engine(model, (x, torch.zeros(1, device=device)), trivial, [1] * 3)
     forward, _, update = _medians(times[1])
+    last_update = _median(times[2][2])
     alone = nn.Sequential(copy.deepcopy(model[1]))
     ((own, _),) = layer_passes(alone, x)
-    return max(forward - own, 0.0), update, sum(p.numel() for p in model[1].parameters())
+    params = sum(p.numel() for p in model[1].parameters())
+    return max(forward - own, 0.0), update, last_update, params
 
 
 def _calibrate(

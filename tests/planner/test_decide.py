@@ -299,15 +299,13 @@ def test_the_replay_charges_each_stage_update_and_delayed_forward_by_the_paramet
     """A stage's update is the optimiser's and the corrections' arithmetic over the weights it
     trains, and a delayed stage's forward moves them (weight prediction): the replay adds the
     measured rates per trained parameter (frozen ones cost nothing) to the fixed costs, as the
-    run at setup measured them; an asynchronous schedule's last stage has no delay and its
-    forward pays no rate, a flushing schedule's stages all pay theirs."""
+    run at setup measured them. An asynchronous schedule's last stage has no delay: its
+    forward pays no rate and its update its own; a flushing schedule's stages all pay alike."""
     frozen_head = dataclasses.replace(
         SEQ, layer_params=(100,) * 6, layer_trained=(100, 100, 100, 100, 100, 0)
     )
     overheads = {
-        "pipemare": Overhead(
-            0.001, 0.001, 0.002, update_per_param_s=1e-5, forward_per_param_s=3e-6
-        ),
+        "pipemare": Overhead(0.001, 0.001, 0.002, 1e-5, 3e-6, undelayed_update_per_param_s=6e-6),
         "1f1b": Overhead(0.001, 0.001, 0.002, update_per_param_s=4e-6, forward_per_param_s=1e-6),
     }
     facts = RunFacts(
@@ -323,16 +321,20 @@ def test_the_replay_charges_each_stage_update_and_delayed_forward_by_the_paramet
 
     def replay(schedule, n):
         o = overheads[schedule]
-        predicted = (1, 1) if schedule == "1f1b" else (1, 0)
+        delayed = (True, True) if schedule == "1f1b" else (True, False)
         durations = [
             (
-                o.forward_s + f + o.forward_per_param_s * trained * moved,
+                o.forward_s + f + (o.forward_per_param_s * trained if late else 0.0),
                 o.backward_s + b,
-                o.update_s + o.update_per_param_s * trained,
+                o.update_s
+                + (
+                    o.update_per_param_s
+                    if late or o.undelayed_update_per_param_s is None
+                    else o.undelayed_update_per_param_s
+                )
+                * trained,
             )
-            for (f, b), trained, moved in zip(
-                [stage(8 // n)] * 2, (300, 200), predicted, strict=True
-            )
+            for (f, b), trained, late in zip([stage(8 // n)] * 2, (300, 200), delayed, strict=True)
         ]
         return replayed_step_time(schedule, durations, n)
 

@@ -2,11 +2,14 @@
 
     python experiments/results/links/cpu_checks.py messages    # CPU per gloo message, each side
     python experiments/results/links/cpu_checks.py contention  # a matmul, alone and beside another
+    python experiments/results/links/cpu_checks.py memory      # an AdamW update, alone and beside
 
 ``messages``: two processes (a file store, so no port is taken) stream 300 one-way messages of
 16 KB, 0.2 MB and 0.8 MB; each prints the CPU time of all its threads per message and the wall
 time. ``contention``: a 192-wide MLP layer's two matmuls on 256 rows, one thread, timed alone
-and then while a second process runs the same loop on the other core.
+and then while a second process runs the same loop on the other core. ``memory``: the same
+for an update of AdamW over 1.77M parameters (a compute-bound stage's, in tensors of a GPT
+block's shapes), whose time is the memory's rather than the core's.
 """
 
 from __future__ import annotations
@@ -73,21 +76,56 @@ def _layer_loop(calls: int, out: mp.Queue | None = None) -> float:
     return seconds
 
 
-def contention() -> None:
-    alone = _layer_loop(3000)
+def _update_loop(calls: int, out: mp.Queue | None = None) -> float:
+    torch.set_num_threads(1)
+    width = 192  # four GPT blocks of width 192 and their layer norms: about 1.77M parameters
+    shapes = [(3 * width, width), (width, width), (4 * width, width), (width, 4 * width)] * 4
+    params = [torch.nn.Parameter(torch.randn(*s) * 0.02) for s in shapes]
+    params += [torch.nn.Parameter(torch.ones(width)) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    for _ in range(20):
+        opt.step()
+    start = time.process_time()
+    for _ in range(calls):
+        opt.step()
+    seconds = (time.process_time() - start) / calls
+    if out is not None:
+        out.put(seconds)
+    return seconds
+
+
+def _alone_and_beside(loop, calls: int) -> tuple[float, float]:
+    """``loop``'s CPU seconds a call alone, then beside a second process running it."""
+    alone = loop(calls)
     context = mp.get_context("spawn")
-    other = context.Process(target=_layer_loop, args=(6000,))
+    other = context.Process(target=loop, args=(2 * calls,))
     other.start()
     time.sleep(3)  # the other process past its imports and warm-up, computing
-    beside = _layer_loop(3000)
+    beside = loop(calls)
     other.join(300)
+    return alone, beside
+
+
+def contention() -> None:
+    alone, beside = _alone_and_beside(_layer_loop, 3000)
     print(
         f"a 192-wide MLP layer on 256 rows: {1e3 * alone:.3f} ms of CPU alone, "
         f"{1e3 * beside:.3f} ms beside a second process doing the same ({beside / alone - 1:+.0%})"
     )
 
 
+def memory() -> None:
+    alone, beside = _alone_and_beside(_update_loop, 300)
+    print(
+        f"AdamW's update of 1.77M parameters: {1e3 * alone:.3f} ms of CPU alone, "
+        f"{1e3 * beside:.3f} ms beside a second process doing the same ({beside / alone - 1:+.0%})"
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("check", choices=["messages", "contention"])
-    {"messages": messages, "contention": contention}[parser.parse_args().check]()
+    parser.add_argument("check", choices=["messages", "contention", "memory"])
+    checks = {"messages": messages, "contention": contention, "memory": memory}
+    checks[parser.parse_args().check]()

@@ -30,6 +30,9 @@ def main() -> None:
     gpt_and_schedule_arguments(parser)
     parser.add_argument("--link", help="a simulated link, e.g. 1Gb/s@1ms (default: the real one)")
     parser.add_argument("--sitting", type=int, default=1)
+    parser.add_argument(
+        "--devices", type=int, default=2, help="processes, one stage each (default 2)"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.jsonl")
     args = parser.parse_args()
     if args.schedule == "pipemare":
@@ -38,7 +41,7 @@ def main() -> None:
         strategy = PipeMareStrategy(
             schedule="1f1b", microbatches=args.n, advise=False, simulated_link=args.link
         )
-    trainer, step_ms = timed_fit(strategy, args.width, args.layers, args.context)
+    trainer, step_ms = timed_fit(strategy, args.width, args.layers, args.context, args.devices)
     if trainer.global_rank != 0:
         return
     result = {
@@ -48,6 +51,7 @@ def main() -> None:
         "schedule": args.schedule,
         "N": strategy.microbatches,
         "link": args.link or "real",
+        "devices": args.devices,
         "sitting": args.sitting,
         "step_ms": step_ms,
     }
@@ -60,8 +64,9 @@ def main() -> None:
         }
     plan = strategy._runner.plan  # the decisions the run printed
     said = {d.subject: str(d) for d in plan.decisions} if plan is not None else {}
-    if "links" in said:
-        result["links"] = said["links"]
+    for subject in ("links", "advice"):
+        if subject in said:
+            result[subject] = said[subject]
     print("RESULT", json.dumps(result), flush=True)
     with args.out.open("a") as f:
         f.write(json.dumps(result) + "\n")

@@ -8,7 +8,9 @@ what the run measured at setup for its replays (each layer's forward and backwar
 microbatch, the engine's fixed seconds per action, its update's seconds per trained parameter).
 Each rank then prints, per action kind, the median measured time against the setup's charge
 for that stage (its layers' sum plus the fixed cost; for the update, the fixed cost plus the
-rate times the parameters the stage trains), and its CPU time against the wall clock. Run
+rate times the parameters the stage trains), and its CPU time against the wall clock. Rank 0
+also times its own layers again after the run, as setup timed them, on the same microbatch:
+whether setup's figures still held when the steps ran, or the machine's speed moved. Run
 alone on the machine::
 
     python experiments/results/links/where.py 192 8 64 pipemare
@@ -33,18 +35,34 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import pytorch_lightning as pl
+import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_map
 
 import pipemare.lightning.runner as runner_module
 from pipemare import PipeMareStrategy
+from pipemare.engine.microbatch import batch_size
 from pipemare.engine.telemetry import Probe
 from pipemare.experiments.studies import step_clock
 from pipemare.experiments.studies.step_clock import gpt_and_schedule_arguments
+from pipemare.model import partition
 from pipemare.planner.measurements import Overhead
 from pipemare.schedule.actions import spec
 
 FROM_STEP = 10
 _SETUP: dict[str, Any] = {}
+_TIMED: dict[int, tuple[Any, Any]] = {}  # rows -> (the layers, the microbatch) setup timed
+_layer_passes = partition.layer_passes
+
+
+def _keeping_what_is_timed(seq, sample, repeats=3):
+    """:func:`~pipemare.model.partition.layer_passes` that keeps what it timed."""
+    _TIMED[batch_size(sample)] = (
+        seq,
+        tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, sample),
+    )
+    return _layer_passes(seq, sample, repeats)
 
 
 def _keep_setup(decide):
@@ -88,6 +106,14 @@ class ActionClock(pl.Callback):
         )
         spans = trainer.strategy.pipeline.probe.take_spans()
         self.figures = _figures(spans, self.schedule, trainer.global_rank, wall, process, thread)
+        if trainer.global_rank == 0:  # its layers are its own: time them again, as setup did
+            rows = -(-_SETUP["rows"] // _SETUP["n"])
+            seq, sample = _TIMED[rows]
+            again = _layer_passes(nn.Sequential(*list(seq)[: _SETUP["cut"][0]]), sample)
+            self.figures["retimed_ms"] = {
+                "F": 1e3 * sum(f for f, _ in again),
+                "B": 1e3 * sum(b for _, b in again),
+            }
 
 
 def _figures(
@@ -110,7 +136,13 @@ def _figures(
         + sum(f for f, _ in layers)
         + (overhead.forward_per_param_s * trained if delayed else 0.0),
         "B": overhead.backward_s + sum(b for _, b in layers),
-        "U": overhead.update_s + overhead.update_per_param_s * trained,
+        "U": overhead.update_s
+        + (
+            overhead.update_per_param_s
+            if delayed or overhead.undelayed_update_per_param_s is None
+            else overhead.undelayed_update_per_param_s
+        )
+        * trained,
     }
     return {
         "rank": rank,
@@ -134,6 +166,7 @@ def main() -> None:
     else:
         strategy = PipeMareStrategy(schedule="1f1b", microbatches=args.n)
     runner_module.decide = _keep_setup(runner_module.decide)
+    partition.layer_passes = _keeping_what_is_timed
     clock = ActionClock(args.schedule)
     make_trainer = step_clock.pl.Trainer
     step_clock.pl.Trainer = lambda *a, callbacks=(), **k: make_trainer(
@@ -151,6 +184,10 @@ def main() -> None:
             f"{k} {figures['measured_ms'][k]:.2f} against {figures['charged_ms'][k]:.2f}"
             for k in ("F", "B", "U")
         )
+        retimed = figures.get("retimed_ms")
+        if retimed is not None:
+            shown += f"; its layers timed again after the run: F {retimed['F']:.2f}, B "
+            shown += f"{retimed['B']:.2f} (without the engine's fixed cost)"
         print(
             f"{args.schedule} rank {figures['rank']} (N={figures['N']}, cut {figures['cut']}): "
             f"median ms measured against charged: {shown}; per step "
