@@ -777,7 +777,15 @@ class PipelineRunner:
                 # cut's time) until something evaluates; over processes each stage's weights may
                 # have moved to its device by then, so both are traced at the cut as before
                 eval_graph = self.validates or place.distributed
-                adapter.prepare(step, batch, *args, eval_graph=eval_graph)
+                # a list of layer counts counts the whole blocks' segments: they stay whole
+                stages = (
+                    None
+                    if isinstance(self.options.balance, list)
+                    else place.stages
+                    if place.distributed
+                    else self.options.stages
+                )
+                adapter.prepare(step, batch, *args, eval_graph=eval_graph, stages=stages)
             self._check_cut()
         seq = adapter.sequential
         assert seq is not None

@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytorch_lightning as pl
 import torch
@@ -44,6 +45,9 @@ from pipemare.engine.lagged import Results
 from pipemare.engine.microbatch import batch_size
 from pipemare.lightning.manual import ManualOptimization, steps_per_batch
 from pipemare.planner.decide import ModelFacts
+
+if TYPE_CHECKING:
+    from pipemare.model.blocks import Cut
 
 __all__ = [
     "LogRecorder",
@@ -164,6 +168,8 @@ class ModuleAdapter:
         self.segmented = self.sequential is None
         #: seconds spent tracing and cutting the module (None: not cut here)
         self.cut_seconds: float | None = None
+        #: why each block was cut in two as well (its default cuts), or "" where it was not
+        self.halved = ""
 
     @property
     def what(self) -> str:
@@ -185,25 +191,59 @@ class ModuleAdapter:
                 "freeze them"
             )
 
-    def prepare(self, step: str, *args: Any, eval_graph: bool = True) -> nn.Sequential:
+    def prepare(
+        self, step: str, *args: Any, eval_graph: bool = True, stages: int | None = None
+    ) -> nn.Sequential:
         """The Sequential the pipeline runs; a module that is not one is cut into segments now,
         from what ``module.<step>(*args)`` passes it (for training only without
-        ``eval_graph``: see :func:`~pipemare.model.segments.segment_module`)."""
+        ``eval_graph``: see :func:`~pipemare.model.segments.segment_module`). Cut at its
+        default places (no ``split_points``) into ``stages`` stages that do not divide its
+        blocks, each block is cut in two as well (:func:`~pipemare.model.blocks.halved`), where
+        it traces so; else at whole blocks."""
         if self.sequential is None:
-            from pipemare.model.segments import segment_module
+            from pipemare.model.segments import UncuttableModelError, segment_module
 
             call_args, call_kwargs = self._capture(step, *args)
             start = time.perf_counter()
-            self.sequential = segment_module(
+            halves = self._halves(stages) if self.split_points is None else None
+            cut = functools.partial(
+                segment_module,
                 self.pipelined,
                 call_args,
                 call_kwargs,
-                split_points=self.split_points,
                 dynamic=self.dynamic_shapes,
                 eval_graph=eval_graph,
             )
+            try:
+                self.sequential = cut(split_points=halves or self.split_points)
+            except UncuttableModelError:
+                if halves is None:
+                    raise
+                self.halved = ""  # a block that will not cut inside: whole blocks, as before
+                self.sequential = cut(split_points=self.split_points)
             self.cut_seconds = time.perf_counter() - start
         return self.sequential
+
+    def _halves(self, stages: int | None) -> list[Cut] | None:
+        """The default cuts with each block cut in two, where ``stages`` does not divide the
+        blocks (and :attr:`halved` says why); None where whole blocks serve."""
+        from pipemare.model.blocks import halved
+        from pipemare.model.segments import default_cuts
+
+        cuts = default_cuts(self.pipelined)
+        blocks = sum(not c.after for c in cuts)
+        if stages is None or stages < 2 or blocks == 0 or blocks % stages == 0:
+            return None
+        halves, inner = halved(self.pipelined, cuts)
+        if inner is None:
+            return None
+        self.halved = (
+            f"each block is cut in two as well, before its {inner!r}: {blocks} blocks do not "
+            f"divide among {stages} stages, and whole blocks would leave some stages a block "
+            "more than others (every schedule steps at the busiest stage's pace); pass "
+            "split_points to cut elsewhere"
+        )
+        return halves
 
     @contextlib.contextmanager
     def _swapped(self, stand_in: nn.Module) -> Iterator[None]:
@@ -275,6 +315,7 @@ class ModuleAdapter:
             layer_trained=tuple(
                 sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in seq
             ),
+            halved=self.halved,
             # the user's module, not the cut: a traced one's segments hold plain modules in
             # BatchNorm's place, and the run would take its N from timing where N = 1 keeps
             # the statistics

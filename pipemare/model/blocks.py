@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-__all__ = ["Cut", "as_cuts", "block_cuts", "pp_plan_cuts"]
+__all__ = ["Cut", "as_cuts", "block_cuts", "halved", "pp_plan_cuts"]
 
 
 @dataclass(frozen=True)
@@ -118,3 +118,60 @@ def pp_plan_cuts(module: nn.Module) -> list[Cut]:
         if isinstance(sub, nn.ModuleList):
             names += [f"{key}.{child}" for child in sub._modules]
     return _blocks_cut(names)
+
+
+#: a block's child holding less than this share of the block's parameters (a norm, a dropout)
+#: is not cut before: it stays with the module after it, whose input it makes
+LIGHT = 0.01
+
+
+def _inner_cut(block: nn.Module) -> str | None:
+    """The child of ``block`` to cut before so that each part holds about half the block's
+    parameters (children in the order the block registers them), moved back over the light
+    children just before it (a norm goes with the module it feeds); None where the block has
+    fewer than two children holding parameters."""
+    children = list(block.named_children())
+    sizes = [sum(p.numel() for p in child.parameters()) for _, child in children]
+    total = sum(sizes)
+    heavy = [k for k, size in enumerate(sizes) if size >= LIGHT * total and total > 0]
+    if len(heavy) < 2:
+        return None
+    best = min(heavy[1:], key=lambda k: abs(sum(sizes[:k]) - total / 2))
+    while best > 0 and sizes[best - 1] < LIGHT * total:
+        best -= 1
+    return children[best][0] if best > 0 else None
+
+
+def halved(module: nn.Module, cuts: Sequence[Cut]) -> tuple[list[Cut], str | None]:
+    """``cuts`` (before each block and after the last, as :func:`block_cuts` or
+    :func:`pp_plan_cuts` give them) with one more inside each block, before the child that
+    splits its parameters about in half (a GPT block's second norm, before its MLP), and the
+    name of that child in the first block; ``cuts`` unchanged and None where a block has no
+    such child. Where P does not divide the blocks, whole blocks leave some stages a block
+    more than others, and every schedule steps at the busiest stage's pace; halves even it out.
+
+    Example:
+        >>> class Block(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.norm, self.attn = nn.LayerNorm(64), nn.Linear(64, 192)
+        ...         self.norm2, self.mlp = nn.LayerNorm(64), nn.Linear(64, 256)
+        >>> net = nn.Module()
+        >>> net.blocks = nn.ModuleList(Block() for _ in range(2))
+        >>> cuts, inside = halved(net, block_cuts(net))
+        >>> [str(c) for c in cuts], inside
+        (["before 'blocks.0'", "before 'blocks.0.norm2'", "before 'blocks.1'", \
+"before 'blocks.1.norm2'", "after 'blocks.1'"], 'norm2')
+    """
+    out: list[Cut] = []
+    first: str | None = None
+    for cut in cuts:
+        out.append(cut)
+        if cut.after:
+            continue
+        inner = _inner_cut(module.get_submodule(cut.module))
+        if inner is None:
+            return list(cuts), None
+        first = first or inner
+        out.append(Cut(f"{cut.module}.{inner}"))
+    return out, first

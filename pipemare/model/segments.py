@@ -31,6 +31,7 @@ __all__ = [
     "SegmentedModule",
     "UncuttableModelError",
     "cache_off",
+    "default_cuts",
     "export_module",
     "segment_module",
     "source_names",
@@ -633,6 +634,12 @@ def segment_module(
         return _segment(module, args, kwargs, split_points, dynamic, eval_graph)
 
 
+def default_cuts(module: nn.Module) -> list[Cut]:
+    """Where :func:`segment_module` cuts ``module`` unless told: the model's own pipeline plan
+    (Hugging Face ``_pp_plan``) where it ships one, else around each of its repeated blocks."""
+    return pp_plan_cuts(module) or block_cuts(module)
+
+
 def _segment(
     module: nn.Module,
     args: tuple,
@@ -648,10 +655,7 @@ def _segment(
     )
     defaults = cache_off(module, kwargs)
     kwargs = {**defaults, **kwargs}
-    if split_points is None:
-        cuts = pp_plan_cuts(module) or block_cuts(module)
-    else:
-        cuts = as_cuts(split_points)
+    cuts = default_cuts(module) if split_points is None else as_cuts(split_points)
     if dynamic not in DYNAMIC_SHAPES:
         raise ValueError(f"dynamic must be one of {DYNAMIC_SHAPES}, got {dynamic!r}")
     options: tuple[Any, ...] = (tuple(cuts), dynamic, tuple(sorted(defaults.items())))

@@ -125,6 +125,7 @@ class ModelFacts:
             segments hold plain modules where its BatchNorms were).
         gradient_checkpointing: a module in it has Hugging Face's gradient checkpointing on
             (``model.gradient_checkpointing_enable()``).
+        halved: why its blocks were cut in two as well as around, or "" where they were not.
     """
 
     what: str
@@ -139,6 +140,7 @@ class ModelFacts:
     layer_trained: tuple[int, ...] = ()
     batch_statistics: bool = False
     gradient_checkpointing: bool = False
+    halved: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -886,7 +888,8 @@ def _segments(model: ModelFacts) -> list[Decision]:
                 if model.eval_traced
                 else " in train mode; this fit does not validate, so eval mode is traced when "
                 "something first evaluates"
-            ),
+            )
+            + (f"; {model.halved}" if model.halved else ""),
         )
     ]
     if not model.cache_switched:

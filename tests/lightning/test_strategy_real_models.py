@@ -61,6 +61,32 @@ def test_a_tied_gpt_trains_through_gpipe_as_on_one_device(stages, tmp_path):
     assert val_loss(loaded, tokens()) == pytest.approx(val_loss(plain, tokens()), rel=1e-5)
 
 
+def test_blocks_that_p_does_not_divide_are_cut_in_halves_that_train_as_one_device():
+    """Three blocks on two stages: whole blocks would give one stage a block more than the
+    other, so the default cut halves each block before its second LayerNorm, as
+    ``split_points`` would, and says so; gpipe over the halves is still one device. A list of
+    layer counts counts whole blocks, so with one the blocks stay whole."""
+    base = GPTModule(n_layer=3)
+    plain, piped, listed = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
+    quiet_trainer("auto", max_steps=STEPS).fit(plain, tokens())
+    strategy = PipeMareStrategy(stages=2, microbatches=4, schedule="gpipe")
+    quiet_trainer(strategy, max_steps=STEPS).fit(piped, tokens())
+    _same(piped, plain)
+    segments = strategy._runner.adapter.sequential
+    assert len(segments) == 1 + 2 * 3 + 1  # the stem, two halves a block, the head
+    inside = [c.module for c in segments.cuts if c.module.endswith(".ln_2")]
+    assert inside == [f"transformer.h.{i}.ln_2" for i in range(3)]
+    said = {d.subject: d for d in strategy.settings.decisions}["segments"]
+    assert said.choice.startswith("8, traced")
+    assert "each block is cut in two as well, before its 'ln_2': 3 blocks do not divide" in (
+        said.reason
+    )
+    whole = PipeMareStrategy(stages=2, microbatches=4, schedule="gpipe", balance=[3, 2])
+    quiet_trainer(whole, max_steps=2).fit(listed, tokens())
+    assert len(whole._runner.adapter.sequential) == 5
+    assert "cut in two" not in {d.subject: d for d in whole.settings.decisions}["segments"].reason
+
+
 def test_the_asynchronous_default_trains_the_tied_gpt():
     model = GPTModule(dropout=0.1)
     before = val_loss(model, tokens())

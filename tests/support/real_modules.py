@@ -29,10 +29,11 @@ class GPTModule(pl.LightningModule):
         seed: int = 0,
         tied: bool = True,
         optimizer: str = "sgd",
+        n_layer: int = 4,
     ) -> None:
         super().__init__()
         torch.manual_seed(seed)
-        self.gpt = GPT(GPTConfig(dropout=dropout))
+        self.gpt = GPT(GPTConfig(dropout=dropout, n_layer=n_layer))
         if not tied:
             self.gpt.lm_head.weight = nn.Parameter(self.gpt.lm_head.weight.detach().clone())
         self.lr, self.optimizer = lr, optimizer
