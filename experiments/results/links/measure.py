@@ -33,13 +33,22 @@ def main() -> None:
     parser.add_argument(
         "--devices", type=int, default=2, help="processes, one stage each (default 2)"
     )
+    parser.add_argument(
+        "--balance",
+        help="layers per stage, e.g. 2,2,2,2 (a list keeps whole blocks; default: the time cut)",
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results.jsonl")
     args = parser.parse_args()
+    balance = [int(n) for n in args.balance.split(",")] if args.balance else "time"
     if args.schedule == "pipemare":
-        strategy = PipeMareStrategy(simulated_link=args.link)
+        strategy = PipeMareStrategy(simulated_link=args.link, balance=balance)
     else:
         strategy = PipeMareStrategy(
-            schedule="1f1b", microbatches=args.n, advise=False, simulated_link=args.link
+            schedule="1f1b",
+            microbatches=args.n,
+            advise=False,
+            simulated_link=args.link,
+            balance=balance,
         )
     trainer, step_ms = timed_fit(strategy, args.width, args.layers, args.context, args.devices)
     if trainer.global_rank != 0:
@@ -64,7 +73,9 @@ def main() -> None:
         }
     plan = strategy._runner.plan  # the decisions the run printed
     said = {d.subject: str(d) for d in plan.decisions} if plan is not None else {}
-    for subject in ("links", "advice"):
+    if args.balance:
+        result["balance"] = args.balance
+    for subject in ("links", "advice", "segments", "layers per stage"):
         if subject in said:
             result[subject] = said[subject]
     print("RESULT", json.dumps(result), flush=True)
