@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from pipemare.engine.ties import tied_parameters
-from pipemare.model.blocks import Cut, block_cuts
+from pipemare.model.blocks import Cut, block_cuts, halved
 from pipemare.model.segments import (
     UncuttableModelError,
+    default_cuts,
     segment_module,
     source_names,
 )
@@ -438,21 +439,27 @@ def test_a_model_traced_for_the_example_sizes_only_says_so():
         run(seg, torch.randn(2, 4))
 
 
+@pytest.mark.parametrize("halves", [False, True], ids=["blocks", "halves"])
 @pytest.mark.parametrize("build", [_hf_gpt2, _hf_llama], ids=["gpt2", "llama"])
-def test_hugging_face_models_reproduce_loss_and_gradients(build):
+def test_hugging_face_models_reproduce_loss_and_gradients(build, halves):
+    """At their blocks' cut, and with each block cut in two as well (the default where P does
+    not divide the blocks): GPT-2 before its ``ln_2``; Llama, which registers its MLP before
+    the norm that feeds it, before its ``mlp``, the norm's output crossing the cut."""
     torch.manual_seed(0)
     model, embedding = build()
     ids = torch.randint(0, 50, (4, 8))
     mask = torch.ones_like(ids)
     kwargs = {"input_ids": ids, "attention_mask": mask, "labels": ids}
-    seg = segment_module(model, (), kwargs, eval_graph=False)  # trains only
-    assert len(seg) == 2 + 2 and ties(seg, model) == [(embedding, [0, 3])]
+    cuts, inner = halved(model, default_cuts(model)) if halves else (None, None)
+    seg = segment_module(model, (), kwargs, split_points=cuts, eval_graph=False)  # trains only
+    assert len(seg) == 2 + 2 * (1 + halves) and ties(seg, model) == [(embedding, [0, len(seg) - 1])]
     if build is _hf_llama:
-        assert [c.module for c in seg.cuts] == [
-            "model.layers.0",
-            "model.layers.1",
-            "model.layers.1",
-        ]
+        inside = ["model.layers.0.mlp", "model.layers.1.mlp"] if halves else []
+        assert sorted(c.module for c in seg.cuts) == sorted(
+            ["model.layers.0", "model.layers.1", "model.layers.1", *inside]
+        )
+    if halves:
+        assert inner == ("mlp" if build is _hf_llama else "ln_2")
     model.train()
     ids = torch.randint(0, 50, (2, 6))
     mask = torch.ones_like(ids)
