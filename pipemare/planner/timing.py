@@ -298,7 +298,7 @@ def _calibration_training(training: _Training) -> _Training:
 #: stage is the one nearest (in log) the run's stage in parameters, within this range. The
 #: update's cost per parameter grows with the weights' size on a CPU, as they and the optimiser's
 #: state outgrow the caches (AdamW with pipemare's corrections, one thread, this project's CI
-#: machine: 7.7 ns a parameter at width 512, 9.3 at 1,330).
+#: machine, beyond the fixed cost: 5.8 ns a parameter at width 512, 7.3-9.2 at 1,448).
 DENSE_WIDTHS = (256, 362, 512, 724, 1024, 1448)
 
 
