@@ -54,7 +54,7 @@ def _keys(name: str) -> list[tuple[str, int, int]]:
     return keys
 
 
-def measure(gloo_link: str) -> None:
+def _measure(gloo_link: str) -> None:
     import torch
 
     from pipemare.engine.link import Link
@@ -81,7 +81,7 @@ def _default_row(rows: list[dict[str, Any]], n: int) -> dict[str, Any] | None:
     return None
 
 
-def rows() -> list[dict[str, Any]]:
+def _rows() -> list[dict[str, Any]]:
     """Per task, P and link: 1F1B's fastest N and step, pipemare's step, and pipemare's time
     to target as a share of 1F1B's (None: never within the run)."""
     times: dict[str, dict[str, float]] = json.loads(TIMES.read_text())
@@ -129,13 +129,13 @@ def rows() -> list[dict[str, Any]]:
     return out
 
 
-def table() -> str:
+def _table() -> str:
     lines = [
         "| task | P | link | 1F1B's N, step | pipemare's N, step | step ratio | steps to target "
         "(pipemare / 1F1B) | time to target × 1F1B's |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows():
+    for r in _rows():
         steps = "never" if not math.isfinite(r["steps"]) else f"{r['steps']:.0f}"
         time = "never" if r["time_vs_1f1b"] is None else f"{r['time_vs_1f1b']:.2f}"
         lines.append(
@@ -146,9 +146,9 @@ def table() -> str:
     return "\n".join(lines)
 
 
-def summary() -> str:
+def _summary() -> str:
     """Per task and P, pipemare's time to target as a share of 1F1B's over each link."""
-    found = rows()
+    found = _rows()
     links = list(dict.fromkeys(r["link"] for r in found))
     cells: dict[tuple[str, int], dict[str, str]] = {}
     for r in found:
@@ -172,9 +172,9 @@ def main() -> None:
     sub.add_parser("summary", help="pipemare's time to target x 1F1B's, per task, P and link")
     args = parser.parse_args()
     if args.what == "measure":
-        measure(args.gloo_link)
+        _measure(args.gloo_link)
     else:
-        print(table() if args.what == "table" else summary())
+        print(_table() if args.what == "table" else _summary())
 
 
 if __name__ == "__main__":
