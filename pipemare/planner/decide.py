@@ -523,30 +523,28 @@ def _replayed_steps(
     :attr:`RunFacts.links` are known, each microbatch's activations and gradients cross them
     (the bytes of the last layer before each cut); otherwise communication is free."""
     overhead = facts.overheads.get(schedule, Overhead(0.0, 0.0, 0.0))
-    fixed = overhead.fixed
     trained = facts.model.layer_trained
     # the last stage of an asynchronous schedule runs without delay: nothing to predict
     delayed = stages if spec(schedule).flushes else stages - 1
-    undelayed = overhead.undelayed_update_per_param_s
-    update_rate = {  # by whether the stage is delayed
-        True: overhead.update_per_param_s,
-        False: overhead.update_per_param_s if undelayed is None else undelayed,
-    }
     replayed = {}
     for n in ns:
         cut, _ = _layers_per_stage(options, facts, stages, n)
         rows = microbatch_rows(facts.rows, n)
         passes = _passes_at(facts, rows)
         bounds = [0, *itertools.accumulate(cut)]
+        charges = [
+            overhead.charge(sum(trained[a:b]), i < delayed)
+            for i, (a, b) in enumerate(itertools.pairwise(bounds))
+        ]
         durations = [
             (
-                fixed[0]
-                + sum(f for f, _ in passes[a:b])
-                + (overhead.forward_per_param_s * sum(trained[a:b]) if i < delayed else 0.0),
-                fixed[1] + sum(b_ for _, b_ in passes[a:b]),
-                fixed[2] + update_rate[i < delayed] * sum(trained[a:b]),
+                forward + sum(f for f, _ in passes[a:b]),
+                backward + sum(b_ for _, b_ in passes[a:b]),
+                update,
             )
-            for i, (a, b) in enumerate(itertools.pairwise(bounds))
+            for (forward, backward, update), (a, b) in zip(
+                charges, itertools.pairwise(bounds), strict=True
+            )
         ]
         out = facts.layer_out_bytes.get(rows)
         if facts.links is not None and out is not None and len(facts.links) == stages - 1:

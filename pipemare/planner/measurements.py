@@ -93,6 +93,22 @@ class Overhead:
         """The fixed seconds of a forward, a backward and an update action."""
         return self.forward_s, self.backward_s, self.update_s
 
+    def charge(self, trained: int, delayed: bool) -> tuple[float, float, float]:
+        """What a stage that trains ``trained`` parameters pays per forward, backward and
+        update beyond its layers' own passes: the fixed seconds, the forward's rate where the
+        stage is ``delayed`` (weight prediction), and the update's rate for a delayed stage or
+        one without delay.
+
+        Example:
+            >>> last = Overhead(1.0, 2.0, 3.0, 0.5, 0.25, undelayed_update_per_param_s=0.1)
+            >>> last.charge(4, delayed=True), last.charge(4, delayed=False)
+            ((2.0, 2.0, 5.0), (1.0, 2.0, 3.4))
+        """
+        undelayed = self.undelayed_update_per_param_s
+        rate = self.update_per_param_s if delayed or undelayed is None else undelayed
+        forward = self.forward_per_param_s * trained if delayed else 0.0
+        return self.forward_s + forward, self.backward_s, self.update_s + rate * trained
+
 
 @dataclasses.dataclass(frozen=True)
 class Profile:

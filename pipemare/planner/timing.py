@@ -334,8 +334,7 @@ def _calibrate_dense(
     times, _ = _time_engine(model, (x, torch.zeros(1, device=device)), trivial, [1] * 3)
     forward, _, update = _medians(times[1])
     last_update = _median(times[2][2])
-    alone = nn.Sequential(copy.deepcopy(model[1]))
-    ((own, _),) = layer_passes(alone, x)
+    ((own, _),) = layer_passes(nn.Sequential(model[1]), x)
     params = sum(p.numel() for p in model[1].parameters())
     return max(forward - own, 0.0), update, last_update, params
 

@@ -43,15 +43,11 @@ def _tasks() -> dict[str, dict[str, Any]]:
 
 
 def _keys(name: str) -> list[tuple[str, int, int]]:
-    from pipemare.experiments.studies.protocol import TASKS
-    from pipemare.experiments.studies.user_protocol import auto_n, one_f_one_b_ns
+    """The protocol's own timed configurations (``user_protocol._time_keys``) that the link
+    columns need: 1F1B at every N and the default pipemare."""
+    from pipemare.experiments.studies.user_protocol import _time_keys
 
-    task = TASKS[name]
-    keys = []
-    for p in STAGES:
-        keys += [("1f1b", p, n) for n in one_f_one_b_ns(task, p)]
-        keys.append(("pipemare", p, auto_n(task, p)))
-    return keys
+    return [k for k in _time_keys(name, False, STAGES) if k[0] in ("1f1b", "pipemare")]
 
 
 def _measure(gloo_link: str) -> None:

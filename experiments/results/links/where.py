@@ -130,19 +130,13 @@ def _figures(
     overhead = _SETUP["overheads"].get(schedule, Overhead(0.0, 0.0, 0.0))
     trained = sum(_SETUP["trained"][bounds[rank] : bounds[rank + 1]])
     # as the replay charges it: an asynchronous schedule's last stage predicts nothing
-    delayed = spec(schedule).flushes or rank < len(cut) - 1
+    forward, backward, update = overhead.charge(
+        trained, spec(schedule).flushes or rank < len(cut) - 1
+    )
     charged = {
-        "F": overhead.forward_s
-        + sum(f for f, _ in layers)
-        + (overhead.forward_per_param_s * trained if delayed else 0.0),
-        "B": overhead.backward_s + sum(b for _, b in layers),
-        "U": overhead.update_s
-        + (
-            overhead.update_per_param_s
-            if delayed or overhead.undelayed_update_per_param_s is None
-            else overhead.undelayed_update_per_param_s
-        )
-        * trained,
+        "F": forward + sum(f for f, _ in layers),
+        "B": backward + sum(b for _, b in layers),
+        "U": update,
     }
     return {
         "rank": rank,
