@@ -12,9 +12,11 @@ live weights. Step times are not measured here.
 - ``python experiments/studies/horizon.py times``: each schedule's pipeline seconds per step
   at P = 2, 4, 8 (1F1B at every N it could run, gpipe, ``async`` and ``pipemare`` at N = P and
   2P), from per-action times measured once and replayed with each stage on a device of its own
-  (:func:`~pipemare.experiments.studies.protocol.step_time`), into
-  ``OUT/step_times-{SITTING}.json``; the table takes each configuration's median over the
-  sittings. Run it alone on the machine.
+  (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`: the windows of every
+  configuration at one P taken in turn), into ``OUT/step_times-{SITTING}.json``; the table
+  takes each configuration's median over the sittings, those measured in turn only where any
+  is (a sitting before 2026-12-01's took one configuration after another). Run it alone on
+  the machine.
 - ``python experiments/studies/horizon.py table``: ``OUT/README.md`` from the curves written
   so far (final validation loss per (schedule, P, N, seed), mean, spread, gap to one device)
   and, with the step times, each cell's pipeline time to 1F1B's final quality against 1F1B's
@@ -149,6 +151,9 @@ def _first_within(curve: list[list[float]], target: float) -> int | None:
     return next((int(s) for s, m in curve if m <= 1.01 * target), None)
 
 
+#: the key under which a sitting says how its windows were taken
+_METHOD = "_method"
+
 #: the links the pipeline-time table replays beside the free one (issue 62): Ethernet between
 #: nodes, and a slow link between sites; the measured gloo link is added per sitting
 LINKS = {"10Gb/s@20us": "10Gb/s@20us", "1Gb/s@1ms": "1Gb/s@1ms"}
@@ -158,33 +163,48 @@ def _times(args: argparse.Namespace) -> None:
     import torch
 
     from pipemare.engine.link import Link
-    from pipemare.experiments.studies.protocol import TASKS, step_times
+    from pipemare.experiments.studies.protocol import TASKS, interleaved_step_times
     from pipemare.experiments.studies.user_protocol import auto_n, one_f_one_b_ns
 
     torch.set_num_threads(1)  # one core per stage's work, as the runs train
     path = Path(args.out) / f"step_times-{args.sitting}.json"
-    times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    times: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    if times and times.get(_METHOD) != "interleaved":
+        raise SystemExit(
+            f"sitting {args.sitting} took its configurations one after another; a sitting's "
+            "windows are taken in turn now: give a new --sitting"
+        )
     task = TASKS[_TASK]
     links = {name: Link.parse(spec) for name, spec in LINKS.items()}
     if args.gloo_link:  # its figures in the sitting's file, under a key no median reads
         links["gloo (measured)"] = Link.parse(args.gloo_link)
-        times[f"_gloo_link_sitting_{args.sitting}"] = args.gloo_link  # type: ignore[assignment]
+        times[f"_gloo_link_sitting_{args.sitting}"] = args.gloo_link
+    times[_METHOD] = "interleaved"
     for p in args.stages:
         n = auto_n(task, p)
         keys = [("1f1b", p, m) for m in one_f_one_b_ns(task, p)]
         keys += [("gpipe", p, n), ("async", p, n), ("pipemare", p, n), ("pipemare", p, 2 * n)]
-        for v, stages, m in keys:
+        names = [""] + [f"@{name}" for name in links] if args.links else [""]
+        todo = [
+            k for k in keys if not all(f"{_TASK}-{k[0]}-P{p}-N{k[2]}{at}" in times for at in names)
+        ]
+        found = interleaved_step_times(
+            task, todo, None, 12, warm=8, repeats=3, links=links if args.links else None
+        )
+        for (v, stages, m), by_link in found.items():
             key = f"{_TASK}-{v}-P{stages}-N{m}"
-            if args.links and not all(f"{key}@{name}" in times for name in links):
-                found = step_times(task, v, stages, m, None, 12, warm=8, repeats=3, links=links)
-                for name, seconds in found.items():
-                    times[key if name == "free" else f"{key}@{name}"] = seconds
-            elif key not in times:
-                times[key] = step_times(task, v, stages, m, None, 12, warm=8, repeats=3)["free"]
-            else:
-                continue
+            for name, seconds in by_link.items():
+                times[key if name == "free" else f"{key}@{name}"] = seconds
             print(f"{key}: {1000 * times[key]:.1f} ms", flush=True)
-            path.write_text(json.dumps(times, indent=1, sort_keys=True))
+        path.write_text(json.dumps(times, indent=1, sort_keys=True))
+
+
+def _sittings(out: Path) -> list[dict[str, Any]]:
+    """The step-time sittings the tables read: those whose windows were taken in turn where
+    any was (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`), else all."""
+    every = [json.loads(p.read_text()) for p in sorted(out.glob("step_times-*.json"))]
+    interleaved = [s for s in every if s.get(_METHOD) == "interleaved"]
+    return interleaved or every
 
 
 def _time_cells(
@@ -535,7 +555,7 @@ def _table(args: argparse.Namespace) -> None:
         every += [json.loads(p.read_text()) for p in ones]
     records = [r for r in every if r["lr"] == _RATE]
     cells = _cells(records)
-    sittings = [json.loads(p.read_text()) for p in sorted(out.glob("step_times-*.json"))]
+    sittings = _sittings(out)
     times = {  # the median over the sittings of each configuration
         k: statistics.median(s[k] for s in sittings if k in s)
         for k in {k for s in sittings for k in s if not k.startswith("_")}

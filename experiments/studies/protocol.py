@@ -20,7 +20,7 @@ import itertools
 import math
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -564,37 +564,66 @@ def step_times(
 ) -> dict[str, float]:
     """Seconds per optimiser step that P devices would take, in steady state: ``"free"``
     (communication free) and one per named link of ``links`` (every link of the pipeline
-    that one).
+    that one). One configuration of :func:`interleaved_step_times`."""
+    key = (schedule, stages, microbatches)
+    return interleaved_step_times(task, [key], config, steps, warm, repeats, links)[key]
 
-    Runs ``warm + steps`` steps in this process with every action timed, replays the actions
-    of the last ``steps`` through the schedule with each stage on a device of its own
-    (:func:`pipemare.engine.telemetry.replay_timeline`; with a link, each microbatch's
+
+def interleaved_step_times(
+    task: Task,
+    configurations: Sequence[tuple[str, int, int]],
+    config: PipeMareConfig | None = None,
+    steps: int = 32,
+    warm: int = 8,
+    repeats: int = 3,
+    links: Mapping[str, Link] | None = None,
+) -> dict[tuple[str, int, int], dict[str, float]]:
+    """:func:`step_times` of every ``(schedule, P, N)`` of ``configurations``, their windows
+    taken in turn: the first window of each, then the second of each, and so on.
+
+    Each window runs ``warm + steps`` steps in this process with every action timed, replays
+    the actions of the last ``steps`` through the schedule with each stage on a device of its
+    own (:func:`pipemare.engine.telemetry.replay_timeline`; with a link, each microbatch's
     activations, the bytes of the last layer before each cut, and its gradients cross it) and
-    divides the makespan by ``steps``; the median of ``repeats`` such windows, the same
-    windows replayed for every link. Run it alone on the machine: the durations are
-    measured. NaN for a configuration the pipeline refuses.
+    divides the makespan by ``steps``; a configuration's time is the median of its ``repeats``
+    windows, the same windows replayed for every link. Taken in turn, a drift of the machine's
+    speed over the minutes the measurement lasts falls on every configuration alike (measured
+    one after the other on this two-core machine, the same configuration moved 20-40% between
+    two sittings ten minutes apart, and the ratios with it). Run it alone on the machine: the
+    durations are measured. NaN for a configuration the pipeline refuses.
     """
     from pipemare.model.partition import layer_out_bytes
 
-    model = copy.deepcopy(_timed_model(task.name))
     x, y, _, _ = task.data()
     named: dict[str, Link | None] = {"free": None, **(links or {})}
-    try:
-        pipe = _pipeline(task, model, schedule, stages, microbatches, 1e-4, config, 0)
-    except ValueError:
-        return dict.fromkeys(named, math.nan)
-    rows = task.batch // microbatches
-    sizes = layer_out_bytes(copy.deepcopy(_timed_model(task.name)), x[:rows])
-    cuts = list(itertools.accumulate(pipe.balance))[:-1]
-    message = [float(sizes[c - 1]) for c in cuts]
-    measured: dict[str, list[float]] = {name: [] for name in named}
+    built: dict[tuple[str, int, int], tuple[Pipeline, list[float]]] = {}
+    measured: dict[tuple[str, int, int], dict[str, list[float]]] = {}
+    for key in configurations:
+        schedule, stages, microbatches = key
+        measured[key] = {name: [] for name in named}
+        model = copy.deepcopy(_timed_model(task.name))
+        try:
+            pipe = _pipeline(task, model, schedule, stages, microbatches, 1e-4, config, 0)
+        except ValueError:
+            continue
+        rows = task.batch // microbatches
+        sizes = layer_out_bytes(copy.deepcopy(_timed_model(task.name)), x[:rows])
+        cuts = list(itertools.accumulate(pipe.balance))[:-1]
+        built[key] = (pipe, [float(sizes[c - 1]) for c in cuts])
     for _ in range(repeats):
-        spans = timed_window(pipe, task, x, y, warm, steps)
-        for name, link in named.items():
-            replay = None if link is None else Links([link] * len(message), message)
-            _, makespan = replay_timeline(spans, stages, replay)
-            measured[name].append(makespan / steps)
-    return {name: statistics.median(values) for name, values in measured.items()}
+        for key, (pipe, message) in built.items():
+            spans = timed_window(pipe, task, x, y, warm, steps)
+            for name, link in named.items():
+                replay = None if link is None else Links([link] * len(message), message)
+                _, makespan = replay_timeline(spans, key[1], replay)
+                measured[key][name].append(makespan / steps)
+    return {
+        key: {
+            name: statistics.median(values) if values else math.nan
+            for name, values in by_link.items()
+        }
+        for key, by_link in measured.items()
+    }
 
 
 def timed_window(

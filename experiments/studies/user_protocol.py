@@ -16,9 +16,10 @@ devices reaches that quality soonest. Per task:
    Its step time is measured at every N dividing the batch and the fastest, N*, is 1F1B's.
 4. **Pipeline time.** Each configuration's step time comes from its per-action times measured
    once, alone (``--phase times``, nothing else on the machine), replayed through its schedule
-   (:func:`~pipemare.experiments.studies.protocol.step_time`); no clock is read while a run
-   trains. Time to quality = steps until the validation metric first comes within 1% (0.5
-   point of accuracy) of 1F1B's final quality, times the step time.
+   (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`: a task's
+   configurations' windows taken in turn, so the machine's drift falls on all alike); no clock
+   is read while a run trains. Time to quality = steps until the validation metric first comes
+   within 1% (0.5 point of accuracy) of 1F1B's final quality, times the step time.
 5. **Equal pipeline time** (``--phase equal-time``, or ``--equal-time`` with ``all``): pipemare
    at the default N trained again for as many steps as 1F1B's pipeline time over the task's
    run allows it (its rate schedule stretched over them), so a schedule that steps faster gets
@@ -166,30 +167,30 @@ def measure_times(
     warm: int = 8,
 ) -> dict[str, float]:
     """Pipeline seconds per step of every configuration the tables need at each P of
-    ``stages``, one at a time (run it alone on the machine): the median of ``repeats`` windows
-    of ``steps`` steps after ``warm``. Three, so that one disturbed window is outvoted; the
-    median of two is their mean, and one disturbed window moved a configuration's time by up
-    to 2.5x between two sittings on this two-core machine."""
+    ``stages`` (run it alone on the machine): the median of ``repeats`` windows of ``steps``
+    steps after ``warm``, a task's configurations' windows taken in turn
+    (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`). Three, so that one
+    disturbed window is outvoted; the median of two is their mean, and one disturbed window
+    moved a configuration's time by up to 2.5x between two sittings on this two-core machine."""
     import torch
     from tqdm import tqdm
 
-    from pipemare.experiments.studies.protocol import step_time
+    from pipemare.experiments.studies.protocol import interleaved_step_times
 
     path = out / "step_times.json"
     times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
-    todo = [
-        (t, v, p, n)
-        for t in names
-        for v, p, n in _time_keys(t, all_n, stages)
-        if f"{t}-{v}-P{p}-N{n}" not in times
-    ]
+    todo: dict[str, list[tuple[str, int, int]]] = {}
+    for t in names:
+        for v, p, n in _time_keys(t, all_n, stages):
+            if f"{t}-{v}-P{p}-N{n}" not in times:
+                todo.setdefault(t, []).append((v, p, n))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core per stage's work, as the runs train
     try:
-        for t, v, p, n in tqdm(todo, desc="pipeline time per step", unit="config"):
-            times[f"{t}-{v}-P{p}-N{n}"] = step_time(
-                TASKS[t], v, p, n, None, steps, warm=warm, repeats=repeats
-            )
+        for t, keys in tqdm(todo.items(), desc="pipeline time per step", unit="task"):
+            found = interleaved_step_times(TASKS[t], keys, None, steps, warm, repeats)
+            for (v, p, n), by_link in found.items():
+                times[f"{t}-{v}-P{p}-N{n}"] = by_link["free"]
             path.write_text(json.dumps(times, indent=1, sort_keys=True))
     finally:
         torch.set_num_threads(threads)

@@ -7,6 +7,8 @@ import json
 import pathlib
 import shutil
 
+import pytest
+
 from pipemare.experiments.studies import horizon
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -101,3 +103,16 @@ def test_t3s_synchronous_steps_are_charged_at_1f1bs_step(tmp_path):
     (t3,) = [c for c in cells if c["schedule"] == "pipemare+T3w10"]
     assert t3["reach"] == 20 and abs(t3["step_vs_1f1b"] - 0.5) < 1e-9
     assert abs(t3["time_vs_1f1b"] - 0.375) < 1e-9
+
+
+def test_the_tables_read_the_sittings_whose_windows_were_taken_in_turn(tmp_path):
+    """Sittings that timed one configuration after another are read only where no sitting took
+    its windows in turn, and none of them is extended in the new way."""
+    old = {"gpt_c64s-1f1b-P4-N4": 0.04, "gpt_c64s-pipemare-P4-N4": 0.04}
+    new = {"_method": "interleaved", "gpt_c64s-1f1b-P4-N4": 0.04, "gpt_c64s-pipemare-P4-N4": 0.02}
+    (tmp_path / "step_times-1.json").write_text(json.dumps(old))
+    assert horizon._sittings(tmp_path) == [old]
+    (tmp_path / "step_times-2.json").write_text(json.dumps(new))
+    assert horizon._sittings(tmp_path) == [new]
+    with pytest.raises(SystemExit, match="give a new --sitting"):
+        horizon.main(["times", "--out", str(tmp_path), "--sitting", "1", "--stages", "4"])

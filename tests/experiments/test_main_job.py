@@ -62,7 +62,7 @@ def test_the_main_job_trains_what_it_reports_and_keeps_its_times(tmp_path, monke
     def measured(*args, **kwargs):
         raise AssertionError("a rerun into the same directory measured a step time again")
 
-    monkeypatch.setattr(protocol, "step_time", measured)
+    monkeypatch.setattr(protocol, "interleaved_step_times", measured)
     for path in (out / "runs").glob("*.json"):  # marked, so that a reused run shows
         path.write_text(json.dumps({**json.loads(path.read_text()), "seconds": -1.0}))
     second = main_job.run_main_job(out, runs={"digits": (3e-3, 8)}, workers=1, wandb=False)

@@ -6,7 +6,7 @@ import dataclasses
 import json
 import math
 
-from pipemare.experiments.studies import fair
+from pipemare.experiments.studies import fair, protocol
 from pipemare.experiments.studies.protocol import TASKS, run_task
 
 
@@ -260,3 +260,24 @@ def test_the_verdicts_hold_pipemare_to_gpipes_margin_and_asyncs_spread():
         ("l", 8, 1): (False, False, False),
         ("l", 16, 1): (True, False, False),
     }  # the refused cell and the cells the grid has no runs for are left out
+
+
+def test_step_times_take_every_configurations_windows_in_turn(monkeypatch):
+    """A drift of the machine's speed while a sitting lasts must fall on every configuration
+    alike: window r of each configuration is timed before window r + 1 of any. A layout the
+    pipeline refuses is NaN, and times no window."""
+    order: list[tuple[str, int]] = []
+    real = protocol.timed_window
+
+    def timed(pipe, *args, **kwargs):
+        order.append((pipe.schedule, pipe.microbatches))
+        return real(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(protocol, "timed_window", timed)
+    keys = [("1f1b", 2, 2), ("pipemare", 2, 4), ("gpipe", 64, 1)]  # 17 layers: no 64 stages
+    found = protocol.interleaved_step_times(TASKS["digits"], keys, steps=1, warm=1, repeats=2)
+    assert order == [("1f1b", 2), ("pipemare", 4)] * 2
+    assert all(found[k]["free"] > 0 for k in keys[:2])
+    assert math.isnan(found[keys[2]]["free"])
+    one = protocol.step_times(TASKS["digits"], "pipemare", 2, 4, steps=1, warm=1, repeats=1)
+    assert set(one) == {"free"} and one["free"] > 0
