@@ -8,14 +8,17 @@ gradients crossing it, overlapped with compute where the schedule has other work
 N the protocol times it at, and the default pipemare (N as the strategy picks it). 1F1B takes
 its fastest N over each link; each schedule's time to target is its steps to target (the
 protocol's, from ``results.json``: link-free, since a link changes when a step ends, not what
-it computes) times its step over that link. Run it alone on the machine (the durations are
-measured)::
+it computes) times its step over that link. Each task is labelled by its regime, measured here
+with the step times (``cost_per_row.json``; ``user_protocol.regime``: compute-bound where its
+smallest microbatch costs at most 1.25x per row what its whole batch does). Run it alone on
+the machine (the durations are measured)::
 
     python experiments/results/links/protocol_links.py measure --gloo-link 25Gb/s@120us
     python experiments/results/links/protocol_links.py summary   # time to target x 1F1B's
     python experiments/results/links/protocol_links.py table     # every configuration
 
-``measure`` keeps what it found in ``protocol_step_times.json`` and skips what is there.
+``measure`` keeps what it found in ``protocol_step_times.json`` and ``cost_per_row.json`` and
+skips what is there.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ _HERE = Path(__file__).parent
 _ROOT = _HERE.parent
 RESULTS = (_ROOT / "user_protocol" / "results.json", _ROOT / "user_protocol_c64" / "results.json")
 TIMES = _HERE / "protocol_step_times.json"
+#: each task's whole model, forward and backward, seconds per row at each microbatch size run
+COSTS = _HERE / "cost_per_row.json"
 #: the simulated links every column but the measured one replays
 LINKS = ("10Gb/s@20us", "1Gb/s@1ms")
 STAGES = (2, 4, 8)
@@ -55,7 +60,9 @@ def _measure(gloo_link: str) -> None:
 
     from pipemare.engine.link import Link
     from pipemare.experiments.studies.protocol import TASKS, step_times
+    from pipemare.experiments.studies.user_protocol import measure_cost_per_row
 
+    measure_cost_per_row(_HERE, list(_tasks()), stages=STAGES)
     torch.set_num_threads(1)  # one core per stage's work, as the runs train
     links = {name: Link.parse(name) for name in LINKS}
     links[f"gloo (measured: {gloo_link})"] = Link.parse(gloo_link)
@@ -77,10 +84,24 @@ def _default_row(rows: list[dict[str, Any]], n: int) -> dict[str, Any] | None:
     return None
 
 
+def _regimes() -> dict[str, str]:
+    """Each task's regime as measured here ("not measured" before ``measure``)."""
+    from pipemare.experiments.studies.user_protocol import regime
+
+    costs = json.loads(COSTS.read_text()) if COSTS.exists() else {}
+    return {
+        name: regime({int(rows): s for rows, s in costs[name].items()})
+        if name in costs
+        else "not measured"
+        for name in _tasks()
+    }
+
+
 def _rows() -> list[dict[str, Any]]:
-    """Per task, P and link: 1F1B's fastest N and step, pipemare's step, and pipemare's time
-    to target as a share of 1F1B's (None: never within the run)."""
+    """Per task, P and link: the task's regime, 1F1B's fastest N and step, pipemare's step, and
+    pipemare's time to target as a share of 1F1B's (None: never within the run)."""
     times: dict[str, dict[str, float]] = json.loads(TIMES.read_text())
+    regimes = _regimes()
     out = []
     for name, task in _tasks().items():
         for p in STAGES:
@@ -111,6 +132,7 @@ def _rows() -> list[dict[str, Any]]:
                 out.append(
                     {
                         "task": name,
+                        "regime": regimes[name],
                         "P": p,
                         "link": link,
                         "1f1b_n": n_star,
@@ -127,16 +149,17 @@ def _rows() -> list[dict[str, Any]]:
 
 def _table() -> str:
     lines = [
-        "| task | P | link | 1F1B's N, step | pipemare's N, step | step ratio | steps to target "
-        "(pipemare / 1F1B) | time to target × 1F1B's |",
-        "|---|---|---|---|---|---|---|---|",
+        "| task | regime | P | link | 1F1B's N, step | pipemare's N, step | step ratio | "
+        "steps to target (pipemare / 1F1B) | time to target × 1F1B's |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in _rows():
         steps = "never" if not math.isfinite(r["steps"]) else f"{r['steps']:.0f}"
         time = "never" if r["time_vs_1f1b"] is None else f"{r['time_vs_1f1b']:.2f}"
         lines.append(
-            f"| {r['task']} | {r['P']} | {r['link']} | {r['1f1b_n']}, {r['1f1b_ms']:.1f} ms | "
-            f"{r['N']}, {r['pipemare_ms']:.1f} ms | {r['pipemare_ms'] / r['1f1b_ms']:.2f} | "
+            f"| {r['task']} | {r['regime']} | {r['P']} | {r['link']} | "
+            f"{r['1f1b_n']}, {r['1f1b_ms']:.1f} ms | {r['N']}, {r['pipemare_ms']:.1f} ms | "
+            f"{r['pipemare_ms'] / r['1f1b_ms']:.2f} | "
             f"{steps} / {r['base_steps']:.0f} | {time} |"
         )
     return "\n".join(lines)
@@ -146,16 +169,18 @@ def _summary() -> str:
     """Per task and P, pipemare's time to target as a share of 1F1B's over each link."""
     found = _rows()
     links = list(dict.fromkeys(r["link"] for r in found))
-    cells: dict[tuple[str, int], dict[str, str]] = {}
+    cells: dict[tuple[str, str, int], dict[str, str]] = {}
     for r in found:
         time = "never" if r["time_vs_1f1b"] is None else f"{r['time_vs_1f1b']:.2f}"
-        cells.setdefault((r["task"], r["P"]), {})[r["link"]] = time
+        cells.setdefault((r["task"], r["regime"], r["P"]), {})[r["link"]] = time
     lines = [
-        "| task | P | " + " | ".join(links) + " |",
-        "|---|---|" + "---|" * len(links),
+        "| task | regime | P | " + " | ".join(links) + " |",
+        "|---|---|---|" + "---|" * len(links),
     ]
-    for (task, p), by_link in cells.items():
-        lines.append(f"| {task} | {p} | " + " | ".join(by_link.get(k, "") for k in links) + " |")
+    for (task, regime, p), by_link in cells.items():
+        lines.append(
+            f"| {task} | {regime} | {p} | " + " | ".join(by_link.get(k, "") for k in links) + " |"
+        )
     return "\n".join(lines)
 
 
