@@ -17,8 +17,11 @@ the machine (the durations are measured)::
     python experiments/results/links/protocol_links.py summary   # time to target x 1F1B's
     python experiments/results/links/protocol_links.py table     # every configuration
 
-``measure`` keeps what it found in ``protocol_step_times.json`` and ``cost_per_row.json`` and
-skips what is there.
+``measure`` takes a task's configurations' windows in turn
+(:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`), keeps what it found in
+``protocol_step_times.json`` and ``cost_per_row.json`` and skips what is there
+(``protocol_step_times-one-after-another.json``: the first measurement, one configuration
+after another, before 2026-12-01).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _measure(gloo_link: str) -> None:
     import torch
 
     from pipemare.engine.link import Link
-    from pipemare.experiments.studies.protocol import TASKS, step_times
+    from pipemare.experiments.studies.protocol import TASKS, interleaved_step_times
     from pipemare.experiments.studies.user_protocol import measure_cost_per_row
 
     measure_cost_per_row(_HERE, list(_tasks()), stages=STAGES)
@@ -68,13 +71,16 @@ def _measure(gloo_link: str) -> None:
     links[f"gloo (measured: {gloo_link})"] = Link.parse(gloo_link)
     times: dict[str, dict[str, float]] = json.loads(TIMES.read_text()) if TIMES.exists() else {}
     for name in _tasks():
-        for v, p, n in _keys(name):
-            key = f"{name}-{v}-P{p}-N{n}"
-            if key in times and all(link in times[key] for link in links):
-                continue
-            times[key] = step_times(TASKS[name], v, p, n, None, 12, warm=8, repeats=3, links=links)
-            print(key, {k: round(1e3 * s, 2) for k, s in times[key].items()}, flush=True)
-            TIMES.write_text(json.dumps(times, indent=1, sort_keys=True))
+        todo = [
+            (v, p, n)
+            for v, p, n in _keys(name)
+            if not all(link in times.get(f"{name}-{v}-P{p}-N{n}", {}) for link in links)
+        ]
+        found = interleaved_step_times(TASKS[name], todo, None, 12, 8, 3, links)
+        for (v, p, n), by_link in found.items():
+            times[f"{name}-{v}-P{p}-N{n}"] = by_link
+            print(name, v, p, n, {k: round(1e3 * s, 2) for k, s in by_link.items()}, flush=True)
+        TIMES.write_text(json.dumps(times, indent=1, sort_keys=True))
 
 
 def _default_row(rows: list[dict[str, Any]], n: int) -> dict[str, Any] | None:
