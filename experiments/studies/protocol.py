@@ -598,6 +598,7 @@ def interleaved_step_times(
     named: dict[str, Link | None] = {"free": None, **(links or {})}
     built: dict[tuple[str, int, int], tuple[Pipeline, list[float]]] = {}
     measured: dict[tuple[str, int, int], dict[str, list[float]]] = {}
+    sizes: dict[int, list[int]] = {}  # per microbatch's rows: each layer's output bytes
     for key in configurations:
         schedule, stages, microbatches = key
         measured[key] = {name: [] for name in named}
@@ -607,9 +608,10 @@ def interleaved_step_times(
         except ValueError:
             continue
         rows = task.batch // microbatches
-        sizes = layer_out_bytes(copy.deepcopy(_timed_model(task.name)), x[:rows])
+        if rows not in sizes:
+            sizes[rows] = layer_out_bytes(copy.deepcopy(_timed_model(task.name)), x[:rows])
         cuts = list(itertools.accumulate(pipe.balance))[:-1]
-        built[key] = (pipe, [float(sizes[c - 1]) for c in cuts])
+        built[key] = (pipe, [float(sizes[rows][c - 1]) for c in cuts])
     for _ in range(repeats):
         for key, (pipe, message) in built.items():
             spans = timed_window(pipe, task, x, y, warm, steps)

@@ -532,20 +532,13 @@ def _replayed_steps(
         rows = microbatch_rows(facts.rows, n)
         passes = _passes_at(facts, rows)
         bounds = [0, *itertools.accumulate(cut)]
-        charges = [
-            overhead.charge(sum(trained[a:b]), i < delayed)
-            for i, (a, b) in enumerate(itertools.pairwise(bounds))
-        ]
-        durations = [
-            (
-                forward + sum(f for f, _ in passes[a:b]),
-                backward + sum(b_ for _, b_ in passes[a:b]),
-                update,
+        durations = []
+        for i, (a, b) in enumerate(itertools.pairwise(bounds)):
+            forward, backward, update = overhead.charge(sum(trained[a:b]), i < delayed)
+            stage = passes[a:b]
+            durations.append(
+                (forward + sum(f for f, _ in stage), backward + sum(b_ for _, b_ in stage), update)
             )
-            for (forward, backward, update), (a, b) in zip(
-                charges, itertools.pairwise(bounds), strict=True
-            )
-        ]
         out = facts.layer_out_bytes.get(rows)
         if facts.links is not None and out is not None and len(facts.links) == stages - 1:
             sizes = [out[b - 1] for b in bounds[1:-1]]

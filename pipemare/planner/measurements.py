@@ -88,11 +88,6 @@ class Overhead:
     forward_per_param_s: float = 0.0
     undelayed_update_per_param_s: float | None = None
 
-    @property
-    def fixed(self) -> tuple[float, float, float]:
-        """The fixed seconds of a forward, a backward and an update action."""
-        return self.forward_s, self.backward_s, self.update_s
-
     def charge(self, trained: int, delayed: bool) -> tuple[float, float, float]:
         """What a stage that trains ``trained`` parameters pays per forward, backward and
         update beyond its layers' own passes: the fixed seconds, the forward's rate where the

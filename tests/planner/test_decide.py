@@ -341,7 +341,7 @@ def test_the_replay_charges_each_stage_update_and_delayed_forward_by_the_paramet
     assert advice.step_s == pytest.approx(replay("pipemare", 2))
     assert dict(advice.baseline_by_n) == pytest.approx({n: replay("1f1b", n) for n in (1, 2, 4, 8)})
     # without the rates, the same facts replay a shorter step
-    fixed_only = {s: Overhead(*o.fixed) for s, o in overheads.items()}
+    fixed_only = {s: Overhead(o.forward_s, o.backward_s, o.update_s) for s, o in overheads.items()}
     plain = decide(
         PipelineOptions(stages=2, balance="even"), dataclasses.replace(facts, overheads=fixed_only)
     ).advice
