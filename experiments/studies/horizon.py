@@ -30,6 +30,10 @@ the default with T3, its first K steps synchronous (1F1B at the same P and N) an
 after; ``table`` charges those K steps at 1F1B's step at that P and N, and the rest at
 pipemare's.
 
+``--variant pipemare-noWP`` trains the default without weight prediction, the correction that
+costs the step most (``experiments/results/horizon/corrections_cost.py --ablate``); its runs go
+to ``experiments/results/horizon_nowp`` (``--out``), beside the default's here.
+
 ``--task gpt_c64s_halves`` (each command) runs the same GPT cut between each block's attention
 and its MLP as well (``experiments/results/horizon_halves``): a cut does not change what one
 device computes, so ``table`` there reads gpt_c64s's one-device runs beside the runs of its own.
@@ -184,6 +188,7 @@ def _times(args: argparse.Namespace) -> None:
         n = auto_n(task, p)
         keys = [("1f1b", p, m) for m in one_f_one_b_ns(task, p)]
         keys += [("gpipe", p, n), ("async", p, n), ("pipemare", p, n), ("pipemare", p, 2 * n)]
+        keys += [("pipemare-noWP", p, n)]
         names = [""] + [f"@{name}" for name in links] if args.links else [""]
         todo = [
             k for k in keys if not all(f"{_TASK}-{k[0]}-P{p}-N{k[2]}{at}" in times for at in names)
@@ -580,7 +585,9 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     run = sub.add_parser("run", help="train one run and write its curve")
     run.add_argument(
-        "--variant", required=True, choices=("gpipe", "pipemare", "async", *T3_VARIANTS)
+        "--variant",
+        required=True,
+        choices=("gpipe", "pipemare", "async", "pipemare-noWP", *T3_VARIANTS),
     )
     run.add_argument("--stages", type=int, default=2)
     run.add_argument("--microbatches", type=int, help="N (default: the strategy's default N)")

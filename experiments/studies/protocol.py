@@ -579,7 +579,10 @@ def interleaved_step_times(
     links: Mapping[str, Link] | None = None,
 ) -> dict[tuple[str, int, int], dict[str, float]]:
     """:func:`step_times` of every ``(schedule, P, N)`` of ``configurations``, their windows
-    taken in turn: the first window of each, then the second of each, and so on.
+    taken in turn: the first window of each, then the second of each, and so on. ``schedule``
+    may also name a variant of :data:`~pipemare.experiments.studies.grid.VARIANTS`, which runs
+    its schedule with its own corrections (``pipemare-noWP``: the default without weight
+    prediction) in place of ``config``.
 
     Each window runs ``warm + steps`` steps in this process with every action timed, replays
     the actions of the last ``steps`` through the schedule with each stage on a device of its
@@ -592,6 +595,7 @@ def interleaved_step_times(
     two sittings ten minutes apart, and the ratios with it). Run it alone on the machine: the
     durations are measured. NaN for a configuration the pipeline refuses.
     """
+    from pipemare.experiments.studies.grid import VARIANTS
     from pipemare.model.partition import layer_out_bytes
 
     x, y, _, _ = task.data()
@@ -600,11 +604,12 @@ def interleaved_step_times(
     measured: dict[tuple[str, int, int], dict[str, list[float]]] = {}
     sizes: dict[int, list[int]] = {}  # per microbatch's rows: each layer's output bytes
     for key in configurations:
-        schedule, stages, microbatches = key
+        variant, stages, microbatches = key
+        schedule, own = VARIANTS.get(variant, (variant, None))
         measured[key] = {name: [] for name in named}
         model = copy.deepcopy(_timed_model(task.name))
         try:
-            pipe = _pipeline(task, model, schedule, stages, microbatches, 1e-4, config, 0)
+            pipe = _pipeline(task, model, schedule, stages, microbatches, 1e-4, own or config, 0)
         except ValueError:
             continue
         rows = task.batch // microbatches

@@ -281,3 +281,24 @@ def test_step_times_take_every_configurations_windows_in_turn(monkeypatch):
     assert math.isnan(found[keys[2]]["free"])
     one = protocol.step_times(TASKS["digits"], "pipemare", 2, 4, steps=1, warm=1, repeats=1)
     assert set(one) == {"free"} and one["free"] > 0
+
+
+def test_step_times_run_a_named_variant_with_its_own_corrections(monkeypatch):
+    """``pipemare-noWP`` is timed as the pipemare schedule without weight prediction, the
+    default beside it with it: a sitting that timed the default twice would compare nothing."""
+    ran: dict[str, list[str]] = {}
+    real = protocol.timed_window
+
+    def timed(pipe, *args, **kwargs):
+        ran.setdefault(pipe.schedule, []).append(
+            ",".join(sorted(c.name for c in pipe.optimizer.corrections))
+        )
+        return real(pipe, *args, **kwargs)
+
+    monkeypatch.setattr(protocol, "timed_window", timed)
+    keys = [("pipemare", 2, 2), ("pipemare-noWP", 2, 2)]
+    found = protocol.interleaved_step_times(TASKS["digits"], keys, steps=1, warm=1, repeats=1)
+    assert set(found) == set(keys) and all(found[k]["free"] > 0 for k in keys)
+    default, without = ran["pipemare"]
+    assert "weight_prediction" in default.split(",")
+    assert without.split(",") == [c for c in default.split(",") if c != "weight_prediction"]

@@ -12,7 +12,7 @@ if [ ! -f "$CODE/pipemare/__init__.py" ]; then  # rebuild the frozen archive if 
   ln -sfn ../experiments "$CODE/pipemare/experiments"; ln -sfn ../callbacks "$CODE/pipemare/callbacks"
 fi
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 WANDB_MODE=disabled PYTHONPATH=$CODE HORIZON_CODE_COMMIT=$COMMIT
-OUT=experiments/results/horizon
+OUT=${OUT:-experiments/results/horizon}  # a queue may write its runs elsewhere (--out)
 PY=".venv/bin/python -P experiments/studies/horizon.py"
 
 name_of() {  # variant stages N seed steps lr -> the curve's file name (horizon.py's _name)
@@ -26,7 +26,7 @@ run_one() {  # variant stages N seed steps lr: run it unless its curve exists; s
   local v=$1 p=$2 n=$3 s=$4 steps=$5 lr=$6 name args
   name=$(name_of "$v" "$p" "$n" "$s" "$steps" "$lr")
   [ -f "$OUT/$name.json" ] && return 0
-  args="run --variant $v --stages $p --seed $s --steps $steps"
+  args="run --variant $v --stages $p --seed $s --steps $steps --out $OUT"
   [ "$n" != - ] && args="$args --microbatches $n"
   [ "$lr" != - ] && args="$args --lr $lr"
   export HORIZON_COMMAND="cd /work/main && OMP_NUM_THREADS=1 WANDB_MODE=disabled PYTHONPATH=$CODE nice -n 19 $PY $args"
