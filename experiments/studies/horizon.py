@@ -31,8 +31,9 @@ after; ``table`` charges those K steps at 1F1B's step at that P and N, and the r
 pipemare's.
 
 ``--variant pipemare-noWP`` trains the default without weight prediction, the correction that
-costs the step most (``experiments/results/horizon/corrections_cost.py --ablate``); its runs go
-to ``experiments/results/horizon_nowp`` (``--out``), beside the default's here.
+costs the step most (``experiments/results/horizon/corrections_cost.py --ablate``); its queue
+(``queue_nowp.sh``) trains into ``experiments/results/horizon_nowp`` (``--out``: the protocol's
+run files and the logs), and its curves were moved here, beside the default's, for the tables.
 
 ``--task gpt_c64s_halves`` (each command) runs the same GPT cut between each block's attention
 and its MLP as well (``experiments/results/horizon_halves``): a cut does not change what one
