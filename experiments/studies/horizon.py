@@ -11,12 +11,14 @@ live weights. Step times are not measured here.
   ``OUT/gpt_c64s-VARIANT-P{P}-N{N}-s{SEED}-{STEPS}steps.json`` with the command that made it.
 - ``python experiments/studies/horizon.py times``: each schedule's pipeline seconds per step
   at P = 2, 4, 8 (1F1B at every N it could run, gpipe, ``async`` and ``pipemare`` at N = P and
-  2P), from per-action times measured once and replayed with each stage on a device of its own
+  2P, and on ``gpt_c64s`` ``pipemare-noWP`` at N = P), from per-action times measured once and
+  replayed with each stage on a device of its own
   (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`: the windows of every
-  configuration at one P taken in turn), into ``OUT/step_times-{SITTING}.json``; the table
-  takes each configuration's median over the sittings, those measured in turn only where any
-  is (a sitting before 2026-12-01's took one configuration after another). Run it alone on
-  the machine.
+  configuration at one P taken in turn), into ``OUT/step_times-{SITTING}.json`` with when each
+  P was taken and the load average before it; the table takes each configuration's median
+  over the sittings (:func:`_median_times`), those measured in turn only where any is (a
+  sitting before 2026-12-01's took one configuration after another). Run it alone on the
+  machine: stop any queue (``kill -STOP``) for the sitting's length.
 - ``python experiments/studies/horizon.py table``: ``OUT/README.md`` from the curves written
   so far (final validation loss per (schedule, P, N, seed), mean, spread, gap to one device)
   and, with the step times, each cell's pipeline time to 1F1B's final quality against 1F1B's
@@ -30,8 +32,9 @@ the default with T3, its first K steps synchronous (1F1B at the same P and N) an
 after; ``table`` charges those K steps at 1F1B's step at that P and N, and the rest at
 pipemare's.
 
-``--variant pipemare-noWP`` trains the default without weight prediction, the correction that
-costs the step most (``experiments/results/horizon/corrections_cost.py --ablate``); its queue
+``--variant pipemare-noWP`` trains the default without weight prediction, at P = 4 the
+correction that costs the step most (``experiments/results/horizon/corrections_cost.py
+--ablate``); its queue
 (``queue_nowp.sh``) trains into ``experiments/results/horizon_nowp`` (``--out``: the protocol's
 run files and the logs), and its curves were moved here, beside the default's, for the tables.
 
@@ -49,6 +52,7 @@ import os
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -189,14 +193,25 @@ def _times(args: argparse.Namespace) -> None:
         n = auto_n(task, p)
         keys = [("1f1b", p, m) for m in one_f_one_b_ns(task, p)]
         keys += [("gpipe", p, n), ("async", p, n), ("pipemare", p, n), ("pipemare", p, 2 * n)]
-        keys += [("pipemare-noWP", p, n)]
+        if _TASK == "gpt_c64s":  # the default without weight prediction ran on this cut only
+            keys += [("pipemare-noWP", p, n)]
         names = [""] + [f"@{name}" for name in links] if args.links else [""]
         todo = [
             k for k in keys if not all(f"{_TASK}-{k[0]}-P{p}-N{k[2]}{at}" in times for at in names)
         ]
+        if todo and len(todo) < len(keys):
+            raise SystemExit(
+                f"sitting {args.sitting} timed P = {p} without {', '.join(map(str, todo))}; "
+                "timed now they would not take their windows in turn with the others: give a "
+                "new --sitting"
+            )
+        start, load = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()[0]
         found = interleaved_step_times(
             task, todo, None, 12, warm=8, repeats=3, links=links if args.links else None
         )
+        if todo:  # when and on how busy a machine (the 1-minute load average before it)
+            end = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+            times[f"_P{p}_taken"] = {"start": start, "end": end, "load_before": load}
         for (v, stages, m), by_link in found.items():
             key = f"{_TASK}-{v}-P{stages}-N{m}"
             for name, seconds in by_link.items():
@@ -553,6 +568,40 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
+def _median_times(sittings: list[dict[str, Any]]) -> dict[str, float]:
+    """Each configuration's step: its median over the sittings. A configuration that fewer
+    sittings timed than 1F1B (one added later) is scaled by 1F1B's median over all of them
+    against its median over those sittings, at 1F1B's fastest N over the same P and link, so
+    its ratio to 1F1B is the one measured within the sittings that timed both.
+
+    Example:
+        >>> one = {"gpt_c64s-1f1b-P2-N2": 2.0, "gpt_c64s-pipemare-P2-N2": 1.0}
+        >>> two = {"gpt_c64s-1f1b-P2-N2": 4.0, "gpt_c64s-pipemare-P2-N2": 3.0}
+        >>> late = {**two, "gpt_c64s-pipemare-noWP-P2-N2": 2.0}
+        >>> _median_times([one, late])["gpt_c64s-pipemare-noWP-P2-N2"]  # 2/4 of 1F1B's 3.0
+        1.5
+    """
+    keys = {k for s in sittings for k in s if not k.startswith("_")}
+    median = {k: statistics.median(s[k] for s in sittings if k in s) for k in keys}
+    out = dict(median)
+    for k in keys:
+        had = [s for s in sittings if k in s]
+        rest = k.partition("-P")[2]  # "4-N8" or "4-N8@LINK"
+        p, _, at = rest.partition("@")
+        p = p.split("-N")[0]
+        prefix, link = f"{_TASK}-1f1b-P{p}-N", f"@{at}" if at else ""
+        ones = [
+            o for o in keys if o.startswith(prefix) and o.endswith(link) and ("@" in o) == bool(at)
+        ]
+        if not ones or k in ones or len(had) == len(sittings):
+            continue
+        star = min(ones, key=lambda o: median[o])
+        within = [s[star] for s in had if star in s]
+        if within:
+            out[k] = median[k] * median[star] / statistics.median(within)
+    return out
+
+
 def _table(args: argparse.Namespace) -> None:
     out = Path(args.out)
     every = [json.loads(p.read_text()) for p in sorted(out.glob(f"{_TASK}-*steps*.json"))]
@@ -561,11 +610,7 @@ def _table(args: argparse.Namespace) -> None:
         every += [json.loads(p.read_text()) for p in ones]
     records = [r for r in every if r["lr"] == _RATE]
     cells = _cells(records)
-    sittings = _sittings(out)
-    times = {  # the median over the sittings of each configuration
-        k: statistics.median(s[k] for s in sittings if k in s)
-        for k in {k for s in sittings for k in s if not k.startswith("_")}
-    }
+    times = _median_times(_sittings(out))
     timed = _time_rows(times, cells) if times else []
     template = (out / "README.template.md").read_text()
     (out / "README.md").write_text(

@@ -116,3 +116,32 @@ def test_the_tables_read_the_sittings_whose_windows_were_taken_in_turn(tmp_path)
     assert horizon._sittings(tmp_path) == [new]
     with pytest.raises(SystemExit, match="give a new --sitting"):
         horizon.main(["times", "--out", str(tmp_path), "--sitting", "1", "--stages", "4"])
+
+
+def test_a_sitting_is_not_extended_by_a_configuration_timed_alone(tmp_path):
+    """A configuration added to the study after a sitting (``pipemare-noWP``) is not timed into
+    that sitting on its own, where its windows would not alternate with the others'."""
+    from pipemare.experiments.studies.protocol import TASKS
+    from pipemare.experiments.studies.user_protocol import auto_n, one_f_one_b_ns
+
+    n = auto_n(TASKS["gpt_c64s"], 2)
+    keys = [f"gpt_c64s-1f1b-P2-N{m}" for m in one_f_one_b_ns(TASKS["gpt_c64s"], 2)]
+    keys += [f"gpt_c64s-{v}-P2-N{n}" for v in ("gpipe", "async", "pipemare")]
+    keys += [f"gpt_c64s-pipemare-P2-N{2 * n}"]
+    sitting = {"_method": "interleaved", **dict.fromkeys(keys, 0.05)}
+    (tmp_path / "step_times-9.json").write_text(json.dumps(sitting))
+    with pytest.raises(SystemExit, match=r"pipemare-noWP.*give a new --sitting"):
+        horizon.main(["times", "--out", str(tmp_path), "--sitting", "9", "--stages", "2"])
+
+
+def test_a_configuration_timed_in_fewer_sittings_keeps_its_ratio_within_them():
+    """``pipemare-noWP``, timed in the later sittings only, is compared with 1F1B's fastest N
+    within those sittings, not with 1F1B's median over every sitting."""
+    fast = {"gpt_c64s-1f1b-P4-N4": 0.040, "gpt_c64s-1f1b-P4-N8": 0.050}
+    slow = {"gpt_c64s-1f1b-P4-N4": 0.080, "gpt_c64s-1f1b-P4-N8": 0.090}
+    late = {**slow, "gpt_c64s-pipemare-noWP-P4-N4": 0.060}
+    times = horizon._median_times([fast, fast, late])
+    assert times["gpt_c64s-1f1b-P4-N4"] == pytest.approx(0.040)
+    assert times["gpt_c64s-pipemare-noWP-P4-N4"] / times["gpt_c64s-1f1b-P4-N4"] == pytest.approx(
+        0.060 / 0.080
+    )

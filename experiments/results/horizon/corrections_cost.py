@@ -11,16 +11,19 @@ per step; for ``pipemare`` also each correction's hooks around the optimiser ste
 optimiser step itself, the engine's check for non-finite gradients, and the forwards' weight
 prediction (moving the weights and moving them back), per stage and step. The prediction is
 timed inside the window, where its passes over the weights meet caches the forwards and
-backwards have filled: there it costs about twice what one enter-and-exit costs timed on its
+backwards have filled: there it costs several times what one enter-and-exit costs timed on its
 own in a loop.
 
 ``--ablate`` answers the same question by subtraction: the replayed step of ``async``, of
 ``pipemare``, and of ``pipemare`` with each costly correction switched off in turn and with all
 three off, their windows taken in turn (the first of each, then the second of each, ...; the
 median of ``--repeats``; each round starts one variant later), so that a drift of the
-machine's speed falls on all alike, and each stage's least work per step over the windows::
+machine's speed falls on all alike; and, on the stage busiest under ``async``, each variant's
+least forwards, backwards and update per step over the windows (each kind's minimum on its
+own, so their sum is a lower bound, not one window's work)::
 
-    OMP_NUM_THREADS=1 python experiments/results/horizon/corrections_cost.py --stages 4 8 --ablate
+    OMP_NUM_THREADS=1 python experiments/results/horizon/corrections_cost.py --stages 4 8 --ablate \
+        --repeats 7
 """
 
 from __future__ import annotations

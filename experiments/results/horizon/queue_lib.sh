@@ -1,7 +1,8 @@
-# Sourced by the horizon queues (queue.sh, queue_retune.sh, queue_seeds.sh): the frozen code
-# and one run. Each queue lists its runs as "variant stages N seed steps lr" ("-": the default
-# N, P, or the task's rate 1e-3) and calls run_one on each; a run whose curve
-# (experiments/results/horizon/<name>.json) exists is skipped, so a queue can be restarted. The
+# Sourced by the horizon queues (queue.sh, queue_retune.sh, queue_seeds.sh, queue_nowp.sh, ...):
+# the frozen code and one run. Each queue lists its runs as "variant stages N seed steps lr"
+# ("-": the default N, P, or the task's rate 1e-3) and calls run_one on each; a run whose curve
+# ($OUT/<name>.json; OUT is $HORIZON_OUT, else experiments/results/horizon) exists is skipped,
+# so a queue can be restarted. The
 # code is a frozen archive of commit $COMMIT (git archive), so edits in the working tree do not
 # change runs mid-queue. Quality runs only: no step time is read from them.
 cd /work/main || exit 1
@@ -12,7 +13,7 @@ if [ ! -f "$CODE/pipemare/__init__.py" ]; then  # rebuild the frozen archive if 
   ln -sfn ../experiments "$CODE/pipemare/experiments"; ln -sfn ../callbacks "$CODE/pipemare/callbacks"
 fi
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 WANDB_MODE=disabled PYTHONPATH=$CODE HORIZON_CODE_COMMIT=$COMMIT
-OUT=${OUT:-experiments/results/horizon}  # a queue may write its runs elsewhere (--out)
+OUT=${HORIZON_OUT:-experiments/results/horizon}  # a queue may train elsewhere (--out)
 PY=".venv/bin/python -P experiments/studies/horizon.py"
 
 name_of() {  # variant stages N seed steps lr -> the curve's file name (horizon.py's _name)
