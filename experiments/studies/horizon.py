@@ -172,6 +172,7 @@ def _times(args: argparse.Namespace) -> None:
     import torch
 
     from pipemare.engine.link import Link
+    from pipemare.experiments.studies.grid import VARIANTS
     from pipemare.experiments.studies.protocol import TASKS, interleaved_step_times
     from pipemare.experiments.studies.user_protocol import auto_n, one_f_one_b_ns
 
@@ -207,7 +208,14 @@ def _times(args: argparse.Namespace) -> None:
             )
         start, load = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()[0]
         found = interleaved_step_times(
-            task, todo, None, 12, warm=8, repeats=3, links=links if args.links else None
+            task,
+            todo,
+            None,
+            12,
+            warm=8,
+            repeats=3,
+            links=links if args.links else None,
+            variants=VARIANTS,
         )
         if todo:  # when and on how busy a machine (the 1-minute load average before it)
             end = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

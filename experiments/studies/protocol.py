@@ -577,12 +577,13 @@ def interleaved_step_times(
     warm: int = 8,
     repeats: int = 3,
     links: Mapping[str, Link] | None = None,
+    variants: Mapping[str, tuple[str, PipeMareConfig | None]] | None = None,
 ) -> dict[tuple[str, int, int], dict[str, float]]:
     """:func:`step_times` of every ``(schedule, P, N)`` of ``configurations``, their windows
     taken in turn: the first window of each, then the second of each, and so on. ``schedule``
-    may also name a variant of :data:`~pipemare.experiments.studies.grid.VARIANTS`, which runs
-    its schedule with its own corrections (``pipemare-noWP``: the default without weight
-    prediction) in place of ``config``.
+    may also name one of ``variants`` (e.g. :data:`~pipemare.experiments.studies.grid.VARIANTS`),
+    which runs its schedule with its own corrections in place of ``config``
+    (``pipemare-noWP``: the default without weight prediction).
 
     Each window runs ``warm + steps`` steps in this process with every action timed, replays
     the actions of the last ``steps`` through the schedule with each stage on a device of its
@@ -595,7 +596,6 @@ def interleaved_step_times(
     two sittings ten minutes apart, and the ratios with it). Run it alone on the machine: the
     durations are measured. NaN for a configuration the pipeline refuses.
     """
-    from pipemare.experiments.studies.grid import VARIANTS
     from pipemare.model.partition import layer_out_bytes
 
     x, y, _, _ = task.data()
@@ -605,7 +605,7 @@ def interleaved_step_times(
     sizes: dict[int, list[int]] = {}  # per microbatch's rows: each layer's output bytes
     for key in configurations:
         variant, stages, microbatches = key
-        schedule, own = VARIANTS.get(variant, (variant, None))
+        schedule, own = (variants or {}).get(variant, (variant, None))
         measured[key] = {name: [] for name in named}
         model = copy.deepcopy(_timed_model(task.name))
         try:

@@ -7,6 +7,7 @@ import json
 import math
 
 from pipemare.experiments.studies import fair, protocol
+from pipemare.experiments.studies.grid import VARIANTS
 from pipemare.experiments.studies.protocol import TASKS, run_task
 
 
@@ -297,7 +298,9 @@ def test_step_times_run_a_named_variant_with_its_own_corrections(monkeypatch):
 
     monkeypatch.setattr(protocol, "timed_window", timed)
     keys = [("pipemare", 2, 2), ("pipemare-noWP", 2, 2)]
-    found = protocol.interleaved_step_times(TASKS["digits"], keys, steps=1, warm=1, repeats=1)
+    found = protocol.interleaved_step_times(
+        TASKS["digits"], keys, steps=1, warm=1, repeats=1, variants=VARIANTS
+    )
     assert set(found) == set(keys) and all(found[k]["free"] > 0 for k in keys)
     default, without = ran["pipemare"]
     assert "weight_prediction" in default.split(",")
