@@ -53,6 +53,7 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -200,7 +201,9 @@ def _times(args: argparse.Namespace) -> None:
         todo = [
             k for k in keys if not all(f"{_TASK}-{k[0]}-P{p}-N{k[2]}{at}" in times for at in names)
         ]
-        if todo and len(todo) < len(keys):
+        if not todo:
+            continue
+        if len(todo) < len(keys):
             raise SystemExit(
                 f"sitting {args.sitting} timed P = {p} without {', '.join(map(str, todo))}; "
                 "timed now they would not take their windows in turn with the others: give a "
@@ -217,9 +220,9 @@ def _times(args: argparse.Namespace) -> None:
             links=links if args.links else None,
             variants=VARIANTS,
         )
-        if todo:  # when and on how busy a machine (the 1-minute load average before it)
-            end = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            times[f"_P{p}_taken"] = {"start": start, "end": end, "load_before": load}
+        end = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        # when, and on how busy a machine (the 1-minute load average before it)
+        times[f"_P{p}_taken"] = {"start": start, "end": end, "load_before": load}
         for (v, stages, m), by_link in found.items():
             key = f"{_TASK}-{v}-P{stages}-N{m}"
             for name, seconds in by_link.items():
@@ -253,14 +256,7 @@ def _time_cells(
         target = statistics.fmean(r["final_val_loss"] for r in seeds.values())
         for p in sorted({k[1] for k in cells if k[0] != "gpipe" and k[3] == steps}):
             prefix = f"{_TASK}-1f1b-P{p}-N"
-            ns = {
-                int(k[len(prefix) :].split("@")[0]): t
-                for k, t in times.items()
-                if k.startswith(prefix)
-                and k.endswith(at)
-                and ("@" in k) == bool(at)
-                and math.isfinite(t)
-            }
+            ns = _one_f_one_b(times, p, link)
             if not ns:
                 continue
             n_star = min(ns, key=lambda m: (ns[m], m))
@@ -301,6 +297,22 @@ def _time_cells(
                     }
                 )
     return out
+
+
+def _one_f_one_b(times: Mapping[str, float], p: int, link: str = "") -> dict[int, float]:
+    """1F1B's step at each N it was timed at, at ``p`` stages over ``link`` ("": free).
+
+    Example:
+        >>> t = {"gpt_c64s-1f1b-P2-N2": 2.0, "gpt_c64s-1f1b-P2-N4@1Gb/s@1ms": 3.0}
+        >>> _one_f_one_b(t, 2), _one_f_one_b(t, 2, "1Gb/s@1ms")
+        ({2: 2.0}, {4: 3.0})
+    """
+    prefix, at = f"{_TASK}-1f1b-P{p}-N", f"@{link}" if link else ""
+    return {
+        int(k[len(prefix) :].split("@")[0]): t
+        for k, t in times.items()
+        if k.startswith(prefix) and k.endswith(at) and ("@" in k) == bool(at) and math.isfinite(t)
+    }
 
 
 def _pipeline_time(reach: float | None, step: float, sync: int, sync_step: float) -> float:
@@ -594,16 +606,15 @@ def _median_times(sittings: list[dict[str, Any]]) -> dict[str, float]:
     out = dict(median)
     for k in keys:
         had = [s for s in sittings if k in s]
-        rest = k.partition("-P")[2]  # "4-N8" or "4-N8@LINK"
-        p, _, at = rest.partition("@")
-        p = p.split("-N")[0]
-        prefix, link = f"{_TASK}-1f1b-P{p}-N", f"@{at}" if at else ""
-        ones = [
-            o for o in keys if o.startswith(prefix) and o.endswith(link) and ("@" in o) == bool(at)
-        ]
-        if not ones or k in ones or len(had) == len(sittings):
+        if len(had) == len(sittings) or "-1f1b-" in k:
             continue
-        star = min(ones, key=lambda o: median[o])
+        shape, _, link = k.partition("-P")[2].partition("@")  # "4-N8", "" or a link
+        p = int(shape.split("-N")[0])
+        ns = _one_f_one_b(median, p, link)
+        if not ns:
+            continue
+        n_star = min(ns, key=lambda m: (ns[m], m))
+        star = f"{_TASK}-1f1b-P{p}-N{n_star}" + (f"@{link}" if link else "")
         within = [s[star] for s in had if star in s]
         if within:
             out[k] = median[k] * median[star] / statistics.median(within)

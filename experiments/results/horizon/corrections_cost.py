@@ -51,6 +51,14 @@ def _timed(into: dict[Any, float], key: Callable[..., Any], fn: Callable[..., An
     return run
 
 
+def _per_stage(spans: list[Any], steps: int) -> collections.defaultdict[tuple[int, str], float]:
+    """Seconds per step each stage spent in each kind of action (F, B, U, ...) over ``spans``."""
+    per: collections.defaultdict[tuple[int, str], float] = collections.defaultdict(float)
+    for stage, name, _, start, end in spans:
+        per[stage, name] += (end - start) / steps
+    return per
+
+
 def _time_prediction(pipe: Any) -> list[float]:
     """Wrap each stage's forward weight prediction so that the seconds it spends moving the
     weights and moving them back add up, per stage, in the list returned."""
@@ -111,10 +119,7 @@ def _ablate(task_name: str, p: int, n: int, warm: int, steps: int, repeats: int)
         for label, pipe in pipes[r % len(pipes) :] + pipes[: r % len(pipes)]:
             spans = timed_window(pipe, task, x, y, warm, steps)
             replayed[label].append(replay_timeline(spans, p, None)[1] / steps)
-            window: dict[tuple[int, str], float] = collections.defaultdict(float)
-            for stage, name, _, start, end in spans:
-                window[stage, name] += (end - start) / steps
-            for (stage, name), seconds in window.items():
+            for (stage, name), seconds in _per_stage(spans, steps).items():
                 work[label, stage, name].append(seconds)
     base = statistics.median(replayed["async"])
     print(f"P = {p}, N = {n}, the median of {repeats} windows of {steps} steps taken in turn:")
@@ -172,9 +177,7 @@ def _measure(task_name: str, schedule: str, p: int, n: int, warm: int, steps: in
     predicted[:] = [0.0] * p
     spans = timed_window(pipe, task, x, y, 0, steps)
     _, makespan = replay_timeline(spans, p, None)
-    per: dict[tuple[int, str], float] = collections.defaultdict(float)
-    for stage, name, _, start, end in spans:
-        per[stage, name] += (end - start) / steps
+    per = _per_stage(spans, steps)
     print(f"{schedule} P = {p}, N = {n}: replayed step {1e3 * makespan / steps:.1f} ms")
     for s in range(p):
         f, b, u = (1e3 * per[s, k] for k in "FBU")
