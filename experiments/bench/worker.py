@@ -125,6 +125,7 @@ def _engine(
         balance=balance,
         total_steps=args.warmup + args.steps,
         compile=compiled,
+        measure_saved=True,  # the memory row's saved_peak (a hook per saved tensor: slower)
     )
     pipe.probe = Probe(timeline=True, max_spans=1_000_000)
     began = time.perf_counter()

@@ -182,6 +182,7 @@ def make_stages(
     seed: int | None,
     recompute: bool,
     compile: dict[str, Any] | None = None,
+    measure_saved: bool | None = None,
 ) -> list[Stage]:
     """The ``local`` stages of ``modules``, each with a random stream of its own, seeded from
     ``seed`` (default: ``torch.initial_seed()``). The last stage never recomputes. With
@@ -193,13 +194,14 @@ def make_stages(
             modules[i],
             stashes=sp.stashes,
             track=not sp.flushes,
-            backward_weight=optimizer.backward_weight,
+            backward_weight=optimizer.backward_weight if optimizer.moves_backward_weights else None,
             forward_context=forward_context,
             forward_weights=optimizer.forward_weights if predicts else None,
             microbatches=microbatches,
             seed=(base_seed + 7919 * (i + 1)) % 2**63,
             recompute=recompute and i < len(modules) - 1,
             compile=compile,
+            measure_saved=measure_saved,
         )
         for i in local
     ]

@@ -14,12 +14,23 @@ So for ``y = W x`` a delayed backward gives ``dL/dx = W_bkwd^T dL/dy`` and
 ``dL/dW = dL/dy x_fwd^T``: activations from the forward pass, weights from the backward.
 Weights computed *from* parameters inside a layer (e.g. ``w * scale``) are ordinary saved
 tensors and keep their forward-time values.
+
+Where the backward sees the live weights as they are (``async``, and ``pipemare`` without T2)
+the stage needs no hook at all: autograd keeps the parameters it saves by reference anyway (the
+tensors themselves, whose storage the update changes in place), and refuses only because each
+in-place write bumps the tensor's version. The engine's own writes to a stage's weights between
+a forward and its backward (the update, weight prediction's move and its undo, a tied weight's
+installed copy) leave the versions as they found them (:func:`same_versions`), so autograd
+unpacks the live weights itself. A Python hook per saved tensor costs 8-10% of a microbatch's
+forward and backward on the protocol's GPT (``experiments/results/horizon/step_parts.py``); any
+other in-place write still meets autograd's own error.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -27,7 +38,7 @@ from torch import nn
 
 from pipemare.engine.memory import Held
 
-__all__ = ["SavedTensors", "Stash"]
+__all__ = ["SavedTensors", "Stash", "same_versions", "set_versions", "versions"]
 
 
 class _ParamRef(NamedTuple):
@@ -36,6 +47,43 @@ class _ParamRef(NamedTuple):
     size: torch.Size
     stride: tuple[int, ...]
     offset: int
+
+
+def versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    """Each tensor's autograd version; None for an inference tensor (it has none, and no graph
+    can save it)."""
+    return [None if t.is_inference() else t._version for t in tensors]
+
+
+def set_versions(tensors: Sequence[torch.Tensor], kept: Sequence[int | None]) -> None:
+    """Set each tensor's autograd version counter (shared with its views) back to what
+    :func:`versions` read."""
+    pairs = [(t, v) for t, v in zip(tensors, kept, strict=True) if v is not None]
+    if pairs:
+        torch._C._autograd._unsafe_set_version_counter(
+            tuple(t for t, _ in pairs), tuple(v for _, v in pairs)
+        )
+
+
+@contextlib.contextmanager
+def same_versions(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+    """In-place writes to ``tensors`` inside leave their version counters as they found them,
+    so a graph that saved them unpacks their values of the time of its backward.
+
+    Example:
+        >>> w = torch.ones(2, requires_grad=True)
+        >>> y = (w * w).sum()  # saves w for its backward
+        >>> with same_versions([w]), torch.no_grad():
+        ...     _ = w.mul_(3)
+        >>> y.backward()  # without same_versions: "modified by an inplace operation"
+        >>> w._version
+        0
+    """
+    kept = versions(tensors)
+    try:
+        yield
+    finally:
+        set_versions(tensors, kept)
 
 
 class SavedTensors:

@@ -83,6 +83,9 @@ class Pipeline:
             dict of its options (``backend``, ``mode``, ``dynamic``, ``fullgraph``,
             ``options``). The backward still sees the weights the schedule gives it (the
             no-stash hooks hold under the compiled graph); the loss is not compiled.
+        measure_saved: count the bytes each stage's in-flight microbatches keep
+            (``stages[i].peak_saved_bytes``); None: where it costs next to nothing
+            (:class:`~pipemare.engine.stage.Stage`).
         settings: the run's settings as a caller already decided them (the Lightning
             strategy's :func:`~pipemare.planner.decide.decide`), for this schedule, P, N and
             cut; None: resolved here from ``config``.
@@ -124,6 +127,7 @@ class Pipeline:
         check_finite: bool = True,
         recompute: bool = False,
         compile: bool | Mapping[str, Any] = False,
+        measure_saved: bool | None = None,
         settings: RunSettings | None = None,
     ) -> None:
         partition.check_sequential(model)
@@ -189,6 +193,7 @@ class Pipeline:
             seed=seed,
             recompute=recompute,
             compile=build.compile_options(compile),
+            measure_saved=measure_saved,
         )
         self.clip = build.make_clip(
             clip_grad_norm, clip_grad_value, sp.flushes, transport, self.device, microbatches

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipemare.engine.memory import Held, SavedBytes, Storages
-from pipemare.engine.nostash import SavedTensors, Stash
+from pipemare.engine.nostash import SavedTensors, Stash, same_versions, set_versions, versions
 from pipemare.engine.payload import Payload, as_payload, leaves, tensors, tensors_in
 from pipemare.engine.randomness import RandomStream, RngState
 from pipemare.engine.recompute import Rerun, accumulate, rerun
@@ -44,7 +44,9 @@ class Stage:
         track: save parameters by reference so updates may run between forward and backward.
             Flushing schedules never update in between and skip the hooks.
         backward_weight: ``(param, delta)`` -> the weights a backward pass ``delta`` updates
-            after its forward should use (live weights, or T2's correction).
+            after its forward should use (T2's correction); None: the live weights. A tracking
+            stage with the live weights, no stash and no compiler needs no saved-tensor hook
+            (:attr:`by_version`).
         forward_context: a context manager factory entered around every forward (autocast).
         forward_weights: ``(stage, horizon)`` -> a context manager entered around every
             training forward whose gradient will be applied ``horizon`` updates later; it may
@@ -62,9 +64,10 @@ class Stage:
             with a ``head`` (the last stage's loss and metrics) never reruns, so logging and
             metric updates run once.
         measure_saved: count the bytes held for in-flight microbatches (:attr:`saved_bytes`,
-            :attr:`peak_saved_bytes`). Default: on where it costs next to nothing (the stage
-            tracks parameters, so its pack hook runs anyway, or it recomputes); a flushing
-            stage that does not recompute needs a hook on every saved tensor to count.
+            :attr:`peak_saved_bytes`). Default: on where it costs next to nothing (the stage's
+            pack hook runs anyway: it stashes, corrects its backward's weights or is compiled;
+            or it recomputes). Elsewhere counting needs a Python hook on every saved tensor,
+            which costs 8-10% of a forward and backward (:mod:`pipemare.engine.nostash`).
         compile: ``torch.compile``'s options to compile the stage's forward with, or None.
             ``module`` itself stays as it is (its parameter names too); the rerun of
             ``recompute`` runs it uncompiled. The compiled forward saves for its backward what
@@ -73,6 +76,9 @@ class Stage:
             uncompiled).
 
     Attributes:
+        by_version: autograd saves the parameters itself and the engine keeps their versions
+            across its own writes to them (the update, weight prediction, a tied copy's
+            install): :mod:`pipemare.engine.nostash` says why this needs no hook.
         saved_bytes: bytes this stage keeps right now for the backward passes of its
             in-flight microbatches: without recomputation the tensors autograd saved, the
             input leaves whose gradients it returns and the outputs it backpropagates from;
@@ -125,9 +131,15 @@ class Stage:
         self._frozen = {i for i, p in self._params.items() if not p.requires_grad}
         buffers = {id(b): b for b in module.buffers()}
         self._saved = SavedTensors(self._params, buffers, self.weight_at, compile is not None)
+        #: parameters saved by autograd itself, their versions kept across the engine's own
+        #: writes: the backward sees the live weights as they are (no stash, no correction)
+        self.by_version = track and not stashes and backward_weight is None and compile is None
+        self._weights = list(self._params.values())
+        self._kept: list[int | None] = []
         self._stash = Stash({i: p for i, p in self._params.items() if i not in self._frozen})
         self.recompute = recompute
-        self.measure_saved = (track or recompute) if measure_saved is None else measure_saved
+        hooked = track and not self.by_version
+        self.measure_saved = (hooked or recompute) if measure_saved is None else measure_saved
         self._bytes = SavedBytes()
         self._inflight: dict[int, _InFlight] = {}
         self.peak_in_flight = 0
@@ -168,7 +180,9 @@ class Stage:
             # the update this microbatch's gradient feeds, counted from the live version
             horizon = microbatch // self.microbatches - self.version
             weights = self._forward_weights(self.index, horizon)
-        if grad and not reruns and (self.track or self.measure_saved):
+            if self.by_version:
+                weights = self._unseen(weights)
+        if grad and not reruns and ((self.track and not self.by_version) or self.measure_saved):
             hooks = self._saved.hooks(self.version, self.track, held)
         rng = self._random.now(self._params.values(), inputs) if reruns else None  # before use
         with (
@@ -247,9 +261,23 @@ class Stage:
         """Called right before the optimiser changes the weights in place."""
         if self.stashes:
             self._stash.before_update(self.version)
+        if self.by_version:
+            self._kept = versions(self._weights)
 
     def after_update(self) -> None:
+        if self.by_version:
+            set_versions(self._weights, self._kept)
         self.version += 1
+
+    @contextlib.contextmanager
+    def _unseen(self, weights: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
+        """``weights`` (weight prediction's move and undo) with the weights' versions as they
+        were, inside and after: the forward saves them at those versions."""
+        with same_versions(self._weights):
+            kept = versions(self._weights)
+            with weights:
+                set_versions(self._weights, kept)
+                yield
 
     def rng_state(self) -> torch.Tensor | None:
         """This stage's random stream, to save with a checkpoint."""
@@ -265,7 +293,7 @@ class Stage:
         if self._forward_weights is None or not self.track:
             return None
         horizon = microbatch // self.microbatches - self.version
-        with self._forward_weights(self.index, horizon):
+        with self._unseen(self._forward_weights(self.index, horizon)):
             params = self.module.parameters()
             return [p.detach().clone() if p.requires_grad else p.detach() for p in params]
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pipemare.engine.nostash import same_versions
 from pipemare.engine.transport import Transport
 
 __all__ = ["TIE_GRAD", "TIE_WEIGHT", "Tie", "TiedWeights", "tied_parameters", "untie"]
@@ -264,7 +265,9 @@ class TiedWeights:
     def _install(self, t: int, tie: Tie, stage: int, tag: int) -> None:
         version, weights = self.transport.recv(tie.owner, stage, TIE_WEIGHT, tag)
         if weights is not None:
-            tie.copies[stage][1].copy_(weights)
+            held = tie.copies[stage][1]
+            with same_versions([held]):  # in-flight forwards saved it (engine.nostash)
+                held.copy_(weights)
         self.installed[(t, stage)] = v = int(version.item())
         if tag >= 0:
             self.seen[(t, stage)].append(tag // self.microbatches - v)

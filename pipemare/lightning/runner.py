@@ -984,6 +984,7 @@ class PipelineRunner:
             forward_context=self._forward_context,
             recompute=plan.recompute,
             compile=False if plan.compile is None else plan.compile,
+            measure_saved=True if self.options.measure_activations else None,
             settings=plan.settings,
             **self._clipping(),
         )

@@ -159,6 +159,11 @@ class PipeMareStrategyMixin(_StrategyBase):
             memory is predicted (weights, gradients, optimiser state, correction buffers and
             the activations of its microbatches in flight), printed, and a stage that would
             not fit is refused before the first step, with the fixes.
+        measure_activations: count, on every stage, the bytes its in-flight microbatches keep
+            for their backward passes (``strategy.pipeline.stages[i].peak_saved_bytes``, to
+            check the memory the run predicted). It takes a Python hook per tensor autograd
+            saves, 8-10% of a forward and backward on a small GPT, so it is off by default
+            (default False; stages that recompute, stash or are compiled count anyway).
 
     A model built in ``configure_model`` (or under ``trainer.init_module(empty_init=True)``)
     is built on the meta device, its buffers real: at setup it is cut by parameter counts and
@@ -220,6 +225,7 @@ class PipeMareStrategyMixin(_StrategyBase):
         weights: str | os.PathLike[str] | None = None,
         memory_limit: int | str | None = None,
         save_distributed_checkpoint: bool | None = None,
+        measure_activations: bool = False,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -287,6 +293,7 @@ class PipeMareStrategyMixin(_StrategyBase):
             weights=None if weights is None else os.fspath(weights),
             memory_limit=None if memory_limit is None else _bytes(memory_limit),
             save_distributed_checkpoint=save_distributed_checkpoint,
+            measure_activations=bool(measure_activations),
         )
         self._start_method, self._timeout = start_method, timeout
         self._num_nodes = 1

@@ -117,6 +117,9 @@ class PipeMareOptimizer:
             view.strength = self.guard.factor
         for c in self.corrections:
             c.bind(view)
+        self._backward_movers = [
+            c for c in self.corrections if type(c).backward_weight is not Correction.backward_weight
+        ]
         # Hyperparameters of each group when minibatch k was fed, until every stage used them.
         self._hparams: dict[int, list[dict[str, Any]]] = {}
         self._waiting: dict[int, set[int]] = {}
@@ -239,9 +242,14 @@ class PipeMareOptimizer:
                 stack.enter_context(c.forward_weights(stage, horizon))
             yield
 
+    @property
+    def moves_backward_weights(self) -> bool:
+        """Whether a correction gives backward passes other weights than the live ones (T2)."""
+        return bool(self._backward_movers)
+
     def backward_weight(self, param: nn.Parameter, delta: int) -> torch.Tensor:
         """The weights the backward pass of a microbatch ``delta`` updates old should use."""
-        for c in self.corrections:
+        for c in self._backward_movers:
             w = c.backward_weight(param, delta)
             if w is not None:
                 return w

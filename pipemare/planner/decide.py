@@ -99,6 +99,8 @@ class PipelineOptions:
     #: checkpoints as per-stage shards (True), one file of the whole model (False), or None:
     #: shards where each process holds only its own stage (a model built on the meta device)
     save_distributed_checkpoint: bool | None = None
+    #: count the bytes each stage's in-flight microbatches keep (a Python hook per saved tensor)
+    measure_activations: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

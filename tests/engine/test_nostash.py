@@ -211,3 +211,61 @@ def test_a_graph_never_run_backward_is_freed(op):
         del out
         gc.collect()
         assert alive() is None
+
+
+def _four_stages(schedule, measure_saved, steps=8):
+    """Four stages under Adam (so ``pipemare``'s default predicts weights), not drained."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(4)], nn.Linear(6, 2)
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    pipe = Pipeline(
+        model, opt, mse, stages=4, microbatches=2, schedule=schedule, measure_saved=measure_saved
+    )
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        pipe.step((torch.randn(8, 6, generator=gen), torch.randn(8, 2, generator=gen)))
+    return pipe, model
+
+
+@pytest.mark.parametrize("schedule", ["async", "pipemare"])
+def test_live_weight_stages_train_without_hooks_exactly_as_with_them(schedule):
+    """Where the backward takes the live weights, autograd saves the parameters itself and the
+    engine keeps their versions across its own writes (the update; weight prediction's move
+    and undo): the weights come out bit for bit as under the saved-tensor hooks."""
+    hooked, want = _four_stages(schedule, measure_saved=True)
+    bare, got = _four_stages(schedule, measure_saved=None)
+    hooked.drain()
+    bare.drain()
+    assert [s.by_version for s in bare.stages] == [True] * 4
+    assert bare.settings.predicts == (schedule == "pipemare")
+    assert all(s.peak_saved_bytes > 0 for s in hooked.stages)
+    assert all(s.peak_saved_bytes == 0 for s in bare.stages)  # no hook ran to count
+    for a, b in zip(got.parameters(), want.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_stray_in_place_write_to_a_saved_weight_is_still_refused():
+    """Only the engine's own writes keep the versions: anything else that changes a weight a
+    microbatch in flight saved meets autograd's own error at that microbatch's backward."""
+    pipe, model = _four_stages("pipemare", measure_saved=None, steps=2)
+    assert pipe.balance[0] == 2 and pipe.stages[0].in_flight > 0
+    with torch.no_grad():  # stage 0's second layer: the first saves no weight (its input is data)
+        model[1][0].weight.mul_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        pipe.step((torch.randn(8, 6), torch.randn(8, 2)))
+
+
+def test_stages_that_stash_or_correct_the_backward_keep_the_hooks():
+    """T2's backward weights and pipedream's stashed versions are not the live ones: those
+    stages save parameters through the hooks, which count the bytes held as they go."""
+    model = build()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    t2 = Pipeline(model, sgd, mse, stages=2, schedule="pipemare", config=PipeMareConfig.t1_t2())
+    other = copy.deepcopy(model)
+    stash = Pipeline(
+        other, torch.optim.SGD(other.parameters(), lr=0.1), mse, stages=2, schedule="pipedream"
+    )
+    for pipe in (t2, stash):
+        assert [(s.by_version, s.measure_saved) for s in pipe.stages] == [(False, True)] * 2

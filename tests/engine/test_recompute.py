@@ -206,6 +206,7 @@ def test_stage_i_holds_p_minus_i_microbatches_or_only_their_inputs(schedule):
             stages=stages,
             schedule=schedule,
             recompute=recompute,
+            measure_saved=True,
         )
         data = batches(8, rows, width, width)
         for batch in data:

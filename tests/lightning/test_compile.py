@@ -76,10 +76,10 @@ def test_compiled_stages_train_as_eager_ones_and_keep_one_weight_version(schedul
     pl.seed_everything(0)
     base = Net()
     eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
-    plain = fit(eager, schedule)
+    plain = fit(eager, schedule, measure_activations=True)
     torch._dynamo.reset()  # no graph cached by an earlier test: each stage compiles here
     backend = Counting()
-    strategy = fit(compiled, schedule, compile={"backend": backend})
+    strategy = fit(compiled, schedule, compile={"backend": backend}, measure_activations=True)
     assert backend.graphs >= 3  # a graph per stage at least: the stages ran compiled
     for a, b in zip(weights(compiled), weights(eager), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
@@ -164,7 +164,7 @@ def test_a_gpt2_cut_into_segments_compiles_with_inductor(inductor_in_process):
     fit(gpipe, PipeMareStrategy(schedule="gpipe", **even))
     assert val(gpipe) == pytest.approx(val(one), rel=1e-4)
     eager, compiled = copy.deepcopy(base), copy.deepcopy(base)
-    plain = fit(eager, PipeMareStrategy(stages=2, balance="even"))
+    plain = fit(eager, PipeMareStrategy(stages=2, balance="even", measure_activations=True))
     strategy = fit(compiled, PipeMareStrategy(stages=2, balance="even", compile=True))
     assert val(compiled) == pytest.approx(val(eager), rel=1e-4)
     stages, before = strategy.pipeline.stages, plain.pipeline.stages

@@ -275,7 +275,9 @@ def test_optimizer_state_is_measured_per_trained_byte():
 def _predicted_and_held(schedule: str, stages: int):
     train, _ = byte_loaders(context=16, batch=8, rows=64)
     pl.seed_everything(0)
-    strategy = PipeMareStrategy(stages=stages, schedule=schedule, microbatches=4)
+    strategy = PipeMareStrategy(
+        stages=stages, schedule=schedule, microbatches=4, measure_activations=True
+    )
     _trainer(strategy, steps=6).fit(LeanGPT(64, 4, heads=4), train)
     assert strategy.pipeline is not None and strategy.memory is not None
     return strategy.memory, strategy.pipeline

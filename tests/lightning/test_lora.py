@@ -304,7 +304,7 @@ def test_hugging_face_gradient_checkpointing_is_honoured_per_stage(pretrained):
 
     saved = {}
     for label, module in (("off", copy.deepcopy(base)), ("on", copy.deepcopy(checkpointed))):
-        strategy = PipeMareStrategy(stages=2)
+        strategy = PipeMareStrategy(stages=2, measure_activations=True)
         _fit(module, strategy, EQUAL_STEPS)
         assert strategy.recompute == (label == "on")
         said = [d for d in strategy.settings.decisions if d.subject == "recompute"]
