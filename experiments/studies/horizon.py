@@ -164,6 +164,11 @@ def _first_within(curve: list[list[float]], target: float) -> int | None:
 #: the key under which a sitting says how its windows were taken
 _METHOD = "_method"
 
+#: the key under which a sitting names the engine it timed, and the engine timed now: the
+#: tables read the sittings of the newest engine where any timed it (until 630b890 every
+#: asynchronous stage ran Python saved-tensor hooks, 8-10% of its forwards and backwards)
+_ENGINE, ENGINE = "_engine", "no saved-tensor hooks on live-weight stages (630b890)"
+
 #: the links the pipeline-time table replays beside the free one (issue 62): Ethernet between
 #: nodes, and a slow link between sites; the measured gloo link is added per sitting
 LINKS = {"10Gb/s@20us": "10Gb/s@20us", "1Gb/s@1ms": "1Gb/s@1ms"}
@@ -185,12 +190,14 @@ def _times(args: argparse.Namespace) -> None:
             f"sitting {args.sitting} took its configurations one after another; a sitting's "
             "windows are taken in turn now: give a new --sitting"
         )
+    if times and times.get(_ENGINE) != ENGINE:
+        raise SystemExit(f"sitting {args.sitting} timed another engine: give a new --sitting")
     task = TASKS[_TASK]
     links = {name: Link.parse(spec) for name, spec in LINKS.items()}
     if args.gloo_link:  # its figures in the sitting's file, under a key no median reads
         links["gloo (measured)"] = Link.parse(args.gloo_link)
         times[f"_gloo_link_sitting_{args.sitting}"] = args.gloo_link
-    times[_METHOD] = "interleaved"
+    times[_METHOD], times[_ENGINE] = "interleaved", ENGINE
     for p in args.stages:
         n = auto_n(task, p)
         keys = [("1f1b", p, m) for m in one_f_one_b_ns(task, p)]
@@ -232,11 +239,13 @@ def _times(args: argparse.Namespace) -> None:
 
 
 def _sittings(out: Path) -> list[dict[str, Any]]:
-    """The step-time sittings the tables read: those whose windows were taken in turn where
-    any was (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`), else all."""
+    """The step-time sittings the tables read: those of the engine timed now (``ENGINE``)
+    where any timed it, else those whose windows were taken in turn where any were
+    (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`), else all."""
     every = [json.loads(p.read_text()) for p in sorted(out.glob("step_times-*.json"))]
     interleaved = [s for s in every if s.get(_METHOD) == "interleaved"]
-    return interleaved or every
+    current = [s for s in interleaved if s.get(_ENGINE) == ENGINE]
+    return current or interleaved or every
 
 
 def _time_cells(

@@ -261,6 +261,10 @@ class PipeMareStrategyMixin(_StrategyBase):
         )
         if not isinstance(advise, bool):
             raise ValueError(f"advise must be True or False, got {advise!r}")
+        if not isinstance(measure_activations, bool):
+            raise ValueError(
+                f"measure_activations must be True or False, got {measure_activations!r}"
+            )
         link = None if simulated_link is None else Link.parse(simulated_link)
         if save_distributed_checkpoint not in (None, True, False):
             raise ValueError(
@@ -293,7 +297,7 @@ class PipeMareStrategyMixin(_StrategyBase):
             weights=None if weights is None else os.fspath(weights),
             memory_limit=None if memory_limit is None else _bytes(memory_limit),
             save_distributed_checkpoint=save_distributed_checkpoint,
-            measure_activations=bool(measure_activations),
+            measure_activations=measure_activations,
         )
         self._start_method, self._timeout = start_method, timeout
         self._num_nodes = 1

@@ -118,6 +118,22 @@ def test_the_tables_read_the_sittings_whose_windows_were_taken_in_turn(tmp_path)
         horizon.main(["times", "--out", str(tmp_path), "--sitting", "1", "--stages", "4"])
 
 
+def test_the_tables_read_the_sittings_of_the_engine_timed_now(tmp_path):
+    """Once a sitting timed the engine as it is now, the sittings of an earlier engine (hooked
+    stages, slower steps) are left out of the medians, and none of them is extended."""
+    times = {"gpt_c64s-1f1b-P4-N4": 0.04}
+    before = {"_method": "interleaved", **times, "gpt_c64s-pipemare-P4-N4": 0.04}
+    now = {"_method": "interleaved", "_engine": horizon.ENGINE, **times}
+    (tmp_path / "step_times-8.json").write_text(json.dumps(before))
+    assert horizon._sittings(tmp_path) == [before]
+    (tmp_path / "step_times-16.json").write_text(
+        json.dumps(now | {"gpt_c64s-pipemare-P4-N4": 0.03})
+    )
+    assert [s["gpt_c64s-pipemare-P4-N4"] for s in horizon._sittings(tmp_path)] == [0.03]
+    with pytest.raises(SystemExit, match="another engine: give a new --sitting"):
+        horizon.main(["times", "--out", str(tmp_path), "--sitting", "8", "--stages", "2"])
+
+
 def test_a_sitting_is_not_extended_by_a_configuration_timed_alone(tmp_path):
     """A configuration added to the study after a sitting (``pipemare-noWP``) is not timed into
     that sitting on its own, where its windows would not alternate with the others'."""
@@ -128,7 +144,7 @@ def test_a_sitting_is_not_extended_by_a_configuration_timed_alone(tmp_path):
     keys = [f"gpt_c64s-1f1b-P2-N{m}" for m in one_f_one_b_ns(TASKS["gpt_c64s"], 2)]
     keys += [f"gpt_c64s-{v}-P2-N{n}" for v in ("gpipe", "async", "pipemare")]
     keys += [f"gpt_c64s-pipemare-P2-N{2 * n}"]
-    sitting = {"_method": "interleaved", **dict.fromkeys(keys, 0.05)}
+    sitting = {"_method": "interleaved", "_engine": horizon.ENGINE, **dict.fromkeys(keys, 0.05)}
     (tmp_path / "step_times-9.json").write_text(json.dumps(sitting))
     with pytest.raises(SystemExit, match=r"pipemare-noWP.*give a new --sitting"):
         horizon.main(["times", "--out", str(tmp_path), "--sitting", "9", "--stages", "2"])

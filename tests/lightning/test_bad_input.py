@@ -141,6 +141,10 @@ def refuse(match, strategy, model=None, error=ValueError, batches=0, **kwargs):
             for bad in (0, -1.0, "30", True, math.nan, math.inf)
         ],
         *[(dict(advise=bad), ValueError, "advise must be True or False") for bad in (1, "yes")],
+        *[
+            (dict(measure_activations=bad), ValueError, "measure_activations must be True or False")
+            for bad in (1, "yes")
+        ],
     ],
 )
 def test_bad_strategy_arguments_are_refused_when_it_is_built(kwargs, error, message):
