@@ -134,9 +134,10 @@ class Stage:
         #: parameters saved by autograd itself, their versions kept across the engine's own
         #: writes: the backward sees the live weights as they are (no stash, no correction)
         self.by_version = track and not stashes and backward_weight is None and compile is None
-        self._weights = list(self._params.values())
         self._kept: list[int | None] = []
-        self._stash = Stash({i: p for i, p in self._params.items() if i not in self._frozen})
+        trained = {i: p for i, p in self._params.items() if i not in self._frozen}
+        self._weights = list(trained.values())  # what the engine writes in place (frozen: never)
+        self._stash = Stash(trained)
         self.recompute = recompute
         hooked = track and not self.by_version
         self.measure_saved = (hooked or recompute) if measure_saved is None else measure_saved

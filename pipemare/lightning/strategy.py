@@ -163,7 +163,7 @@ class PipeMareStrategyMixin(_StrategyBase):
             for their backward passes (``strategy.pipeline.stages[i].peak_saved_bytes``, to
             check the memory the run predicted). It takes a Python hook per tensor autograd
             saves, 8-10% of a forward and backward on a small GPT, so it is off by default
-            (default False; stages that recompute, stash or are compiled count anyway).
+            (default False; stages that recompute, stash, run T2 or are compiled count anyway).
 
     A model built in ``configure_model`` (or under ``trainer.init_module(empty_init=True)``)
     is built on the meta device, its buffers real: at setup it is cut by parameter counts and
