@@ -66,9 +66,10 @@ def set_versions(tensors: Sequence[torch.Tensor], kept: Sequence[int | None]) ->
 
 
 @contextlib.contextmanager
-def same_versions(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
+def same_versions(tensors: Sequence[torch.Tensor]) -> Iterator[Callable[[], None]]:
     """In-place writes to ``tensors`` inside leave their version counters as they found them,
-    so a graph that saved them unpacks their values of the time of its backward.
+    so a graph that saved them unpacks their values of the time of its backward. What it gives
+    sets them back at once (before a forward that saves them inside).
 
     Example:
         >>> w = torch.ones(2, requires_grad=True)
@@ -81,7 +82,7 @@ def same_versions(tensors: Sequence[torch.Tensor]) -> Iterator[None]:
     """
     kept = versions(tensors)
     try:
-        yield
+        yield lambda: set_versions(tensors, kept)
     finally:
         set_versions(tensors, kept)
 

@@ -274,11 +274,9 @@ class Stage:
     def _unseen(self, weights: contextlib.AbstractContextManager[Any]) -> Iterator[None]:
         """``weights`` (weight prediction's move and undo) with the weights' versions as they
         were, inside and after: the forward saves them at those versions."""
-        with same_versions(self._weights):
-            kept = versions(self._weights)
-            with weights:
-                set_versions(self._weights, kept)
-                yield
+        with same_versions(self._weights) as restore, weights:
+            restore()
+            yield
 
     def rng_state(self) -> torch.Tensor | None:
         """This stage's random stream, to save with a checkpoint."""
