@@ -545,10 +545,13 @@ def _retuned(every: list[dict[str, Any]], times: dict[str, float]) -> list[str]:
     return out or ["(no schedule besides one device has finished at another rate yet)"]
 
 
-def _verdict(every: list[dict[str, Any]], times: dict[str, float]) -> dict[str, Any]:
+def _verdict(
+    every: list[dict[str, Any]], times: dict[str, float], sittings: list[dict[str, Any]] = ()
+) -> dict[str, Any]:
     """What the product's verdicts read (the main job's stored study, the README): per rate,
     each cell's quality and, where the step times are measured, its pipeline time to 1F1B's
-    final quality, communication free."""
+    final quality, communication free; and each sitting's own step ratio of the default
+    (:func:`_sitting_ratios`)."""
     cells = []
     for lr in sorted({r["lr"] for r in every}):
         at = _cells([r for r in every if r["lr"] == lr])
@@ -579,7 +582,9 @@ def _verdict(every: list[dict[str, Any]], times: dict[str, float]) -> dict[str, 
             "gap: the seed-mean final validation loss against one device's at the same rate "
             "and steps; time_vs_1f1b: pipeline time to 1F1B's final quality (one device's) "
             "against 1F1B's at its fastest N, from per-action times measured alone and "
-            "replayed, communication free (null: never within the run). Written by "
+            "replayed, communication free (null: never within the run); sitting_step_ratios: "
+            "per P, each step-time sitting's own ratio of the default's step to 1F1B's at that "
+            "sitting's fastest N, and their median. Written by "
             "`python experiments/studies/horizon.py table` from the curves in this folder."
         ),
         "task": _TASK,
@@ -587,6 +592,7 @@ def _verdict(every: list[dict[str, Any]], times: dict[str, float]) -> dict[str, 
         "main_job_steps": 240,
         "cells": cells,
         "over_links": links,
+        "sitting_step_ratios": _sitting_ratios(list(sittings)),
     }
 
 
@@ -595,6 +601,34 @@ _LINK_KEYS = ("steps", "P", "schedule", "N", "step_vs_1f1b", "time_vs_1f1b")
 
 def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
+
+
+def _sitting_ratios(sittings: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per P, each sitting's own step ratio: the default (pipemare at N = P) over 1F1B at that
+    sitting's fastest N, communication free, and their median. The tables take each
+    configuration's median over the sittings instead; where the machine's speed moves one
+    configuration more than another between sittings the two readings differ, so the verdict
+    carries both.
+
+    Example:
+        >>> one = {"gpt_c64s-1f1b-P2-N2": 2.0, "gpt_c64s-1f1b-P2-N4": 1.6}
+        >>> one["gpt_c64s-pipemare-P2-N2"] = 1.2  # over that sitting's fastest 1F1B, N = 4
+        >>> two = {"gpt_c64s-1f1b-P2-N2": 4.0, "gpt_c64s-pipemare-P2-N2": 3.0}
+        >>> _sitting_ratios([one, two])["P2"]
+        {'each': [0.75, 0.75], 'median': 0.75}
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for p in sorted(
+        {int(k.split("-P")[1].split("-")[0]) for s in sittings for k in s if "-P" in k}
+    ):
+        each = []
+        for s in sittings:
+            ns, default = _one_f_one_b(s, p), s.get(f"{_TASK}-pipemare-P{p}-N{p}")
+            if ns and default is not None and math.isfinite(default):
+                each.append(round(default / min(ns.values()), 4))
+        if each:
+            out[f"P{p}"] = {"each": each, "median": round(statistics.median(each), 4)}
+    return out
 
 
 def _median_times(sittings: list[dict[str, Any]]) -> dict[str, float]:
@@ -638,7 +672,8 @@ def _table(args: argparse.Namespace) -> None:
         every += [json.loads(p.read_text()) for p in ones]
     records = [r for r in every if r["lr"] == _RATE]
     cells = _cells(records)
-    times = _median_times(_sittings(out))
+    sittings = _sittings(out)
+    times = _median_times(sittings)
     timed = _time_rows(times, cells) if times else []
     template = (out / "README.template.md").read_text()
     (out / "README.md").write_text(
@@ -650,7 +685,7 @@ def _table(args: argparse.Namespace) -> None:
         .replace("{{RATES}}", "\n".join(_rate_rows(every)))
         .replace("{{RETUNED}}", "\n".join(_retuned(every, times)))
     )
-    verdict = json.dumps(_verdict(every, times), indent=1, allow_nan=False)
+    verdict = json.dumps(_verdict(every, times, sittings), indent=1, allow_nan=False)
     (out / "verdict.json").write_text(verdict + "\n")
 
 

@@ -72,6 +72,10 @@ def _per_p(study: dict[str, Any], source: str, command: str) -> dict[str, Any]:
                 f"{prefix}step": c["step_vs_1f1b"],
             }
         )
+    for p, ratios in study.get("sitting_step_ratios", {}).items():
+        if p in entry:  # the median of the sittings' own ratios, beside the tables' reading
+            entry[p]["step_sittings"] = ratios["median"]
+            entry[p]["sittings"] = len(ratios["each"])
     return entry
 
 

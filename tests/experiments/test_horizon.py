@@ -161,3 +161,32 @@ def test_a_configuration_timed_in_fewer_sittings_keeps_its_ratio_within_them():
     assert times["gpt_c64s-pipemare-noWP-P4-N4"] / times["gpt_c64s-1f1b-P4-N4"] == pytest.approx(
         0.060 / 0.080
     )
+
+
+def test_the_verdict_carries_each_sittings_own_ratio_beside_the_tables_reading():
+    """The tables take each configuration's median over the sittings; where the machine's speed
+    moves pipemare's step more than 1F1B's between sittings, the sittings' own ratios read
+    otherwise, and the verdict carries them (each against that sitting's fastest 1F1B)."""
+    sittings = [
+        {
+            "gpt_c64s-1f1b-P4-N4": 0.040,
+            "gpt_c64s-1f1b-P4-N8": 0.045,
+            "gpt_c64s-pipemare-P4-N4": 0.040,
+        },
+        {
+            "gpt_c64s-1f1b-P4-N4": 0.060,
+            "gpt_c64s-1f1b-P4-N8": 0.070,
+            "gpt_c64s-pipemare-P4-N4": 0.030,
+        },
+        {
+            "gpt_c64s-1f1b-P4-N4": 0.055,
+            "gpt_c64s-1f1b-P4-N8": 0.050,
+            "gpt_c64s-pipemare-P4-N4": 0.045,
+        },
+    ]
+    times = horizon._median_times(sittings)
+    fastest = min(horizon._one_f_one_b(times, 4).values())  # N = 8's median, 0.050
+    assert times["gpt_c64s-pipemare-P4-N4"] / fastest == pytest.approx(0.8)
+    ratios = horizon._sitting_ratios(sittings)["P4"]
+    assert ratios["each"] == [1.0, 0.5, 0.9]
+    assert ratios["median"] == 0.9
