@@ -152,8 +152,9 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
     """The stored long-horizon study beside the fresh answer, each line labelled with its
     length, its rate and how it was produced: per P, the default pipemare (N = P) and
     uncorrected async against 1F1B at the longest horizon measured, at the task's rate and at
-    any rate re-tuned on one device where pipemare ran at it. Nothing if the file is absent
-    (an install without the repository's results)."""
+    any rate re-tuned on one device where pipemare ran at it; at the task's rate, pipemare's
+    step both as the tables read it and as the median of each timing sitting's own ratio.
+    Nothing if the file is absent (an install without the repository's results)."""
     if not path.exists():
         return []
     study = json.loads(path.read_text())
@@ -180,6 +181,13 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
                 f"({source}, `{command}`): pipemare "
                 f"(N = {p}) ends {_stored_cell(pm)}"
             )
+            ratios = study.get("sitting_step_ratios", {}).get(f"P{p}")
+            if lr == study["task_rate"] and ratios and pm.get("step_vs_1f1b") is not None:
+                text += (
+                    f" (its step {pm['step_vs_1f1b']:.2f}x 1F1B's from each configuration's "
+                    f"median over {len(ratios['each'])} timing sittings; the median of the "
+                    f"sittings' own ratios is {ratios['median']:.2f}x)"
+                )
             if asy is not None:
                 text += f"; uncorrected async (N = {p}): {_stored_cell(asy)}"
             lines.append(text + ".")

@@ -92,18 +92,17 @@ def test_the_dashboard_says_what_to_run_without_results(tmp_path):
         write_answer_page(tmp_path)
 
 
-def _verdict_file(path, cells):
+def _verdict_file(path, cells, sittings=None):
     base = {"steps": 2400, "lr": 1e-3, "seeds": [0, 1], "spread": 0.01, "reach": 1900}
-    path.write_text(
-        json.dumps(
-            {
-                "task": "gpt_c64s",
-                "task_rate": 1e-3,
-                "main_job_steps": 240,
-                "cells": [{**base, **c} for c in cells],
-            }
-        )
-    )
+    study = {
+        "task": "gpt_c64s",
+        "task_rate": 1e-3,
+        "main_job_steps": 240,
+        "cells": [{**base, **c} for c in cells],
+    }
+    if sittings is not None:
+        study["sitting_step_ratios"] = sittings
+    path.write_text(json.dumps(study))
     return path
 
 
@@ -128,3 +127,18 @@ def test_the_stored_study_is_shown_at_its_longest_horizon_with_its_length_and_ra
     assert "rate 0.002 (a rate of the one-device re-tune), P = 8" in retuned
     assert "step time not measured" in retuned
     assert main_job.stored_lines(tmp_path / "absent.json") == []
+
+
+def test_the_stored_line_gives_the_sittings_own_step_ratio_beside_the_tables(tmp_path):
+    """Where the verdict carries each timing sitting's own step ratio, the line at the task's
+    rate says both readings of pipemare's step; a re-tuned rate's line repeats neither."""
+    cells = [
+        {"schedule": "gpipe", "P": None, "N": None, "mean": 2.0, "gap": None},
+        {"schedule": "pipemare", "P": 4, "N": 4, "mean": 1.98, "gap": -0.01, "step_vs_1f1b": 0.82},
+        {"schedule": "pipemare", "P": 4, "N": 4, "lr": 2e-3, "mean": 2.0, "gap": 0.0},
+    ]
+    sittings = {"P4": {"each": [0.94, 0.78, 0.92], "median": 0.92}}
+    first, retuned = main_job.stored_lines(_verdict_file(tmp_path / "v.json", cells, sittings))
+    assert "its step 0.82x 1F1B's" in first and "over 3 timing sittings" in first
+    assert "sittings' own ratios is 0.92x" in first
+    assert "sittings" not in retuned
