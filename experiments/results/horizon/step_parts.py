@@ -31,6 +31,10 @@ the median of ``--pairs``; and the number of tensors autograd saved.
 parameters' data, against a forward without prediction; a cache-sized buffer is written before
 each, as the other actions of the step would, and the three are alternated (median of
 ``--pairs``).
+
+**The update.** On stage 1, the user's optimiser over the stage's weights alone, and each
+correction's hook before and after it, timed in turn with a cache-sized write before each
+(median of ``--pairs``): what each correction adds to a stage's update.
 """
 
 from __future__ import annotations
@@ -233,6 +237,64 @@ def prediction_cost(task_name: str, p: int, warm: int, pairs: int, horizon: int 
         )
 
 
+def update_cost(task_name: str, p: int, warm: int, pairs: int) -> None:
+    import torch
+
+    from pipemare.experiments.studies.protocol import TASKS, _pipeline, _timed_model, timed_window
+    from pipemare.optim.corrections.base import Correction
+
+    task = TASKS[task_name]
+    x, y, _, _ = task.data()
+    pipe = _pipeline(task, copy.deepcopy(_timed_model(task.name)), "pipemare", p, p, 1e-4, None, 0)
+    timed_window(pipe, task, x, y, warm, 0)
+    wrapper, s = pipe.optimizer, 1  # a middle stage, one of the busiest
+    params = wrapper.stage_parameters(s)
+    for q in params:  # gradients of a trained step's size; their values change no timing
+        q.grad = torch.randn_like(q) * 1e-3
+    used = [
+        {k: v for k, v in g.items() if k != "params"}
+        for g, mine in zip(wrapper.optimizer.param_groups, wrapper._groups[s], strict=True)
+        for _ in mine
+    ]
+
+    def adamw() -> None:  # the user's optimiser over this stage's weights alone
+        groups = wrapper.optimizer.param_groups
+        kept = [g["params"] for g in groups]
+        for g, mine in zip(groups, wrapper._groups[s], strict=True):
+            g["params"] = mine
+        try:
+            wrapper.optimizer.step()
+        finally:
+            for g, k in zip(groups, kept, strict=True):
+                g["params"] = k
+
+    parts = {"the optimiser's step": adamw}
+    for c in wrapper.corrections:
+        name = type(c).__name__
+        if type(c).before_step is not Correction.before_step:  # a hook of its own
+            parts[f"{name}, before"] = functools.partial(c.before_step, s, params)
+        if type(c).after_step is not Correction.after_step:
+            parts[f"{name}, after"] = functools.partial(c.after_step, s, 10**6, params, used)
+    cache = torch.zeros(8 << 20)  # 32 MB written before each: the step's other actions would
+    times: dict[str, list[float]] = {k: [] for k in parts}
+    order = list(parts)
+    for r in range(pairs):
+        for name in order[r % len(order) :] + order[: r % len(order)]:
+            cache.add_(1.0)
+            start = time.perf_counter()
+            parts[name]()
+            times[name].append(time.perf_counter() - start)
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    base = med.pop("the optimiser's step")
+    extra = sum(med.values())
+    weights = sum(q.numel() for q in params)
+    print(
+        f"  update, P = {p} stage {s} ({weights:,} weights): the optimiser's step {base:.2f} ms; "
+        + "; ".join(f"{k} +{v:.2f}" for k, v in med.items())
+        + f"; the corrections +{extra:.2f} ms ({extra / base:+.0%})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", default="gpt_c64s")
@@ -249,6 +311,7 @@ def main() -> None:
         steps_in_parts(args.task, p, args.steps, args.warm, args.repeats)
         hooks_cost(args.task, p, args.warm, args.pairs)
         prediction_cost(args.task, p, args.warm, args.pairs)
+        update_cost(args.task, p, args.warm, args.pairs)
 
 
 if __name__ == "__main__":
