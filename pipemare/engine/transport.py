@@ -112,8 +112,8 @@ def init_process_group(backend: str) -> None:
     if missing:
         raise RuntimeError(
             f"torch.distributed is not initialised and {', '.join(missing)} are not set; start "
-            "one process per stage with a launcher (torchrun --nproc-per-node=P, Lightning, "
-            "SLURM) or run all stages in one process with transport='inprocess'"
+            "one process per stage with a launcher (torchrun --standalone --nproc-per-node=P, "
+            "Lightning, SLURM) or run all stages in one process with transport='inprocess'"
         )
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
     destroy_at_exit()
@@ -206,7 +206,7 @@ class DistributedTransport(Transport):
         elif world != stages:
             raise ValueError(
                 f"the world size is {world} but the pipeline has {stages} stages; run one "
-                f"process per stage (e.g. torchrun --nproc-per-node={stages}) or set "
+                f"process per stage (e.g. torchrun --standalone --nproc-per-node={stages}) or set "
                 f"stages={world}"
             )
         if layout is not None:

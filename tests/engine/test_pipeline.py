@@ -197,7 +197,7 @@ def test_world_size_must_match_stage_count(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"world size is 1 but the pipeline has 2 stages; run one process per stage \(e\.g\. "
-        r"torchrun --nproc-per-node=2\)",
+        r"torchrun --standalone --nproc-per-node=2\)",
     ):
         DistributedTransport(stages=2)
 
