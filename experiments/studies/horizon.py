@@ -53,7 +53,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -546,7 +546,7 @@ def _retuned(every: list[dict[str, Any]], times: dict[str, float]) -> list[str]:
 
 
 def _verdict(
-    every: list[dict[str, Any]], times: dict[str, float], sittings: list[dict[str, Any]] = ()
+    every: list[dict[str, Any]], times: dict[str, float], sittings: Sequence[dict[str, Any]]
 ) -> dict[str, Any]:
     """What the product's verdicts read (the main job's stored study, the README): per rate,
     each cell's quality and, where the step times are measured, its pipeline time to 1F1B's
@@ -592,7 +592,7 @@ def _verdict(
         "main_job_steps": 240,
         "cells": cells,
         "over_links": links,
-        "sitting_step_ratios": _sitting_ratios(list(sittings)),
+        "sitting_step_ratios": _sitting_ratios(sittings),
     }
 
 
@@ -603,7 +603,7 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def _sitting_ratios(sittings: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _sitting_ratios(sittings: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per P, each sitting's own step ratio: the default (pipemare at N = P) over 1F1B at that
     sitting's fastest N, communication free, and their median. The tables take each
     configuration's median over the sittings instead; where the machine's speed moves one
@@ -618,9 +618,7 @@ def _sitting_ratios(sittings: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
         {'each': [0.75, 0.75], 'median': 0.75}
     """
     out: dict[str, dict[str, Any]] = {}
-    for p in sorted(
-        {int(k.split("-P")[1].split("-")[0]) for s in sittings for k in s if "-P" in k}
-    ):
+    for p in sorted({_shape(k)[0] for s in sittings for k in s if not k.startswith("_")}):
         each = []
         for s in sittings:
             ns, default = _one_f_one_b(s, p), s.get(f"{_TASK}-pipemare-P{p}-N{p}")
@@ -629,6 +627,17 @@ def _sitting_ratios(sittings: list[dict[str, Any]]) -> dict[str, dict[str, Any]]
         if each:
             out[f"P{p}"] = {"each": each, "median": round(statistics.median(each), 4)}
     return out
+
+
+def _shape(key: str) -> tuple[int, str]:
+    """A step-time key's P and link ("": communication free).
+
+    Example:
+        >>> _shape("gpt_c64s-pipemare-noWP-P4-N8@1Gb/s@1ms"), _shape("gpt_c64s-1f1b-P2-N1")
+        ((4, '1Gb/s@1ms'), (2, ''))
+    """
+    shape, _, link = key.partition("-P")[2].partition("@")  # "4-N8", "" or a link
+    return int(shape.split("-N")[0]), link
 
 
 def _median_times(sittings: list[dict[str, Any]]) -> dict[str, float]:
@@ -651,8 +660,7 @@ def _median_times(sittings: list[dict[str, Any]]) -> dict[str, float]:
         had = [s for s in sittings if k in s]
         if len(had) == len(sittings) or "-1f1b-" in k:
             continue
-        shape, _, link = k.partition("-P")[2].partition("@")  # "4-N8", "" or a link
-        p = int(shape.split("-N")[0])
+        p, link = _shape(k)
         ns = _one_f_one_b(median, p, link)
         if not ns:
             continue

@@ -259,12 +259,9 @@ class PipeMareStrategyMixin(_StrategyBase):
             compile=compile,
             microbatch_weights=microbatch_weights,
         )
-        if not isinstance(advise, bool):
-            raise ValueError(f"advise must be True or False, got {advise!r}")
-        if not isinstance(measure_activations, bool):
-            raise ValueError(
-                f"measure_activations must be True or False, got {measure_activations!r}"
-            )
+        for name, value in (("advise", advise), ("measure_activations", measure_activations)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         link = None if simulated_link is None else Link.parse(simulated_link)
         if save_distributed_checkpoint not in (None, True, False):
             raise ValueError(
