@@ -372,10 +372,29 @@ class RunResult:
         return max(finite) if higher else min(finite)
 
 
+#: the validation forward's chunk, in rows times positions for token inputs (else rows): a
+#: language model's activations for 4,096 positions stay in this machine's caches, where 256
+#: rows of 64 positions do not (gpt_c64s's validation pass: 0.59 s in chunks of 64 rows, 1.04 s
+#: in chunks of 256, the same loss to the last bit)
+EVAL_CHUNK = 4096
+
+
+def _eval_rows(x: torch.Tensor) -> int:
+    """Rows per validation chunk: :data:`EVAL_CHUNK` positions of token inputs, else 256 rows.
+
+    Example:
+        >>> _eval_rows(torch.zeros(8, 64, dtype=torch.long)), _eval_rows(torch.zeros(8, 784))
+        (64, 256)
+    """
+    if x.is_floating_point() or x.dim() < 2:
+        return 256
+    return max(1, EVAL_CHUNK // math.prod(x.shape[1:]))
+
+
 @torch.no_grad()
 def _evaluate(model: nn.Sequential, task: Task, x: torch.Tensor, y: torch.Tensor) -> float:
     model.eval()
-    outs = [model(xb) for xb in x.split(256)]
+    outs = [model(xb) for xb in x.split(_eval_rows(x))]
     model.train()
     out = torch.cat(outs)
     if task.metric == "acc":
