@@ -15,8 +15,9 @@ live weights. Step times are not measured here.
   replayed with each stage on a device of its own
   (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`: the windows of every
   configuration at one P taken in turn), into ``OUT/step_times-{SITTING}.json`` with when each
-  P was taken and the load average before it; the table takes each configuration's median
-  over the sittings (:func:`_median_times`), those measured in turn only where any is (a
+  P was taken and the load average before it; the table reads each configuration within each
+  sitting, against that sitting's fastest 1F1B (:func:`_median_times`), those measured in
+  turn only where any is (a
   sitting before 2026-12-01's took one configuration after another). Run it alone on the
   machine: stop any queue (``kill -STOP``) for the sitting's length.
 - ``python experiments/studies/horizon.py table``: ``OUT/README.md`` from the curves written
@@ -605,10 +606,9 @@ def _finite(value: float | None) -> float | None:
 
 def _sitting_ratios(sittings: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per P, each sitting's own step ratio: the default (pipemare at N = P) over 1F1B at that
-    sitting's fastest N, communication free, and their median. The tables take each
-    configuration's median over the sittings instead; where the machine's speed moves one
-    configuration more than another between sittings the two readings differ, so the verdict
-    carries both.
+    sitting's fastest N, communication free, and their median. The tables read each sitting
+    the same way (:func:`_median_times`) but set one 1F1B N for all sittings, the one fastest
+    in their reading, so where the fastest N changes between sittings the two differ a little.
 
     Example:
         >>> one = {"gpt_c64s-1f1b-P2-N2": 2.0, "gpt_c64s-1f1b-P2-N4": 1.6}
@@ -641,34 +641,44 @@ def _shape(key: str) -> tuple[int, str]:
 
 
 def _median_times(sittings: list[dict[str, Any]]) -> dict[str, float]:
-    """Each configuration's step: its median over the sittings. A configuration that fewer
-    sittings timed than 1F1B (one added later) is scaled by 1F1B's median over all of them
-    against its median over those sittings, at 1F1B's fastest N over the same P and link, so
-    its ratio to 1F1B is the one measured within the sittings that timed both.
+    """Each configuration's step, read within each sitting: its ratio to that sitting's fastest
+    1F1B at the same P and link, the median of that ratio over the sittings that timed it, times
+    the median of the fastest 1F1B over every sitting. A ratio between two configurations is
+    then one measured within sittings, whatever the machine's speed did between them (on this
+    two-core machine it moved 20% within an hour, and a median of each configuration's own
+    steps then compared one sitting's pipemare with another's 1F1B: 0.88x against 0.80x the
+    sittings' own ratios at P = 2). A configuration that fewer sittings timed (one added later)
+    is read within those sittings.
 
     Example:
         >>> one = {"gpt_c64s-1f1b-P2-N2": 2.0, "gpt_c64s-pipemare-P2-N2": 1.0}
         >>> two = {"gpt_c64s-1f1b-P2-N2": 4.0, "gpt_c64s-pipemare-P2-N2": 3.0}
         >>> late = {**two, "gpt_c64s-pipemare-noWP-P2-N2": 2.0}
-        >>> _median_times([one, late])["gpt_c64s-pipemare-noWP-P2-N2"]  # 2/4 of 1F1B's 3.0
+        >>> t = _median_times([one, late])
+        >>> t["gpt_c64s-1f1b-P2-N2"], t["gpt_c64s-pipemare-P2-N2"]  # 3.0 x (0.5 + 0.75)/2
+        (3.0, 1.875)
+        >>> t["gpt_c64s-pipemare-noWP-P2-N2"]  # 2/4 of 1F1B's 3.0
         1.5
     """
     keys = {k for s in sittings for k in s if not k.startswith("_")}
-    median = {k: statistics.median(s[k] for s in sittings if k in s) for k in keys}
-    out = dict(median)
+    shapes = {_shape(k) for k in keys}
+    fastest = {  # per sitting, 1F1B's fastest step at each P and link it timed
+        shape: [min(ns.values()) if (ns := _one_f_one_b(s, *shape)) else None for s in sittings]
+        for shape in shapes
+    }
+    out: dict[str, float] = {}
     for k in keys:
-        had = [s for s in sittings if k in s]
-        if len(had) == len(sittings) or "-1f1b-" in k:
-            continue
-        p, link = _shape(k)
-        ns = _one_f_one_b(median, p, link)
-        if not ns:
-            continue
-        n_star = min(ns, key=lambda m: (ns[m], m))
-        star = f"{_TASK}-1f1b-P{p}-N{n_star}" + (f"@{link}" if link else "")
-        within = [s[star] for s in had if star in s]
-        if within:
-            out[k] = median[k] * median[star] / statistics.median(within)
+        refs = fastest[_shape(k)]
+        ratios = [
+            s[k] / ref
+            for s, ref in zip(sittings, refs, strict=True)
+            if k in s and ref and math.isfinite(s[k])
+        ]
+        known = [ref for ref in refs if ref]
+        if ratios and known:
+            out[k] = statistics.median(ratios) * statistics.median(known)
+        else:  # no 1F1B beside it, or never finite (a configuration the pipeline refuses)
+            out[k] = statistics.median(s[k] for s in sittings if k in s)
     return out
 
 

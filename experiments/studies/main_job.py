@@ -154,7 +154,7 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
     length, its rate and how it was produced: per P, the default pipemare (N = P) and
     uncorrected async against 1F1B at the longest horizon measured, at the task's rate and at
     any rate re-tuned on one device where pipemare ran at it; at the task's rate, pipemare's
-    step both as the tables read it and as the median of each timing sitting's own ratio.
+    step with the spread of the timing sittings' own ratios.
     Nothing if the file is absent (an install without the repository's results)."""
     if not path.exists():
         return []
@@ -185,9 +185,9 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
             ratios = study.get("sitting_step_ratios", {}).get(f"P{p}")
             if lr == study["task_rate"] and ratios and pm.get("step_vs_1f1b") is not None:
                 text += (
-                    f" (its step {pm['step_vs_1f1b']:.2f}x 1F1B's from each configuration's "
-                    f"median over {len(ratios['each'])} timing sittings; the median of the "
-                    f"sittings' own ratios is {ratios['median']:.2f}x)"
+                    f" (its step {pm['step_vs_1f1b']:.2f}x 1F1B's: each of {len(ratios['each'])}"
+                    f" timing sittings read against its own 1F1B, the median; one sitting's "
+                    f"ratio ranged {min(ratios['each']):.2f}-{max(ratios['each']):.2f}x)"
                 )
             if asy is not None:
                 text += f"; uncorrected async (N = {p}): {_stored_cell(asy)}"

@@ -129,16 +129,16 @@ def test_the_stored_study_is_shown_at_its_longest_horizon_with_its_length_and_ra
     assert main_job.stored_lines(tmp_path / "absent.json") == []
 
 
-def test_the_stored_line_gives_the_sittings_own_step_ratio_beside_the_tables(tmp_path):
+def test_the_stored_line_gives_the_spread_of_the_sittings_own_step_ratios(tmp_path):
     """Where the verdict carries each timing sitting's own step ratio, the line at the task's
-    rate says both readings of pipemare's step; a re-tuned rate's line repeats neither."""
+    rate gives pipemare's step with the range of those ratios; a re-tuned rate's line does not."""
     cells = [
         {"schedule": "gpipe", "P": None, "N": None, "mean": 2.0, "gap": None},
-        {"schedule": "pipemare", "P": 4, "N": 4, "mean": 1.98, "gap": -0.01, "step_vs_1f1b": 0.82},
+        {"schedule": "pipemare", "P": 4, "N": 4, "mean": 1.98, "gap": -0.01, "step_vs_1f1b": 0.92},
         {"schedule": "pipemare", "P": 4, "N": 4, "lr": 2e-3, "mean": 2.0, "gap": 0.0},
     ]
     sittings = {"P4": {"each": [0.94, 0.78, 0.92], "median": 0.92}}
     first, retuned = main_job.stored_lines(_verdict_file(tmp_path / "v.json", cells, sittings))
-    assert "its step 0.82x 1F1B's" in first and "over 3 timing sittings" in first
-    assert "sittings' own ratios is 0.92x" in first
+    assert "its step 0.92x 1F1B's" in first and "each of 3 timing sittings" in first
+    assert "ranged 0.78-0.94x" in first
     assert "sittings" not in retuned
