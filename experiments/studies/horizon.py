@@ -325,6 +325,17 @@ def _one_f_one_b(times: Mapping[str, float], p: int, link: str = "") -> dict[int
     }
 
 
+def _fastest_1f1b(times: Mapping[str, float], p: int, link: str = "") -> float | None:
+    """1F1B's fastest step at ``p`` stages over ``link`` in ``times`` (one sitting's), or None.
+
+    Example:
+        >>> _fastest_1f1b({"gpt_c64s-1f1b-P2-N2": 2.0, "gpt_c64s-1f1b-P2-N4": 1.6}, 2)
+        1.6
+    """
+    ns = _one_f_one_b(times, p, link)
+    return min(ns.values()) if ns else None
+
+
 def _pipeline_time(reach: float | None, step: float, sync: int, sync_step: float) -> float:
     """Seconds to ``reach`` steps at ``step`` seconds each, the first ``sync`` of them (T3's)
     charged at ``sync_step``, 1F1B's at the same P and N (NaN: never reached).
@@ -621,9 +632,9 @@ def _sitting_ratios(sittings: Sequence[dict[str, Any]]) -> dict[str, dict[str, A
     for p in sorted({_shape(k)[0] for s in sittings for k in s if not k.startswith("_")}):
         each = []
         for s in sittings:
-            ns, default = _one_f_one_b(s, p), s.get(f"{_TASK}-pipemare-P{p}-N{p}")
-            if ns and default is not None and math.isfinite(default):
-                each.append(round(default / min(ns.values()), 4))
+            ref, default = _fastest_1f1b(s, p), s.get(f"{_TASK}-pipemare-P{p}-N{p}")
+            if ref and default is not None and math.isfinite(default):
+                each.append(round(default / ref, 4))
         if each:
             out[f"P{p}"] = {"each": each, "median": round(statistics.median(each), 4)}
     return out
@@ -662,10 +673,8 @@ def _median_times(sittings: list[dict[str, Any]]) -> dict[str, float]:
     """
     keys = {k for s in sittings for k in s if not k.startswith("_")}
     shapes = {_shape(k) for k in keys}
-    fastest = {  # per sitting, 1F1B's fastest step at each P and link it timed
-        shape: [min(ns.values()) if (ns := _one_f_one_b(s, *shape)) else None for s in sittings]
-        for shape in shapes
-    }
+    # per sitting, 1F1B's fastest step at each P and link it timed
+    fastest = {shape: [_fastest_1f1b(s, *shape) for s in sittings] for shape in shapes}
     out: dict[str, float] = {}
     for k in keys:
         refs = fastest[_shape(k)]

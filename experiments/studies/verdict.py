@@ -73,7 +73,7 @@ def _per_p(study: dict[str, Any], source: str, command: str) -> dict[str, Any]:
             }
         )
     for p, ratios in study.get("sitting_step_ratios", {}).items():
-        if p in entry:  # the median of the sittings' own ratios, beside the tables' reading
+        if p in entry:  # the median of the sittings' own ratios, and how many sittings
             entry[p]["step_sittings"] = ratios["median"]
             entry[p]["sittings"] = len(ratios["each"])
     return entry
