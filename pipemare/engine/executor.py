@@ -274,14 +274,14 @@ class Executor:
             elif self.clip is not None:
                 self.clip.apply(i, a.index, params)
             stage.before_update()
-            bad = self._nonfinite(stage) if self.check_finite else []
+            bad, norms = self._nonfinite(stage) if self.check_finite else ([], None)
             if bad:
                 self.optimizer.skip(i, a.index)
                 if self.on_nonfinite is None:
                     raise NonFiniteGradientError(a.index + 1, i, bad)
                 self.on_nonfinite(i, a.index, bad)
             else:
-                self.optimizer.step(i, a.index)
+                self.optimizer.step(i, a.index, grad_norms=norms)
             if self.ties is not None:
                 self.ties.updated(i)
             stage.after_update()
@@ -302,15 +302,17 @@ class Executor:
         self.reducer.start(i, key[1], params)
 
     @staticmethod
-    def _nonfinite(stage: Stage) -> list[str]:
-        """Names of ``stage``'s parameters whose gradient holds NaN or Inf (one sync)."""
-        named = [(n, p.grad) for n, p in stage.module.named_parameters() if p.grad is not None]
+    def _nonfinite(stage: Stage) -> tuple[list[str], dict[torch.nn.Parameter, torch.Tensor]]:
+        """Names of ``stage``'s parameters whose gradient holds NaN or Inf (one sync), and,
+        where there is none, each gradient's 2-norm (the stability guard reads them)."""
+        named = [(n, p) for n, p in stage.module.named_parameters() if p.grad is not None]
         if not named:
-            return []
-        total = torch.nn.utils.get_total_norm([g for _, g in named])
-        if torch.isfinite(total):
-            return []
-        return [n for n, g in named if not bool(torch.isfinite(g).all())]
+            return [], {}
+        norms = torch._foreach_norm([p.grad for _, p in named if p.grad is not None])
+        if torch.isfinite(torch.linalg.vector_norm(torch.stack(norms))):
+            return [], {p: norm for (_, p), norm in zip(named, norms, strict=True)}
+        bad = [n for n, p in named if p.grad is not None and not bool(p.grad.isfinite().all())]
+        return bad, {}
 
     def run(self) -> None:
         """Run every local stage as far as the fed data allows; all must end waiting for data."""

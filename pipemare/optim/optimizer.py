@@ -110,6 +110,7 @@ class PipeMareOptimizer:
             microbatches,
             momentum=self.momentum,
         )
+        self._view = view
         self.corrections: list[Correction] = settings.build()
         #: the stability guard, where it runs (its factor is every correction's strength)
         self.guard = cast(StabilityGuard | None, self.correction(StabilityGuard.name))
@@ -181,15 +182,26 @@ class PipeMareOptimizer:
         return any(c.holds(stage, minibatch) for c in self.corrections)
 
     @torch.no_grad()
-    def step(self, stage: int, minibatch: int) -> None:
+    def step(
+        self,
+        stage: int,
+        minibatch: int,
+        grad_norms: Mapping[nn.Parameter, torch.Tensor] | None = None,
+    ) -> None:
         """Apply ``stage``'s update of ``minibatch`` from its accumulated gradients; clear them.
-        A correction may hold the update (local accumulation): the gradients then stay."""
+        A correction may hold the update (local accumulation): the gradients then stay.
+        ``grad_norms``: each gradient's 2-norm, where the caller took them already (the engine's
+        finite check); a correction that reads them (the stability guard) then takes no more."""
         params = self.stage_parameters(stage)
         if self.holds(stage, minibatch):
             self._used(stage, minibatch, params, clear=False)
             return
-        for c in self.corrections:
-            c.before_step(stage, params)
+        self._view.grad_norms = grad_norms or {}
+        try:
+            for c in self.corrections:
+                c.before_step(stage, params)
+        finally:
+            self._view.grad_norms = {}
         # Without a record (step() called directly), the user's current hyperparameters apply.
         hparams = self._hparams.get(minibatch) or [{}] * len(self.optimizer.param_groups)
         factor = self.lr_factor(stage, minibatch)

@@ -17,6 +17,7 @@ from pipemare.optim.corrections import (
     predicted_weight,
     spike_coefficients,
 )
+from pipemare.optim.corrections.base import StepAverage
 from pipemare.optim.corrections.momentum import DEPTH_SPAN, delay_momenta
 from pipemare.optim.settings import resolve
 from pipemare.optim.stability import delayed_gd_bound, is_stable, largest_stable_step
@@ -66,6 +67,20 @@ def test_prediction_runs_the_forward_at_w_plus_s_delta_and_restores_w(decay):
     torch.testing.assert_close(w.detach(), live, rtol=0, atol=1e-15)
     with opt.forward_weights(0, 0):  # a gradient applied at once: nothing to predict
         assert torch.equal(w.detach(), live)
+
+
+def test_the_step_kept_without_decay_is_the_weights_difference_to_the_last_bit():
+    """γ = 0 (the prediction's default) keeps the last step alone: the buffer is w_old - w_new
+    exactly, for float32 weights and for bfloat16 ones (kept in float32)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        average = StepAverage()
+        w = nn.Parameter((torch.randn(1000) * 0.05).to(dtype))
+        old = w.detach().float().clone()  # .float() of a float32 tensor is the tensor itself
+        average.before([w], 0.0)
+        with torch.no_grad():
+            w.add_(torch.randn(1000).to(dtype) * 1e-3)
+        average.after([w], 0.0)
+        assert torch.equal(average.neg[w], old - w.detach().float())
 
 
 def test_prediction_horizon_is_the_update_each_gradient_feeds():

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipemare import PipeMareConfig, PipeMareOptimizer, derive_delays
+from pipemare import Pipeline, PipeMareConfig, PipeMareOptimizer, derive_delays
 from pipemare.optim import MuonAdamW
 from pipemare.optim.corrections import StabilityGuard
 from pipemare.optim.settings import resolve
@@ -183,6 +183,52 @@ def test_the_guard_weakens_the_corrections_it_backs_off():
     # half the delay (T1 is over by step 1000)
     expected = 0.5 * (1 - m) / (1 - 0.5) * m ** (delays[0].forward / 2)
     assert opt.lr_factor(0, 1000) == pytest.approx(expected)
+
+
+def test_the_guard_reads_the_gradient_norms_the_engines_finite_check_took(monkeypatch):
+    """Where the engine checks gradients for NaN and Inf it takes their norms; the guard reads
+    those instead of a second pass, and keeps the same averages as when it takes its own."""
+    foreach_norm, vector_norm = torch._foreach_norm, torch.linalg.vector_norm
+
+    def run(check_finite: bool) -> tuple[list[torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 12), nn.Linear(12, 3))
+        pipe = Pipeline(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            nn.functional.mse_loss,
+            stages=3,
+            microbatches=3,
+            check_finite=check_finite,
+        )
+        taken = []  # one entry per gradient whose norm is taken, by either of torch's calls
+
+        def grads_in(tensors) -> int:
+            return sum(any(t is p.grad for p in model.parameters()) for t in tensors)
+
+        def foreach(ts, *a, **k):
+            taken.append(grads_in(ts))
+            return foreach_norm(ts, *a, **k)
+
+        def single(t, *a, **k):
+            taken.append(grads_in([t]))
+            return vector_norm(t, *a, **k)
+
+        with monkeypatch.context() as m:
+            m.setattr(torch, "_foreach_norm", foreach)
+            m.setattr(torch.linalg, "vector_norm", single)
+            for _ in range(20):
+                pipe.step((torch.randn(6, 6), torch.randn(6, 3)))
+        guard = pipe.optimizer.guard
+        assert guard is not None
+        return [s.clone() for s in guard.state.values()], sum(taken)
+
+    checked, passes = run(check_finite=True)
+    unchecked, guard_passes = run(check_finite=False)
+    assert guard_passes > 0 and passes == guard_passes  # one pass per update, not two
+    assert len(checked) == 3 and all(s[3] > 0 for s in checked)  # every stage averaged norms
+    for a, b in zip(checked, unchecked, strict=True):
+        assert torch.equal(a, b)
 
 
 def test_muon_adamw_runs_under_the_guard():

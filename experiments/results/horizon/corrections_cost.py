@@ -156,9 +156,9 @@ def _measure(task_name: str, schedule: str, p: int, n: int, warm: int, steps: in
     current = [0]
     step = optimizer.step
 
-    def stepped(stage: int, minibatch: int) -> None:
+    def stepped(stage: int, minibatch: int, grad_norms: Any = None) -> None:
         current[0] = stage
-        step(stage, minibatch)
+        step(stage, minibatch, grad_norms)
 
     optimizer.step = stepped  # type: ignore[method-assign]
     for c in optimizer.corrections:

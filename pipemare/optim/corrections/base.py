@@ -92,6 +92,8 @@ class StageView:
             (default: the first param group's own).
         strength: ``stage -> s`` in (0, 1], how strongly the corrections act on a stage (the
             stability guard lowers it while the stage's gradients run away; default 1).
+        grad_norms: during an update, each gradient's 2-norm where the engine took them already
+            (its finite check), so a correction that reads them makes no second pass.
     """
 
     optimizer: torch.optim.Optimizer
@@ -100,6 +102,18 @@ class StageView:
     microbatches: int
     momentum: Callable[[int, int], float] | None = None
     strength: Callable[[int], float] | None = None
+    grad_norms: Mapping[nn.Parameter, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def grad_norm(self, params: Params) -> float:
+        """The 2-norm of ``params``' gradients (those that have one): from :attr:`grad_norms`
+        where it holds each of them, else in one fused pass."""
+        with_grad = [p for p in params if p.grad is not None]
+        known = self.grad_norms
+        if known and all(p in known for p in with_grad):
+            norms = [known[p] for p in with_grad]
+        else:
+            norms = list(torch._foreach_norm([p.grad for p in with_grad if p.grad is not None]))
+        return float(torch.linalg.vector_norm(torch.stack(norms)))
 
     def stage_strength(self, stage: int) -> float:
         """How strongly the corrections act on ``stage`` now (``strength``; 1 without it)."""
@@ -241,9 +255,14 @@ class StepAverage:
         return u
 
     def before(self, params: Params, gamma: float) -> None:
-        """The half of the update that runs before the optimiser step: ``u ← γu + (1-γ) w_old``."""
+        """The half of the update that runs before the optimiser step: ``u ← γu + (1-γ) w_old``
+        (with γ = 0 a copy, which reads the weights alone: the same numbers as the lerp)."""
+        buffers = [self._buffer(p) for p in params]
+        if gamma == 0.0:
+            foreach_pair(buffers, params, torch._foreach_copy_, lambda u, p: u.copy_(p))
+            return
         foreach_pair(
-            [self._buffer(p) for p in params],
+            buffers,
             params,
             lambda us, ps: torch._foreach_lerp_(us, ps, 1.0 - gamma),
             lambda u, p: u.lerp_(p, 1.0 - gamma),

@@ -130,10 +130,9 @@ class StabilityGuard(Correction):
     def before_step(self, stage: int, params: Params) -> None:
         """Update the stage's two averages of the gradient norm; halve or restore its factor."""
         s = self._stage_state(stage)
-        grads = [p.grad for p in params if p.grad is not None]
-        if s is None or not grads:
+        if s is None or all(p.grad is None for p in params):
             return
-        norm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+        norm = self.view.grad_norm(params)
         if not math.isfinite(norm):
             return  # the engine refuses a non-finite update on its own
         v = s.tolist()  # the arithmetic in Python floats (float64, as the tensor), written once
