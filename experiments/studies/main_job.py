@@ -54,7 +54,15 @@ from pipemare.experiments.studies.user_protocol import (
     task_table,
 )
 
-__all__ = ["RUNS", "STAGES", "answer_lines", "run_main_job", "schedule_series", "stored_lines"]
+__all__ = [
+    "RUNS",
+    "STAGES",
+    "answer_lines",
+    "run_main_job",
+    "schedule_series",
+    "stored_lines",
+    "stored_rows",
+]
 
 #: task -> (its one-device rate, the steps of each run): the rate is gpipe's best on the 1-3-10
 #: grid at that length, seed 0 (``pipemare user-protocol --tasks T --stages 4 --steps S``;
@@ -128,13 +136,15 @@ def run_main_job(
         "stages": list(STAGES),
     }
     results["answer"] = answer_lines(results)
-    results["stored"] = stored_lines() + stored_lines(HALVES)
+    stored = stored_rows() + stored_rows(HALVES)
+    results["stored"] = [row["line"] for row in stored]
+    results["stored_rows"] = [{k: v for k, v in row.items() if k != "line"} for row in stored]
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    stored = "".join(f"- {line}\n" for line in results["stored"])
+    listed = "".join(f"- {line}\n" for line in results["stored"])
     (out / "results.md").write_text(
         "\n".join(f"- {line}" for line in results["answer"])
         + "\n\n"
-        + (f"Stored, not run now:\n\n{stored}\n" if stored else "")
+        + (f"Stored, not run now:\n\n{listed}\n" if listed else "")
         + markdown(results)
     )
     if wandb:
@@ -156,6 +166,14 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
     any rate re-tuned on one device where pipemare ran at it; at the task's rate, pipemare's
     step with the spread of the timing sittings' own ratios.
     Nothing if the file is absent (an install without the repository's results)."""
+    return [row["line"] for row in stored_rows(path)]
+
+
+def stored_rows(path: Path = HORIZON) -> list[dict[str, Any]]:
+    """:func:`stored_lines`' cells as rows (the dashboard's table), each with its ``line``:
+    the study's task, steps, rate and P, pipemare's and uncorrected async's cells (``gap``,
+    ``spread``, ``seeds``, ``time_vs_1f1b``), pipemare's step against 1F1B's with the range of
+    the sittings' own ratios where they were read, and the file and command behind it."""
     if not path.exists():
         return []
     study = json.loads(path.read_text())
@@ -167,7 +185,7 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
     command = "python experiments/studies/horizon.py table"
     if study["task"] != "gpt_c64s":  # the study's other cut
         command += f" --task {study['task']}"
-    lines = []
+    rows = []
     for lr in sorted({c["lr"] for c in cells if c["steps"] == longest}):
         at = {(c["schedule"], c["P"]): c for c in cells if c["steps"] == longest and c["lr"] == lr}
         for p in sorted({p for s, p in at if s == "pipemare"}):
@@ -183,16 +201,45 @@ def stored_lines(path: Path = HORIZON) -> list[str]:
                 f"(N = {p}) ends {_stored_cell(pm)}"
             )
             ratios = study.get("sitting_step_ratios", {}).get(f"P{p}")
+            step = None
             if lr == study["task_rate"] and ratios and pm.get("step_vs_1f1b") is not None:
+                step = (pm["step_vs_1f1b"], min(ratios["each"]), max(ratios["each"]))
                 text += (
-                    f" (its step {pm['step_vs_1f1b']:.2f}x 1F1B's: each of {len(ratios['each'])}"
+                    f" (its step {step[0]:.2f}x 1F1B's: each of {len(ratios['each'])}"
                     f" timing sittings read against its own 1F1B, the median; one sitting's "
-                    f"ratio ranged {min(ratios['each']):.2f}-{max(ratios['each']):.2f}x)"
+                    f"ratio ranged {step[1]:.2f}-{step[2]:.2f}x)"
                 )
             if asy is not None:
                 text += f"; uncorrected async (N = {p}): {_stored_cell(asy)}"
-            lines.append(text + ".")
-    return lines
+            rows.append(
+                {
+                    "task": study["task"],
+                    "steps": longest,
+                    "rate": lr,
+                    "task_rate": lr == study["task_rate"],
+                    "P": p,
+                    "pipemare": _stored_numbers(pm),
+                    "async": _stored_numbers(asy) if asy is not None else None,
+                    "step": step,
+                    "source": source,
+                    "command": command,
+                    "line": text + ".",
+                }
+            )
+    return rows
+
+
+def _stored_numbers(c: dict[str, Any]) -> dict[str, Any]:
+    """A stored cell's figures as the dashboard shows them: the gap at equal steps, its
+    half-range over seeds (both fractions of 1F1B's), the seeds, whether it reaches 1F1B's
+    quality within the run and in what share of 1F1B's time (None: not timed, or never)."""
+    return {
+        "gap": c["gap"],
+        "spread": c["spread"] / (c["mean"] / (1 + c["gap"])),
+        "seeds": len(c["seeds"]),
+        "reaches": c.get("reach") is not None,
+        "time_vs_1f1b": c.get("time_vs_1f1b"),
+    }
 
 
 def _stored_cell(c: dict[str, Any]) -> str:

@@ -83,6 +83,11 @@ def test_the_main_job_trains_what_it_reports_and_keeps_its_times(tmp_path, monke
         assert f"<td>{schedule}</td>" in page
     assert page.count("<td>0.003</td>") == 4
     assert page.count("<img") == 2  # the task against pipeline time, the staleness per stage
+    # under the answer's curves, the stored longer study as one table: a row per stored line
+    stored_at = page.index("Stored, not run now")
+    assert page.index("<img") < stored_at < page.index("<h2>digits")
+    table = page[stored_at : page.index("</table>", stored_at)]
+    assert table.count("<tr>") == 1 + len(first["stored"])
 
 
 def test_the_dashboard_says_what_to_run_without_results(tmp_path):
@@ -127,6 +132,23 @@ def test_the_stored_study_is_shown_at_its_longest_horizon_with_its_length_and_ra
     assert "rate 0.002 (a rate of the one-device re-tune), P = 8" in retuned
     assert "step time not measured" in retuned
     assert main_job.stored_lines(tmp_path / "absent.json") == []
+    # the same cells as the dashboard's rows, and its table's cells
+    from pipemare.experiments.dashboard.answer_page import stored_table
+
+    rows = main_job.stored_rows(tmp_path / "verdict.json")
+    assert [r["line"] for r in rows] == lines
+    assert rows[0]["pipemare"] == {
+        "gap": -0.01,
+        "spread": pytest.approx(0.005),
+        "seeds": 2,
+        "reaches": True,
+        "time_vs_1f1b": 0.8,
+    }
+    assert not rows[0]["async"]["reaches"] and rows[1]["async"] is None
+    page = "".join(stored_table({"stored_rows": rows}))
+    assert "<td>-1.0% ± 0.5% (2 seeds)</td><td>0.80x</td>" in page
+    assert "<td>+3.0% (never reaches it)</td>" in page
+    assert "<td>0.002 (re-tuned)</td>" in page and "<td>not timed</td>" in page
 
 
 def test_the_stored_line_gives_the_spread_of_the_sittings_own_step_ratios(tmp_path):

@@ -70,3 +70,35 @@ def test_a_faster_schedule_gets_its_extra_steps_at_1f1bs_pipeline_time():
 def test_a_tasks_regime_is_read_from_its_cost_per_row():
     assert user_protocol.regime({32: 9.1e-3, 8: 9.4e-3, 4: 10.0e-3}) == "compute-bound"
     assert user_protocol.regime({16: 1.2e-3, 2: 3.9e-3}) == "dispatch-bound"
+
+
+def test_the_cost_per_row_takes_the_sizes_in_turn_and_is_kept_for_a_rerun(tmp_path, monkeypatch):
+    """Each size the default layouts run (the batch, and batch / N at each P), measured in turn
+    round after round so a slower minute falls on every size alike; a rerun reuses the file."""
+    import dataclasses
+    import json
+
+    from torch import nn
+
+    seen: list[int] = []
+
+    class Counted(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            seen.append(len(x))
+            return self.inner(x)
+
+    task = TASKS["char_gpt@adamw"]  # batch 16, N = 2, 4, 8 at P = 2, 4, 8
+    counted = dataclasses.replace(task, build=lambda: Counted(task.build()))
+    monkeypatch.setitem(TASKS, "char_gpt@adamw", counted)
+    costs = user_protocol.measure_cost_per_row(tmp_path, ["char_gpt@adamw"], repeats=3)
+    assert sorted(int(r) for r in costs["char_gpt@adamw"]) == [2, 4, 8, 16]
+    assert all(s > 0 for s in costs["char_gpt@adamw"].values())
+    assert seen[:8] == [2, 4, 8, 16, 4, 8, 16, 2]  # every size each round, starting one later
+    assert len(seen) == 4 * (3 + 1)
+    assert json.loads((tmp_path / "cost_per_row.json").read_text()) == costs
+    user_protocol.measure_cost_per_row(tmp_path, ["char_gpt@adamw"], repeats=3)
+    assert len(seen) == 16  # measured once
