@@ -51,6 +51,7 @@ from pipemare.experiments.studies.user_protocol import (
     markdown,
     measure_cost_per_row,
     measure_times,
+    round_ratios,
     task_table,
 )
 
@@ -135,6 +136,8 @@ def run_main_job(
         "seeds": seeds,
         "stages": list(STAGES),
     }
+    rounds_path = out / "step_rounds.json"
+    results["step_rounds"] = json.loads(rounds_path.read_text()) if rounds_path.exists() else {}
     results["answer"] = answer_lines(results)
     stored = stored_rows() + stored_rows(HALVES)
     results["stored"] = [row["line"] for row in stored]
@@ -286,12 +289,23 @@ def answer_lines(results: dict[str, Any]) -> list[str]:
             asy = series["async"][1]
             spread = 100 * pm["spread"] / (1 if higher else base["final"])
             unit = " points" if higher else "%"
+            ratios = round_ratios(
+                results.get("step_rounds") or {},
+                f"{name}-pipemare-P{p}-N{n_pm}",
+                f"{name}-1f1b-P{p}-N{n_base}",
+            )
+            rounds = (
+                f" (its step over 1F1B's in each of the {len(ratios)} timing rounds: "
+                f"{min(ratios):.2f}-{max(ratios):.2f}x)"
+                if len(ratios) > 1
+                else ""
+            )
             lines.append(
                 f"{name} ({label}), {task['steps']} steps at rate {task['rate']:g} (one "
                 f"device's), P = {p}: pipemare (N = {n_pm}) ends "
                 f"{gap_text(pm['final'], base['final'], higher)} (± {spread:.1f}{unit} over seeds) "
                 f"against 1F1B "
-                f"(N = {n_base}) at equal steps and {_reach(pm, base)}; uncorrected async "
+                f"(N = {n_base}) at equal steps and {_reach(pm, base)}{rounds}; uncorrected async "
                 f"(N = {n_pm}): {gap_text(asy['final'], base['final'], higher)}, "
                 f"{_reach(asy, base)}; "
                 f"gpipe (N = {n_gp}): {_reach(gp, base)}."

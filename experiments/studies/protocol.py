@@ -597,6 +597,7 @@ def interleaved_step_times(
     repeats: int = 3,
     links: Mapping[str, Link] | None = None,
     variants: Mapping[str, tuple[str, PipeMareConfig | None]] | None = None,
+    rounds: dict[tuple[str, int, int], list[float]] | None = None,
 ) -> dict[tuple[str, int, int], dict[str, float]]:
     """:func:`step_times` of every ``(schedule, P, N)`` of ``configurations``, their windows
     taken in turn: the first window of each, then the second of each, and so on. ``schedule``
@@ -613,7 +614,9 @@ def interleaved_step_times(
     speed over the minutes the measurement lasts falls on every configuration alike (measured
     one after the other on this two-core machine, the same configuration moved 20-40% between
     two sittings ten minutes apart, and the ratios with it). Run it alone on the machine: the
-    durations are measured. NaN for a configuration the pipeline refuses.
+    durations are measured. NaN for a configuration the pipeline refuses. ``rounds``, where
+    given, receives each configuration's windows in the order taken, without links (round
+    ``r`` of every configuration ran within the same minute: their ratio is that round's).
     """
     from pipemare.model.partition import layer_out_bytes
 
@@ -643,6 +646,8 @@ def interleaved_step_times(
                 replay = None if link is None else Links([link] * len(message), message)
                 _, makespan = replay_timeline(spans, key[1], replay)
                 measured[key][name].append(makespan / steps)
+    if rounds is not None:
+        rounds.update({key: list(by_link["free"]) for key, by_link in measured.items()})
     return {
         key: {
             name: statistics.median(values) if values else math.nan

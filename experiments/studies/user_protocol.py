@@ -61,6 +61,7 @@ __all__ = [
     "measure_cost_per_row",
     "one_f_one_b_ns",
     "regime",
+    "round_ratios",
     "run_compare",
     "verdict",
 ]
@@ -171,14 +172,18 @@ def measure_times(
     steps after ``warm``, a task's configurations' windows taken in turn
     (:func:`~pipemare.experiments.studies.protocol.interleaved_step_times`). Three, so that one
     disturbed window is outvoted; the median of two is their mean, and one disturbed window
-    moved a configuration's time by up to 2.5x between two sittings on this two-core machine."""
+    moved a configuration's time by up to 2.5x between two sittings on this two-core machine.
+    Each window's own time is kept beside them, in ``step_rounds.json`` (:func:`round_ratios`)."""
     import torch
     from tqdm import tqdm
 
     from pipemare.experiments.studies.protocol import interleaved_step_times
 
-    path = out / "step_times.json"
+    path, rounds_path = out / "step_times.json", out / "step_rounds.json"
     times: dict[str, float] = json.loads(path.read_text()) if path.exists() else {}
+    kept: dict[str, list[float]] = (
+        json.loads(rounds_path.read_text()) if rounds_path.exists() else {}
+    )
     todo: dict[str, list[tuple[str, int, int]]] = {}
     for t in names:
         for v, p, n in _time_keys(t, all_n, stages):
@@ -188,13 +193,31 @@ def measure_times(
     torch.set_num_threads(1)  # one core per stage's work, as the runs train
     try:
         for t, keys in tqdm(todo.items(), desc="pipeline time per step", unit="task"):
-            found = interleaved_step_times(TASKS[t], keys, None, steps, warm, repeats)
+            rounds: dict[tuple[str, int, int], list[float]] = {}
+            found = interleaved_step_times(
+                TASKS[t], keys, None, steps, warm, repeats, rounds=rounds
+            )
             for (v, p, n), by_link in found.items():
                 times[f"{t}-{v}-P{p}-N{n}"] = by_link["free"]
+                kept[f"{t}-{v}-P{p}-N{n}"] = rounds[(v, p, n)]
             path.write_text(json.dumps(times, indent=1, sort_keys=True))
+            rounds_path.write_text(json.dumps(kept, indent=1, sort_keys=True))
     finally:
         torch.set_num_threads(threads)
     return times
+
+
+def round_ratios(rounds: dict[str, list[float]], key: str, base: str) -> list[float]:
+    """``key``'s step over ``base``'s in each timing round that timed both (the windows of one
+    round ran within the same minute, so a slower minute falls on both); empty where either was
+    not kept.
+
+    Example:
+        >>> round_ratios({"a": [2.0, 3.0], "b": [4.0, 4.0]}, "a", "b")
+        [0.5, 0.75]
+    """
+    mine, theirs = rounds.get(key, []), rounds.get(base, [])
+    return [a / b for a, b in zip(mine, theirs, strict=False) if b > 0 and math.isfinite(a / b)]
 
 
 def equal_time_jobs(

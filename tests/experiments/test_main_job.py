@@ -28,8 +28,8 @@ def test_the_main_job_trains_what_it_reports_and_keeps_its_times(tmp_path, monke
     """One small task end to end, twice into one directory: the second run measures nothing
     (the stored times are reused) but trains every run again, and gives the same quality."""
     monkeypatch.setenv("WANDB_MODE", "offline")
-    # one short window per configuration: what is stored and reused, not its precision
-    monkeypatch.setattr(main_job, "TIMING", {"steps": 2, "warm": 1, "repeats": 1})
+    # two short windows per configuration: what is stored and reused, not its precision
+    monkeypatch.setattr(main_job, "TIMING", {"steps": 2, "warm": 1, "repeats": 2})
     out = tmp_path / "default"
     first = main_job.run_main_job(out, runs={"digits": (3e-3, 8)}, workers=1, wandb=True)
     task = first["tasks"]["digits"]
@@ -50,6 +50,14 @@ def test_the_main_job_trains_what_it_reports_and_keeps_its_times(tmp_path, monke
     (line,) = first["answer"]
     assert f"pipemare (N = {default_n})" in line and f"1F1B (N = {stage['1f1b']['N']})" in line
     assert "P = 4" in line and "at equal steps" in line and "rate 0.003" in line
+    # each timing round's own ratio of pipemare's step to 1F1B's, beside the medians' reading
+    rounds = json.loads((out / "step_rounds.json").read_text())
+    assert all(len(windows) == 2 for windows in rounds.values())
+    assert set(rounds) == set(json.loads((out / "step_times.json").read_text()))
+    each = user_protocol.round_ratios(
+        rounds, f"digits-pipemare-P4-N{default_n}", f"digits-1f1b-P4-N{stage['1f1b']['N']}"
+    )
+    assert f"each of the 2 timing rounds: {min(each):.2f}-{max(each):.2f}x" in line
     assert (out / "results.md").read_text().startswith(f"- {line}")
     # beside it, the stored long-horizon study, labelled as such (the repository's file)
     assert main_job.stored_lines() and main_job.stored_lines(main_job.HALVES)
