@@ -296,13 +296,14 @@ def measure_cost_per_row(
 ) -> dict[str, dict]:
     """Seconds per row of each task's whole model, forward and backward, one thread, at each
     microbatch size its default layouts run (the batch / N for N = 1 and the default N at each
-    P of ``stages``): the fastest of ``repeats``, the sizes taken in turn (a pause or a slower
-    minute only lengthens a pass, and falls on every size alike). Run it alone on the machine.
-    A task measured before, at other sizes, is measured again.
+    P of ``stages``): the median of ``repeats``, the sizes taken in turn (a slower minute falls
+    on every size alike). Run it alone on the machine. A task measured before, at other sizes,
+    is measured again.
 
-    Taken one size after another, as the median of 5, ``gpt_c64s``'s row at 4 rows came out
-    1.03-1.33x its row at 16 in six trials in a row, either side of :func:`regime`'s 1.25; this
-    way 1.10-1.20x (2026-12-02)."""
+    ``gpt_c64s``'s row at 4 rows over its row at 16, in trials in a row on 2026-12-02: one size
+    after another as the median of 5, 1.03-1.33x in six trials, either side of
+    :func:`regime`'s 1.25; in turn, the median of 15, 1.10-1.20x in nine; in turn, the fastest
+    of 15, 1.10-1.30x in nine (and 1.31x inside one run of the main job)."""
     import time
 
     import torch
@@ -326,7 +327,9 @@ def measure_cost_per_row(
                     start = time.perf_counter()
                     task.loss(model(x[:rows]), y[:rows]).backward()
                     seconds[rows].append(time.perf_counter() - start)
-            costs[name] = {str(rows): min(s[1:]) / rows for rows, s in seconds.items()}
+            costs[name] = {
+                str(rows): statistics.median(s[1:]) / rows for rows, s in seconds.items()
+            }
             path.write_text(json.dumps(costs, indent=1, sort_keys=True))
     finally:
         torch.set_num_threads(threads)
