@@ -259,12 +259,19 @@ def _stored_cell(c: dict[str, Any]) -> str:
     return f"{quality} (its step time not measured)"
 
 
-def _reach(row: dict[str, Any], base: dict[str, Any]) -> str:
+def _reach(row: dict[str, Any], base: dict[str, Any], rounds: list[float] | None = None) -> str:
+    """Whether ``row`` reaches 1F1B's quality and in what share of its time, or what its step
+    costs; with ``rounds`` (its step over 1F1B's in each timing round), their range."""
+    spread = ""
+    if rounds and len(rounds) > 1:
+        spread = f"{min(rounds):.2f}-{max(rounds):.2f}x in the {len(rounds)} timing rounds"
     ratio = row["time_vs_1f1b"]
     if math.isfinite(ratio):
-        return f"reaches 1F1B's quality in {ratio:.2f}x 1F1B's time"
+        each = f" (its step over 1F1B's: {spread})" if spread else ""
+        return f"reaches 1F1B's quality in {ratio:.2f}x 1F1B's time{each}"
     step = row["step_time_s"] / base["step_time_s"]
-    return f"does not reach 1F1B's quality within the run (a step costs {step:.2f}x 1F1B's)"
+    each = f"; {spread}" if spread else ""
+    return f"does not reach 1F1B's quality within the run (a step costs {step:.2f}x 1F1B's{each})"
 
 
 def answer_lines(results: dict[str, Any]) -> list[str]:
@@ -289,23 +296,16 @@ def answer_lines(results: dict[str, Any]) -> list[str]:
             asy = series["async"][1]
             spread = 100 * pm["spread"] / (1 if higher else base["final"])
             unit = " points" if higher else "%"
-            ratios = round_ratios(
-                results.get("step_rounds") or {},
-                f"{name}-pipemare-P{p}-N{n_pm}",
-                f"{name}-1f1b-P{p}-N{n_base}",
-            )
-            rounds = (
-                f" (its step over 1F1B's in each of the {len(ratios)} timing rounds: "
-                f"{min(ratios):.2f}-{max(ratios):.2f}x)"
-                if len(ratios) > 1
-                else ""
+            rounds = results.get("step_rounds") or {}
+            mine = round_ratios(
+                rounds, f"{name}-pipemare-P{p}-N{n_pm}", f"{name}-1f1b-P{p}-N{n_base}"
             )
             lines.append(
                 f"{name} ({label}), {task['steps']} steps at rate {task['rate']:g} (one "
                 f"device's), P = {p}: pipemare (N = {n_pm}) ends "
                 f"{gap_text(pm['final'], base['final'], higher)} (± {spread:.1f}{unit} over seeds) "
                 f"against 1F1B "
-                f"(N = {n_base}) at equal steps and {_reach(pm, base)}{rounds}; uncorrected async "
+                f"(N = {n_base}) at equal steps and {_reach(pm, base, mine)}; uncorrected async "
                 f"(N = {n_pm}): {gap_text(asy['final'], base['final'], higher)}, "
                 f"{_reach(asy, base)}; "
                 f"gpipe (N = {n_gp}): {_reach(gp, base)}."

@@ -57,7 +57,7 @@ def test_the_main_job_trains_what_it_reports_and_keeps_its_times(tmp_path, monke
     each = user_protocol.round_ratios(
         rounds, f"digits-pipemare-P4-N{default_n}", f"digits-1f1b-P4-N{stage['1f1b']['N']}"
     )
-    assert f"each of the 2 timing rounds: {min(each):.2f}-{max(each):.2f}x" in line
+    assert f"{min(each):.2f}-{max(each):.2f}x in the 2 timing rounds" in line
     assert (out / "results.md").read_text().startswith(f"- {line}")
     # beside it, the stored long-horizon study, labelled as such (the repository's file)
     assert main_job.stored_lines() and main_job.stored_lines(main_job.HALVES)
