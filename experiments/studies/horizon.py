@@ -673,19 +673,22 @@ def _median_times(sittings: list[dict[str, Any]]) -> dict[str, float]:
     """
     keys = {k for s in sittings for k in s if not k.startswith("_")}
     shapes = {_shape(k) for k in keys}
-    # per sitting, 1F1B's fastest step at each P and link it timed
+    # per sitting, 1F1B's fastest step at each P and link it timed, and its median over them
     fastest = {shape: [_fastest_1f1b(s, *shape) for s in sittings] for shape in shapes}
+    scale = {
+        shape: statistics.median(known) if (known := [r for r in refs if r]) else None
+        for shape, refs in fastest.items()
+    }
     out: dict[str, float] = {}
     for k in keys:
-        refs = fastest[_shape(k)]
+        shape = _shape(k)
         ratios = [
             s[k] / ref
-            for s, ref in zip(sittings, refs, strict=True)
+            for s, ref in zip(sittings, fastest[shape], strict=True)
             if k in s and ref and math.isfinite(s[k])
         ]
-        known = [ref for ref in refs if ref]
-        if ratios and known:
-            out[k] = statistics.median(ratios) * statistics.median(known)
+        if ratios and scale[shape] is not None:
+            out[k] = statistics.median(ratios) * scale[shape]
         else:  # no 1F1B beside it, or never finite (a configuration the pipeline refuses)
             out[k] = statistics.median(s[k] for s in sittings if k in s)
     return out

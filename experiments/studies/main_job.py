@@ -246,15 +246,16 @@ def _stored_numbers(c: dict[str, Any]) -> dict[str, Any]:
 
 
 def _stored_cell(c: dict[str, Any]) -> str:
-    seeds = len(c["seeds"])
+    """A stored cell in words, from its :func:`_stored_numbers`."""
+    n = _stored_numbers(c)
+    seeds = n["seeds"]
     quality = (
-        f"{100 * c['gap']:+.1f}% (± {100 * c['spread'] / (c['mean'] / (1 + c['gap'])):.1f}% "
+        f"{100 * n['gap']:+.1f}% (± {100 * n['spread']:.1f}% "
         f"over {seeds} seed{'s' if seeds > 1 else ''}) against 1F1B at equal steps"
     )
-    ratio = c.get("time_vs_1f1b")
-    if ratio is not None:
-        return f"{quality}, and reaches 1F1B's quality in {ratio:.2f}x 1F1B's time"
-    if c.get("reach") is None:
+    if n["time_vs_1f1b"] is not None:
+        return f"{quality}, and reaches 1F1B's quality in {n['time_vs_1f1b']:.2f}x 1F1B's time"
+    if not n["reaches"]:
         return f"{quality}, and does not reach 1F1B's quality within the run"
     return f"{quality} (its step time not measured)"
 

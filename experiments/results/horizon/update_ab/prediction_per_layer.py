@@ -7,26 +7,18 @@ does moving a layer's weights just before it reads them save the traffic of the 
 import contextlib
 import copy
 import functools
-import importlib.util
 import statistics
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+from load_step_parts import step_parts
 
-import pipemare
 from pipemare.experiments.studies.protocol import TASKS, _pipeline, _timed_model, timed_window
 from pipemare.optim.corrections.prediction import WeightPrediction
 
 torch.set_num_threads(1)
-root = pipemare.__file__.rsplit("/pipemare/", 1)[0]
-spec = importlib.util.spec_from_file_location(
-    "step_parts", root + "/experiments/results/horizon/step_parts.py"
-)
-assert spec is not None and spec.loader is not None
-step_parts = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(step_parts)
 
 
 def per_layer(module: torch.nn.Module, moved: dict[Any, tuple[list, list]], alpha: float) -> Any:
