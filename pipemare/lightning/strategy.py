@@ -80,8 +80,9 @@ class PipeMareStrategyMixin(_StrategyBase):
             weights are a whole update late on average, capped at the smallest batch's size;
             on ``gpipe`` and ``1f1b`` the divisor of the batch whose step, replayed from each
             layer's forward and backward measured at that N, is the fastest (1 for a model with
-            BatchNorm) (:mod:`pipemare.planner.decide`). The choice and its reason are printed
-            with the run's settings; :attr:`microbatches` is None until the first batch.
+            BatchNorm) (:mod:`pipemare.planner.decide`); a run resumed from a checkpoint of
+            the same schedule and P keeps its N. The choice and its reason are printed with
+            the run's settings; :attr:`microbatches` is None until the first batch.
         schedule: ``pipemare`` (default), ``async``, ``pipedream``, ``1f1b`` or ``gpipe``.
         balance: layers per stage: ``"time"`` (measured forward+backward time of each layer on
             the first batch, default), ``"auto"`` (the planner's cut for this P and N from a

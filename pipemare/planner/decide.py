@@ -13,10 +13,11 @@ runner executes it and decides nothing.
 Every layout default lives here:
 
 - P: given, one per process, or in one process one per layer;
-- N (``microbatches="auto"``): on a schedule that never flushes :func:`auto_microbatches`
-  (N = P); on ``gpipe`` and ``1f1b`` the divisor of the batch whose step, replayed from each
-  layer's measured forward and backward at that N, is the fastest (N = 1 for a model with
-  BatchNorm, whose statistics microbatches would change);
+- N (``microbatches="auto"``): as the checkpointed run of the same schedule and P ran it;
+  else on a schedule that never flushes :func:`auto_microbatches` (N = P); on ``gpipe`` and
+  ``1f1b`` the divisor of the batch whose step, replayed from each layer's measured forward
+  and backward at that N, is the fastest (N = 1 for a model with BatchNorm, whose statistics
+  microbatches would change);
 - the cut: as the checkpointed run cut it, given, even, by parameters, by measured time
   (:data:`~pipemare.model.partition.TIME_TOLERANCE`) or the planner's
   (:func:`~pipemare.planner.search.best_cut`);
@@ -459,6 +460,9 @@ def _microbatches(
         return facts.previous[1], []
     if isinstance(options.microbatches, int):
         return options.microbatches, []
+    saved = _checkpointed_microbatches(options, facts, stages)
+    if saved is not None:
+        return saved
     if _replays(options, facts, stages):
         return _fastest_microbatches(options, facts, stages)
     if spec(options.schedule).flushes and stages > 1 and facts.built is not None:
@@ -471,6 +475,23 @@ def _microbatches(
         )
         decision = Decision("microbatches", "N=1", why)
     return n, [decision]
+
+
+def _checkpointed_microbatches(
+    options: PipelineOptions, facts: RunFacts, stages: int
+) -> tuple[int, list[Decision]] | None:
+    """``"auto"`` N in a run that continues a checkpoint of the same schedule and P: the N that
+    run chose (a flushing schedule's came from timings, which a resume could read otherwise);
+    None elsewhere, or where the first batch is smaller than it."""
+    saved = facts.checkpointed
+    if not saved or not isinstance(options.microbatches, str):
+        return None
+    same = saved.get("stages") == stages and saved.get("schedule") == options.schedule
+    n = saved.get("microbatches")
+    if not (same and isinstance(n, int) and 1 <= n <= facts.rows):
+        return None
+    why = "as the checkpointed run chose it, so that the resumed run trains as it did"
+    return n, [Decision("microbatches", f"N={n}", why)]
 
 
 def _unmeasured_flushing(rows: int, stages: int) -> tuple[int, list[Decision]]:
@@ -493,7 +514,8 @@ def _unmeasured_flushing(rows: int, stages: int) -> tuple[int, list[Decision]]:
 def _replays(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
     """Whether ``"auto"`` N is the fastest replayed one: a flushing schedule (its bubble
     shrinks with N, its actions multiply) over several stages, whose model keeps no batch
-    statistics, cut other than by the planner (which models its own N)."""
+    statistics, cut other than by the planner (which models its own N), at its first build,
+    continuing no checkpoint of the same layout (whose N it keeps)."""
     return (
         isinstance(options.microbatches, str)
         and spec(options.schedule).flushes
@@ -502,6 +524,7 @@ def _replays(options: PipelineOptions, facts: RunFacts, stages: int) -> bool:
         and options.balance != "auto"
         and facts.previous is None
         and facts.built is None
+        and _checkpointed_microbatches(options, facts, stages) is None
     )
 
 
@@ -788,8 +811,8 @@ def measurements_needed(
     """What the runner must measure before :func:`decide` can choose N and cut the layers:
     ``("time", Ns)`` each layer's forward and backward on the first microbatch at each N,
     ``("auto", Ns)`` the planner's profile there; None where neither needs a measurement
-    (N given or fixed, and the cut given, even, by parameters, one layer per stage, or as an
-    earlier pipeline or the checkpointed run cut it).
+    (N given, fixed or the checkpointed run's, and the cut given, even, by parameters, one
+    layer per stage, or as an earlier pipeline or the checkpointed run cut it).
 
     Example:
         >>> facts = RunFacts(ModelFacts("Net.layers", layers=6), rows=32)

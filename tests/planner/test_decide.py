@@ -461,3 +461,29 @@ def test_no_advice_where_it_is_not_asked_for_or_means_nothing():
     assert "advice" not in _said(_advised(passes, advise=False))
     facts = RunFacts(SEQ, rows=8, layer_passes={4: passes(4)}, fitting=False)
     assert decide(PipelineOptions(stages=2), facts).advice is None  # evaluation
+
+
+def test_a_resumed_run_keeps_the_microbatches_its_checkpoint_chose():
+    """An ``"auto"`` N chosen from timings (a flushing schedule's fastest replayed step) must
+    not move under a resume: a checkpoint of the same schedule and P gives its N back, said
+    so, and nothing is timed for it; another layout, or a batch too small for it, decides
+    afresh."""
+    rows = 8
+    passes = {rows // n: _passes(*[0.001 * (rows // n)] * 6) for n in (1, 2, 4, 8)}
+    saved = {"stages": 2, "balance": [3, 3], "schedule": "1f1b", "microbatches": 2}
+    options = PipelineOptions(stages=2, schedule="1f1b", balance="even")
+    fresh = decide(options, RunFacts(SEQ, rows=rows, layer_passes=passes))
+    assert fresh.microbatches == 8  # rows-bound layers: the finest split steps fastest
+    kept = RunFacts(SEQ, rows=rows, checkpointed=saved)
+    assert measurements_needed(options, kept) is None
+    plan = decide(options, kept)
+    assert plan.microbatches == 2
+    assert _said(plan)["microbatches"] == (
+        "N=2 (as the checkpointed run chose it, so that the resumed run trains as it did)"
+    )
+    for other in ({"stages": 4}, {"schedule": "gpipe"}, {"microbatches": 16}):
+        facts = RunFacts(SEQ, rows=rows, layer_passes=passes, checkpointed={**saved, **other})
+        assert decide(options, facts).microbatches == 8
+    # N given is the user's, whatever the checkpoint ran
+    given = PipelineOptions(stages=2, schedule="1f1b", balance="even", microbatches=4)
+    assert decide(given, kept).microbatches == 4
