@@ -180,15 +180,16 @@ def test_a_gpt2_cut_into_segments_compiles_with_inductor(inductor_in_process):
 def test_a_gpt2_the_user_compiled_trains_on_two_processes_as_one_device(tmp_path):
     """``model.model = torch.compile(model.model)`` as on one device, then
     ``Trainer(strategy="pipemare_gpipe", devices=2)``: each process compiles its stage
-    (inductor) and both end with the uncompiled one device's held-out loss."""
+    (inductor) and both end with the uncompiled one device's held-out loss. Two blocks, one a
+    stage: inductor's time grows with the graph it compiles, and the zoo's budget is short."""
     pytest.importorskip("transformers")
     from support.real_runs import two_process_workflow, val_loss
     from support.zoo import GPT2Module, data
 
     steps = 10
     args = ["--task", "gpt2", "--strategy", "pipemare_gpipe", "--no-dropout", "--compile"]
-    reports = two_process_workflow(tmp_path, *args, "--steps", str(steps))
-    plain = GPT2Module(dropout=False)
+    reports = two_process_workflow(tmp_path, *args, "--layers", "2", "--steps", str(steps))
+    plain = GPT2Module(dropout=False, layers=2)
     quiet_trainer("auto", max_steps=steps).fit(plain, data("causal", n=8 * steps))
     want = val_loss(plain, data("causal", n=64, seed=1))
     for report in reports:

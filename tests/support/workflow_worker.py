@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--no-dropout", action="store_true")
     parser.add_argument("--ckpt")
     parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--layers", type=int, default=4, help="gpt2: its blocks")
     parser.add_argument(
         "--then-default-steps",
         type=int,
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace, out: Path, strategy: str, steps: int, dropout:
     trainer = quiet_trainer(strategy, devices=2, max_steps=steps, use_distributed_sampler=False)
     report: dict = {}
     if args.task == "gpt2":
-        model = GPT2Module(dropout=dropout)
+        model = GPT2Module(dropout=dropout, layers=args.layers)
         if args.compile:
             model.model = torch.compile(model.model)
             # its C++ compiled in this process, not in a pool of compile workers that each

@@ -344,7 +344,7 @@ class GPT2Module(ZooModule):
     """GPT-2 from ``GPT2Config()``'s defaults with only its sizes shrunk; its dropout (0.1) stays
     on unless ``dropout=False``. Trained on the causal task."""
 
-    def __init__(self, dropout: bool = True, lr: float = 1e-2) -> None:
+    def __init__(self, dropout: bool = True, lr: float = 1e-2, layers: int = 4) -> None:
         pl.LightningModule.__init__(self)
         self.save_hyperparameters()
         import transformers
@@ -352,7 +352,7 @@ class GPT2Module(ZooModule):
         torch.manual_seed(0)
         off = {} if dropout else dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
         config = transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=4, n_head=4, **off
+            vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=layers, n_head=4, **off
         )
         self.kind, self.model, self.lr = "causal", transformers.GPT2LMHeadModel(config), lr
 
