@@ -238,6 +238,20 @@ def test_a_resume_with_an_automatic_balance_cuts_as_the_checkpointed_run(tmp_pat
     assert t.global_step == 8
 
 
+def test_a_resume_with_automatic_microbatches_runs_the_checkpointed_runs_n(tmp_path):
+    """1F1B's ``"auto"`` N is the fastest replayed step, a timing: a resume of the same
+    schedule and P runs the checkpoint's N instead, whatever the timing would pick now, says
+    so, and has no layout change to warn about."""
+    path = _saved(tmp_path, stages=2, schedule="1f1b", microbatches=3, balance=[3, 2])
+    t, notes = _resume(path, stages=2, schedule="1f1b", balance=[3, 2])
+    assert t.strategy.microbatches == 3 and not notes and t.global_step == 8
+    said = {d.subject: d.reason for d in t.strategy.settings.decisions}
+    assert (
+        said["microbatches"]
+        == "as the checkpointed run chose it, so that the resumed run trains as it did"
+    )
+
+
 def test_a_resume_into_another_layout_says_what_carries_over_and_what_is_reset(tmp_path):
     path = _saved(tmp_path, stages=4, microbatches=2, balance=[2, 1, 1, 1])
     t, notes = _resume(path, stages=3, microbatches=4, balance=[2, 2, 1], schedule="async")
