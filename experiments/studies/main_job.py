@@ -279,6 +279,7 @@ def answer_lines(results: dict[str, Any]) -> list[str]:
     """The verdict in a user's words: per task and P, pipemare's quality at equal steps against
     1F1B's and its time to 1F1B's quality as a ratio of 1F1B's, with async and gpipe beside."""
     lines = []
+    rounds = results.get("step_rounds") or {}
     for name, task in results["tasks"].items():
         higher = task["higher_is_better"]
         costs = task.get("cost_per_row") or {}
@@ -297,7 +298,6 @@ def answer_lines(results: dict[str, Any]) -> list[str]:
             asy = series["async"][1]
             spread = 100 * pm["spread"] / (1 if higher else base["final"])
             unit = " points" if higher else "%"
-            rounds = results.get("step_rounds") or {}
             mine = round_ratios(
                 rounds, f"{name}-pipemare-P{p}-N{n_pm}", f"{name}-1f1b-P{p}-N{n_base}"
             )
