@@ -315,6 +315,9 @@ class ModuleAdapter:
             layer_trained=tuple(
                 sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in seq
             ),
+            layer_tensors=tuple(
+                sum(1 for p in layer.parameters() if p.requires_grad) for layer in seq
+            ),
             halved=self.halved,
             # the user's module, not the cut: a traced one's segments hold plain modules in
             # BatchNorm's place, and the run would take its N from timing where N = 1 keeps

@@ -123,6 +123,8 @@ class ModelFacts:
         layer_params: parameters of each layer, for ``balance="params"``.
         layer_trained: the parameters of each layer that train (``requires_grad``): what a
             stage's update works on.
+        layer_tensors: the tensors of each layer that train: what a stage's update is
+            dispatched over (empty: not known, and charged as one a stage).
         batch_statistics: it normalises over its batch (BatchNorm), so microbatches change
             what it computes (read from the user's module, not the cut: a traced model's
             segments hold plain modules where its BatchNorms were).
@@ -141,6 +143,7 @@ class ModelFacts:
     user_compiled: str | None = None
     layer_params: tuple[int, ...] = ()
     layer_trained: tuple[int, ...] = ()
+    layer_tensors: tuple[int, ...] = ()
     batch_statistics: bool = False
     gradient_checkpointing: bool = False
     halved: str = ""
@@ -171,11 +174,12 @@ class RunFacts:
         previous: ``(stages, microbatches, balance)`` of this run's earlier pipeline (a rebuild
             after fit, for test, runs the same layout); None at the first build.
         overheads: per schedule, the engine's own seconds per forward, backward and update
-            action whatever the layers, and per trained parameter in an update and in a
-            delayed stage's forward (:func:`~pipemare.planner.engine_overhead`): a replay adds
-            the fixed seconds to each stage's layers and charges the rates times the
-            parameters the stage trains (:attr:`ModelFacts.layer_trained`); a schedule
-            without one replays the layers alone.
+            action whatever the layers, per trained parameter in an update and in a delayed
+            stage's forward, and per trained tensor in an update
+            (:func:`~pipemare.planner.engine_overhead`): a replay adds the fixed seconds to
+            each stage's layers and charges the rates times the parameters and tensors the
+            stage trains (:attr:`ModelFacts.layer_trained`, :attr:`ModelFacts.layer_tensors`);
+            a schedule without one replays the layers alone.
         built: the model was built on the meta device and each process made only its own
             stage real at setup (:class:`LeanBuild`): the cut was taken then, and no process
             holds every layer to time.
@@ -540,15 +544,16 @@ def _replayed_steps(
     options cut them, each stage's forward and backward the sums of its layers' measured at
     that N's microbatch plus the engine's own seconds per action
     (:attr:`RunFacts.overheads`), its update the engine's fixed cost plus its rate per
-    parameter times the parameters the stage trains (the optimiser's and the corrections'
-    arithmetic: once a step whatever N; an asynchronous schedule's last stage, which has no
-    delay, at its own rate), and a delayed stage's forward (every stage but an asynchronous
-    schedule's last) the forward's rate per parameter on top (weight prediction: once a
-    microbatch). Where
-    :attr:`RunFacts.links` are known, each microbatch's activations and gradients cross them
-    (the bytes of the last layer before each cut); otherwise communication is free."""
+    parameter times the parameters the stage trains and its rate per tensor times the tensors
+    (the optimiser's and the corrections' arithmetic and dispatch: once a step whatever N; an
+    asynchronous schedule's last stage, which has no delay, at its own rates), and a delayed
+    stage's forward (every stage but an asynchronous schedule's last) the forward's rate per
+    parameter on top (weight prediction: once a microbatch). Where :attr:`RunFacts.links`
+    are known, each microbatch's activations and gradients cross them (the bytes of the last
+    layer before each cut); otherwise communication is free."""
     overhead = facts.overheads.get(schedule, Overhead(0.0, 0.0, 0.0))
     trained = facts.model.layer_trained
+    tensors = facts.model.layer_tensors
     # the last stage of an asynchronous schedule runs without delay: nothing to predict
     delayed = stages if spec(schedule).flushes else stages - 1
     replayed = {}
@@ -559,7 +564,9 @@ def _replayed_steps(
         bounds = [0, *itertools.accumulate(cut)]
         durations = []
         for i, (a, b) in enumerate(itertools.pairwise(bounds)):
-            forward, backward, update = overhead.charge(sum(trained[a:b]), i < delayed)
+            forward, backward, update = overhead.charge(
+                sum(trained[a:b]), i < delayed, sum(tensors[a:b]) if tensors else 1
+            )
             stage = passes[a:b]
             durations.append(
                 (forward + sum(f for f, _ in stage), backward + sum(b_ for _, b_ in stage), update)

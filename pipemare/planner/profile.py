@@ -23,8 +23,10 @@ from pipemare.planner.measurements import (
 )
 from pipemare.planner.saved_bytes import _Bytes, _bytes_pass, _rows, _sum_loss
 from pipemare.planner.timing import (
+    TENSORS_PER_LAYER,
     _calibrate,
     _calibrate_dense,
+    _calibrate_tensors,
     _empty,
     _extend,
     _median,
@@ -181,37 +183,45 @@ def engine_overhead(
     replay of the layers' own passes would otherwise miss both: a stage's update is the
     optimiser's and the corrections' arithmetic over its weights, milliseconds for a few
     million parameters on a CPU thread, and pipemare moves every weight of a delayed stage
-    twice around each forward.
+    twice around each forward. It also times the trivial pipeline with many scalar weights a
+    layer: what an update adds per tensor beyond the first (the optimiser's and the
+    corrections' work per tensor, whatever its size), which a stage of many small tensors pays
+    more of than of its parameters.
 
     Example:
         >>> fixed = engine_overhead("1f1b", per_param=True)
         >>> fixed.forward_s > 0 and fixed.update_s > 0 and fixed.update_per_param_s > 0
         True
         >>> predicted = engine_overhead("pipemare", torch.optim.AdamW, per_param=True)
-        >>> predicted.forward_per_param_s > 0
+        >>> predicted.forward_per_param_s > 0 and predicted.update_per_tensor_s > 0
         True
     """
     spec(schedule)
     training = _Training(_sum_loss, optimizer, schedule, config, repeats)
-    delayed = _empty()
+    delayed, undelayed = _empty(), _empty()
     device = torch.device(device)
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
         for name, samples in _calibrate(training, device, hooked=False):
-            if name == "delayed":
-                _extend(delayed, samples)
+            _extend(delayed if name == "delayed" else undelayed, samples)
         fixed = _medians(delayed)
         if not per_param:
             return Overhead(*fixed)
+        many, last_many = _calibrate_tensors(training, device)
         width = dense_width(stage_params)
         forward, update, last_update, params = _calibrate_dense(training, device, width)
+    per_tensor = max(many - fixed[2], 0.0) / (TENSORS_PER_LAYER - 1)
+    last_per_tensor = max(last_many - _median(undelayed[2]), 0.0) / (TENSORS_PER_LAYER - 1)
     flushing = spec(schedule).flushes  # every stage updates alike
+    # the dense stand-in trains two tensors (weight, bias): one beyond the scalar layer's
     return Overhead(
         *fixed,
-        update_per_param_s=max(update - fixed[2], 0.0) / params,
+        update_per_param_s=max(update - fixed[2] - per_tensor, 0.0) / params,
         forward_per_param_s=max(forward - fixed[0], 0.0) / params,
         undelayed_update_per_param_s=None
         if flushing
-        else max(last_update - fixed[2], 0.0) / params,
+        else max(last_update - fixed[2] - last_per_tensor, 0.0) / params,
+        update_per_tensor_s=per_tensor,
+        undelayed_update_per_tensor_s=None if flushing else last_per_tensor,
     )
 
 

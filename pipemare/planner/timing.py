@@ -286,6 +286,41 @@ class _Scalar(nn.Module):
         return x * self.weight
 
 
+class _Scalars(nn.Module):
+    """A trivial layer of ``count`` weights, one scalar each: what a stage's update costs per
+    tensor it trains, beside :class:`_Scalar`'s one."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.weights = nn.ParameterList(nn.Parameter(torch.ones(1)) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for weight in self.weights:
+            x = x * weight
+        return x
+
+
+#: weights a layer of :func:`_calibrate_tensors` holds
+TENSORS_PER_LAYER = 16
+
+
+def _calibrate_tensors(
+    training: _Training, device: torch.device, count: int = TENSORS_PER_LAYER
+) -> tuple[float, float]:
+    """A pipeline of :class:`_Scalars` layers, one a stage, timed as :func:`_calibrate` times
+    its :class:`_Scalar` ones: the median update seconds of its middle (delayed) stages and of
+    its last (no delay), each stage training ``count`` tensors of one element."""
+    model = nn.Sequential(*[_Scalars(count) for _ in range(5)]).to(device)
+    x = torch.ones(1, 1, device=device)
+    times, _ = _time_engine(
+        model, (x, torch.zeros(1, device=device)), _calibration_training(training), [1] * 5
+    )
+    delayed = _empty()
+    for stage in times[1:4]:
+        _extend(delayed, stage)
+    return _median(delayed[2]), _median(times[4][2])
+
+
 def _calibration_training(training: _Training) -> _Training:
     """How the calibration pipelines train: ``training``'s optimiser, schedule and corrections,
     a plain sum for the loss, no forward context, at least ten timed steps."""

@@ -348,6 +348,54 @@ def test_the_replay_charges_each_stage_update_and_delayed_forward_by_the_paramet
     assert plain is not None and plain.step_s < advice.step_s
 
 
+def test_the_replay_charges_each_stage_update_by_the_tensors_it_trains():
+    """An update is dispatched over each trained tensor (the optimiser's and the corrections'
+    work per tensor, whatever its size): the replay charges the measured rate per tensor
+    beyond a stage's first, the last stage of an asynchronous schedule at its own rate, and a
+    stage of the same parameters in more tensors replays a longer step."""
+    overheads = {
+        "pipemare": Overhead(0.001, 0.001, 0.002, 0.0, 0.0, 0.0, 4e-4, 1e-4),
+        "1f1b": Overhead(0.001, 0.001, 0.002, update_per_tensor_s=3e-4),
+    }
+    few = dataclasses.replace(SEQ, layer_trained=(10,) * 6, layer_tensors=(2,) * 6)
+    many = dataclasses.replace(few, layer_tensors=(2, 2, 2, 12, 12, 12))
+
+    def advised(model):
+        facts = RunFacts(
+            model,
+            rows=8,
+            layer_passes={rows: _passes(*[0.001 * rows] * 6) for rows in (1, 2, 4, 8)},
+            optimizer=_adamw(),
+            overheads=overheads,
+        )
+        advice = decide(PipelineOptions(stages=2, balance="even"), facts).advice
+        assert advice is not None
+        return advice
+
+    def replay(schedule, n, tensors):
+        o = overheads[schedule]
+        stage = (0.001 * (8 // n), 2 * 0.001 * (8 // n))
+        rates = [o.update_per_tensor_s, o.undelayed_update_per_tensor_s or o.update_per_tensor_s]
+        if schedule == "1f1b":
+            rates = [o.update_per_tensor_s] * 2
+        durations = [
+            (o.forward_s + stage[0], o.backward_s + stage[1], o.update_s + rate * (count - 1))
+            for rate, count in zip(rates, tensors, strict=True)
+        ]
+        return replayed_step_time(schedule, durations, n)
+
+    for model, tensors in ((few, (6, 6)), (many, (6, 36))):
+        advice = advised(model)
+        assert advice.step_s == pytest.approx(replay("pipemare", 2, tensors))
+        assert dict(advice.baseline_by_n) == pytest.approx(
+            {n: replay("1f1b", n, tensors) for n in (1, 2, 4, 8)}
+        )
+    assert advised(many).step_s > advised(few).step_s
+    # the tensors unknown: one a stage, no rate charged
+    unknown = advised(dataclasses.replace(few, layer_tensors=()))
+    assert unknown.step_s == pytest.approx(replay("pipemare", 2, (1, 1)))
+
+
 def test_a_layout_the_references_did_not_measure_is_said_to_be_not_measured():
     """AdamW's family at an N no reference task ran: where the family was measured is said."""
     passes = lambda rows: _passes(*[0.001 * rows] * 6)  # noqa: E731

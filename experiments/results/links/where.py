@@ -74,6 +74,7 @@ def _keep_setup(decide):
             passes=facts.layer_passes,
             overheads=dict(facts.overheads),
             trained=facts.model.layer_trained,
+            tensors=facts.model.layer_tensors,
             cut=list(plan.balance),
             n=plan.microbatches,
             rows=facts.rows,
@@ -129,9 +130,10 @@ def _figures(
     layers = _SETUP["passes"][-(-rows // n)][bounds[rank] : bounds[rank + 1]]
     overhead = _SETUP["overheads"].get(schedule, Overhead(0.0, 0.0, 0.0))
     trained = sum(_SETUP["trained"][bounds[rank] : bounds[rank + 1]])
+    tensors = sum(_SETUP["tensors"][bounds[rank] : bounds[rank + 1]]) or 1
     # as the replay charges it: an asynchronous schedule's last stage predicts nothing
     forward, backward, update = overhead.charge(
-        trained, spec(schedule).flushes or rank < len(cut) - 1
+        trained, spec(schedule).flushes or rank < len(cut) - 1, tensors
     )
     charged = {
         "F": forward + sum(f for f, _ in layers),
