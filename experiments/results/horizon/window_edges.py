@@ -31,8 +31,8 @@ from typing import Any
 OUT = Path(__file__).resolve().parent / "window_edges.json"
 
 
-def measure(task_name: str, p: int, steps: int, warm: int, repeats: int) -> dict[str, Any]:
-
+def _measure(task_name: str, p: int, steps: int, warm: int, repeats: int) -> dict[str, Any]:
+    """Both readings of ``repeats`` windows of every configuration at ``p`` (see above)."""
     from pipemare.engine.telemetry import replay_timeline
     from pipemare.experiments.studies.protocol import TASKS, _pipeline, _timed_model, timed_window
     from pipemare.experiments.studies.user_protocol import one_f_one_b_ns
@@ -82,7 +82,7 @@ def main() -> None:
         "start": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     for p in args.stages:
-        found[f"P{p}"] = result = measure(args.task, p, args.steps, args.warm, args.repeats)
+        found[f"P{p}"] = result = _measure(args.task, p, args.steps, args.warm, args.repeats)
         for key, v in result["windows"].items():
             edges, steady = statistics.median(v["edges"]), statistics.median(v["steady"])
             print(
