@@ -1,0 +1,78 @@
+"""Where a forward action of the two-process run goes beyond its layers (issue 62).
+
+``where.py`` found each forward of the dispatch-bound GPT's two-process run 1.1-1.5 ms longer
+than setup charges it. This runs ``where.py`` as it is (same arguments) with two clocks added
+in every process, on the run's own forwards from microbatch 20 on (step 10 at N = 2; the
+calibration pipelines at setup are left out): around the stage's forward
+(:meth:`pipemare.engine.stage.Stage.forward`: its layers, weight prediction, the versions kept,
+the random state) and around its segments' calls alone. Rank 0 writes the medians to
+``--parts`` (default ``forward_parts.txt`` in the working directory). Against ``where.py``'s
+``F`` (the executor's whole action, which also takes the microbatch, runs the input function
+and sends the output), the difference says what sits outside the stage's forward. Run alone::
+
+    python experiments/results/links/forward_parts.py 64 4 32 pipemare --out /tmp/where.jsonl
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pipemare.engine.stage as stage_module
+from pipemare.model.segments import Segment
+
+WHERE = Path(__file__).resolve().with_name("where.py")
+_times: dict[str, list[float]] = {"stage forward": [], "its segments' calls": []}
+_inside = [0.0]
+_stage_forward = stage_module.Stage.forward
+_segment_forward = Segment.forward
+
+
+def _timed_segment(self: Segment, values: Any) -> Any:
+    start = time.perf_counter()
+    try:
+        return _segment_forward(self, values)
+    finally:
+        _inside[0] += time.perf_counter() - start
+
+
+def _timed_stage(self: Any, microbatch: int, *args: Any, **kwargs: Any) -> Any:
+    run = len(self.module) > 0 and isinstance(self.module[0], Segment)
+    if not (run and microbatch >= 20 and kwargs.get("grad", True)):
+        return _stage_forward(self, microbatch, *args, **kwargs)
+    _inside[0] = 0.0
+    start = time.perf_counter()
+    out = _stage_forward(self, microbatch, *args, **kwargs)
+    _times["stage forward"].append(time.perf_counter() - start)
+    _times["its segments' calls"].append(_inside[0])
+    return out
+
+
+def _write(path: Path) -> None:
+    if os.environ.get("LOCAL_RANK", "0") != "0" or not _times["stage forward"]:
+        return
+    lines = [
+        f"rank 0, {name}: median {1000 * statistics.median(values):.3f} ms over {len(values)}"
+        for name, values in _times.items()
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines), flush=True)
+
+
+if __name__ == "__main__":
+    parts = Path("forward_parts.txt")
+    if "--parts" in sys.argv:
+        at = sys.argv.index("--parts")
+        parts = Path(sys.argv[at + 1])
+        del sys.argv[at : at + 2]
+    stage_module.Stage.forward = _timed_stage  # type: ignore[method-assign]
+    Segment.forward = _timed_segment  # type: ignore[method-assign]
+    atexit.register(_write, parts)
+    sys.argv = [str(WHERE), *sys.argv[1:]]
+    runpy.run_path(str(WHERE), run_name="__main__")
