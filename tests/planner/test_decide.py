@@ -295,6 +295,18 @@ def test_the_advice_counts_the_engines_cost_per_action_and_can_favour_1f1b():
     )
 
 
+def _rows_facts(model: ModelFacts, overheads: dict[str, Overhead]) -> RunFacts:
+    """A batch of 8 whose six layers each take a millisecond per row (forward a third),
+    timed at every N, with AdamW and the engine costs ``overheads``."""
+    return RunFacts(
+        model,
+        rows=8,
+        layer_passes={rows: _passes(*[0.001 * rows] * 6) for rows in (1, 2, 4, 8)},
+        optimizer=_adamw(),
+        overheads=overheads,
+    )
+
+
 def test_the_replay_charges_each_stage_update_and_delayed_forward_by_the_parameters_it_trains():
     """A stage's update is the optimiser's and the corrections' arithmetic over the weights it
     trains, and a delayed stage's forward moves them (weight prediction): the replay adds the
@@ -308,13 +320,7 @@ def test_the_replay_charges_each_stage_update_and_delayed_forward_by_the_paramet
         "pipemare": Overhead(0.001, 0.001, 0.002, 1e-5, 3e-6, undelayed_update_per_param_s=6e-6),
         "1f1b": Overhead(0.001, 0.001, 0.002, update_per_param_s=4e-6, forward_per_param_s=1e-6),
     }
-    facts = RunFacts(
-        frozen_head,
-        rows=8,
-        layer_passes={rows: _passes(*[0.001 * rows] * 6) for rows in (1, 2, 4, 8)},
-        optimizer=_adamw(),
-        overheads=overheads,
-    )
+    facts = _rows_facts(frozen_head, overheads)
     advice = decide(PipelineOptions(stages=2, balance="even"), facts).advice
     assert advice is not None
     stage = lambda rows: (3 * 0.001 * rows / 3, 3 * 2 * 0.001 * rows / 3)  # noqa: E731
@@ -361,14 +367,9 @@ def test_the_replay_charges_each_stage_update_by_the_tensors_it_trains():
     many = dataclasses.replace(few, layer_tensors=(2, 2, 2, 12, 12, 12))
 
     def advised(model):
-        facts = RunFacts(
-            model,
-            rows=8,
-            layer_passes={rows: _passes(*[0.001 * rows] * 6) for rows in (1, 2, 4, 8)},
-            optimizer=_adamw(),
-            overheads=overheads,
-        )
-        advice = decide(PipelineOptions(stages=2, balance="even"), facts).advice
+        advice = decide(
+            PipelineOptions(stages=2, balance="even"), _rows_facts(model, overheads)
+        ).advice
         assert advice is not None
         return advice
 
