@@ -110,12 +110,14 @@ class Overhead:
             >>> Overhead(1.0, 2.0, 3.0, update_per_tensor_s=0.5).charge(0, True, tensors=3)
             (1.0, 2.0, 4.0)
         """
-        late = delayed or self.undelayed_update_per_param_s is None
-        rate = self.update_per_param_s if late else self.undelayed_update_per_param_s
-        late = delayed or self.undelayed_update_per_tensor_s is None
-        per_tensor = self.update_per_tensor_s if late else self.undelayed_update_per_tensor_s
+
+        def rate(shared: float, undelayed: float | None) -> float:
+            return shared if delayed or undelayed is None else undelayed
+
+        per_param = rate(self.update_per_param_s, self.undelayed_update_per_param_s)
+        per_tensor = rate(self.update_per_tensor_s, self.undelayed_update_per_tensor_s)
         forward = self.forward_per_param_s * trained if delayed else 0.0
-        update = self.update_s + (rate or 0.0) * trained + (per_tensor or 0.0) * max(tensors - 1, 0)
+        update = self.update_s + per_param * trained + per_tensor * max(tensors - 1, 0)
         return self.forward_s + forward, self.backward_s, update
 
 

@@ -26,7 +26,6 @@ from pipemare.planner.timing import (
     TENSORS_PER_LAYER,
     _calibrate,
     _calibrate_dense,
-    _calibrate_tensors,
     _empty,
     _extend,
     _median,
@@ -198,19 +197,22 @@ def engine_overhead(
     """
     spec(schedule)
     training = _Training(_sum_loss, optimizer, schedule, config, repeats)
-    delayed, undelayed = _empty(), _empty()
     device = torch.device(device)
     with torch.inference_mode(False), torch.enable_grad(), torch.random.fork_rng(devices=[]):
-        for name, samples in _calibrate(training, device, hooked=False):
-            _extend(delayed if name == "delayed" else undelayed, samples)
+        delayed, undelayed = _pooled(_calibrate(training, device, hooked=False))
         fixed = _medians(delayed)
         if not per_param:
             return Overhead(*fixed)
-        many, last_many = _calibrate_tensors(training, device)
+        many, last_many = _pooled(
+            _calibrate(training, device, hooked=False, weights=TENSORS_PER_LAYER)
+        )
         width = dense_width(stage_params)
         forward, update, last_update, params = _calibrate_dense(training, device, width)
-    per_tensor = max(many - fixed[2], 0.0) / (TENSORS_PER_LAYER - 1)
-    last_per_tensor = max(last_many - _median(undelayed[2]), 0.0) / (TENSORS_PER_LAYER - 1)
+    # each update beyond the one-weight stage's, per weight beyond its one
+    per_tensor, last_per_tensor = (
+        max(_median(more[2]) - _median(one[2]), 0.0) / (TENSORS_PER_LAYER - 1)
+        for more, one in ((many, delayed), (last_many, undelayed))
+    )
     flushing = spec(schedule).flushes  # every stage updates alike
     # the dense stand-in trains two tensors (weight, bias): one beyond the scalar layer's
     return Overhead(
@@ -223,6 +225,14 @@ def engine_overhead(
         update_per_tensor_s=per_tensor,
         undelayed_update_per_tensor_s=None if flushing else last_per_tensor,
     )
+
+
+def _pooled(runs: list[tuple[str, _Samples]]) -> tuple[_Samples, _Samples]:
+    """:func:`_calibrate`'s samples pooled: its delayed stages', and its last stage's."""
+    delayed, undelayed = _empty(), _empty()
+    for name, samples in runs:
+        _extend(delayed if name == "delayed" else undelayed, samples)
+    return delayed, undelayed
 
 
 def _share(total: float, weights: Sequence[float]) -> list[float]:

@@ -300,25 +300,8 @@ class _Scalars(nn.Module):
         return x
 
 
-#: weights a layer of :func:`_calibrate_tensors` holds
+#: weights a layer of the per-tensor calibration holds (:func:`_calibrate`'s ``weights``)
 TENSORS_PER_LAYER = 16
-
-
-def _calibrate_tensors(
-    training: _Training, device: torch.device, count: int = TENSORS_PER_LAYER
-) -> tuple[float, float]:
-    """A pipeline of :class:`_Scalars` layers, one a stage, timed as :func:`_calibrate` times
-    its :class:`_Scalar` ones: the median update seconds of its middle (delayed) stages and of
-    its last (no delay), each stage training ``count`` tensors of one element."""
-    model = nn.Sequential(*[_Scalars(count) for _ in range(5)]).to(device)
-    x = torch.ones(1, 1, device=device)
-    times, _ = _time_engine(
-        model, (x, torch.zeros(1, device=device)), _calibration_training(training), [1] * 5
-    )
-    delayed = _empty()
-    for stage in times[1:4]:
-        _extend(delayed, stage)
-    return _median(delayed[2]), _median(times[4][2])
 
 
 def _calibration_training(training: _Training) -> _Training:
@@ -375,13 +358,16 @@ def _calibrate_dense(
 
 
 def _calibrate(
-    training: _Training, device: torch.device, hooked: bool = True
+    training: _Training, device: torch.device, hooked: bool = True, weights: int = 1
 ) -> list[tuple[str, _Samples]]:
     """The engine's fixed seconds per action: a pipeline of trivial layers, whose middle
     stages (delayed) and last stage (no delay; it hands the loss over) do next to nothing;
     and, with ``hooked``, the middle stages again with :class:`_LayerClock`'s hooks on (a
-    second pipeline run, which only a profile of the layers needs)."""
-    model = nn.Sequential(*[_Scalar() for _ in range(5)]).to(device)
+    second pipeline run, which only a profile of the layers needs). With ``weights`` > 1
+    each layer holds that many scalar weights (:class:`_Scalars`): what an action adds per
+    tensor it trains."""
+    layers = [_Scalar() if weights == 1 else _Scalars(weights) for _ in range(5)]
+    model = nn.Sequential(*layers).to(device)
     x = torch.ones(1, 1, device=device)
     batch = (x, torch.zeros(1, device=device))
     trivial = _calibration_training(training)
