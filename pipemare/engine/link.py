@@ -13,6 +13,7 @@ over a slow link on one machine.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import re
 import time
 from collections.abc import Sequence
@@ -34,16 +35,26 @@ _SPEC = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A link's latency (seconds) and bandwidth (bytes per second)."""
+    """A link's latency (seconds) and bandwidth (bytes per second), and what each message
+    costs the two processes' own threads beside the wire: ``send_s`` the sender's (posting
+    the message, its header, keeping it until delivered) and ``recv_s`` the receiver's
+    (taking it, posting the receive for a later one); 0 where not measured."""
 
     latency_s: float
     bandwidth: float
+    send_s: float = 0.0
+    recv_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.latency_s >= 0 and self.bandwidth > 0):
             raise ValueError(
                 f"a link needs a latency of at least 0 s and a positive bandwidth, got "
                 f"{self.latency_s} s and {self.bandwidth} bytes/s"
+            )
+        if not (self.send_s >= 0 and self.recv_s >= 0):
+            raise ValueError(
+                f"a message's seconds of CPU cannot be negative, got {self.send_s} s to send "
+                f"and {self.recv_s} s to receive"
             )
 
     def transfer_s(self, nbytes: float) -> float:
@@ -61,7 +72,7 @@ class Link:
 
         Example:
             >>> Link.parse("1Gb/s@1ms")
-            Link(latency_s=0.001, bandwidth=125000000.0)
+            Link(latency_s=0.001, bandwidth=125000000.0, send_s=0.0, recv_s=0.0)
             >>> print(Link.parse("10Gbps, 20us"))
             10 Gb/s at 20 µs
         """
@@ -85,8 +96,15 @@ class Link:
             ("", 1.0),
         )
         if self.latency_s >= 1e-3:
-            return f"{bits / scale:.3g} {unit}b/s at {self.latency_s * 1e3:.3g} ms"
-        return f"{bits / scale:.3g} {unit}b/s at {self.latency_s * 1e6:.3g} µs"
+            shown = f"{bits / scale:.3g} {unit}b/s at {self.latency_s * 1e3:.3g} ms"
+        else:
+            shown = f"{bits / scale:.3g} {unit}b/s at {self.latency_s * 1e6:.3g} µs"
+        if self.send_s or self.recv_s:
+            shown += (
+                f" (a message's CPU: {self.send_s * 1e3:.2g} ms to send, "
+                f"{self.recv_s * 1e3:.2g} ms to receive)"
+            )
+        return shown
 
 
 class LinkClock:
@@ -116,6 +134,11 @@ class Links:
     direction of each link delivers its messages in the order they were sent, one at a time.
     Ask in the order the messages are sent.
 
+    A stage's action also pays its messages' own CPU (:attr:`Link.send_s`,
+    :attr:`Link.recv_s`): a forward takes its input from the stage before and sends its
+    output on, a backward takes its output's gradient from the stage after and sends its
+    input's back (:meth:`cpu_s`).
+
     Example:
         >>> links = Links([Link(0.001, 1e6)], [1000])  # 1 ms, 1 MB/s: 1 ms per message
         >>> links.arrival(0, forward=True, sent=0.0), links.arrival(0, forward=True, sent=0.0)
@@ -129,6 +152,25 @@ class Links:
             )
         self.links, self.message_bytes = list(links), list(message_bytes)
         self._free: dict[tuple[int, bool], float] = {}
+
+    def cpu_s(self, stage: int, name: str) -> float:
+        """Seconds of its own CPU ``stage`` spends on the messages of one forward (``"F"``) or
+        backward (``"B"``): what it takes in and what it sends on; 0 for any other action.
+
+        Example:
+            >>> links = Links([Link(0.0, 1e9, send_s=0.3, recv_s=0.2)] * 2, [8, 8])
+            >>> [links.cpu_s(stage, "F") for stage in range(3)]
+            [0.3, 0.5, 0.2]
+            >>> [links.cpu_s(stage, "B") for stage in range(3)], links.cpu_s(1, "U")
+            ([0.2, 0.5, 0.3], 0.0)
+        """
+        if name not in ("F", "B"):
+            return 0.0
+        before = self.links[stage - 1] if stage > 0 else None
+        after = self.links[stage] if stage < len(self.links) else None
+        # a forward comes in from before and goes on after; a backward the other way
+        taken, sent = (before, after) if name == "F" else (after, before)
+        return (taken.recv_s if taken else 0.0) + (sent.send_s if sent else 0.0)
 
     def arrival(self, edge: int, forward: bool, sent: float) -> float:
         """When the message stage ``edge`` (forward) or ``edge + 1`` (back) sent at ``sent``
@@ -169,36 +211,63 @@ def measure_links(
     repeats: int = 7,
     group: Any = None,
     device: torch.device | str = "cpu",
+    messages: bool = True,
 ) -> list[Link]:
     """Every link of the pipeline whose stage ``i`` runs on rank ``stage_ranks[i]``: the
     latency from the round trip of a tiny message, the bandwidth from the round trip of
     ``nbytes[i]`` (the run's activation across link ``i``), each the fastest of ``repeats``
     trips (a pause on a busy machine can only lengthen a trip). Where the large message's trip
     is no longer than the tiny one's, the bandwidth is taken as carrying it in a microsecond.
+    With ``messages``, also what a message of ``nbytes[i]`` costs each side's own thread
+    through the engine's transport (:func:`~pipemare.engine.p2p.message_cpu`: the median of
+    15 one way, stage ``i`` sending): :attr:`Link.send_s` and :attr:`Link.recv_s`.
     Every rank of the group calls it alike; each link is measured by its two ranks
     while the others wait (links one apart in turn, so no rank serves two at once), and the
     result is shared with every rank. ``device``: this process's, whose tensors the backend
     carries (CUDA for NCCL).
     """
-    rank = dist.get_rank()
-    found: dict[int, tuple[float, float]] = {}
+    from pipemare.engine.p2p import message_cpu  # the transport's module imports this one
+    from pipemare.engine.watchdog import Watchdog, this_process
+
+    rank, device = dist.get_rank(), torch.device(device)
+    probe: tuple[Any, Any, Any] | None = None
+    watchdog = None
+    if messages:  # the transport's three groups a channel, and a watchdog naming the peer
+        backend = dist.get_backend(group)
+        probe = (
+            dist.new_group(backend=backend),
+            dist.new_group(backend=backend),
+            dist.new_group(backend=backend),
+        )
+        peers: list[Any] = [None] * dist.get_world_size()
+        me = stage_ranks.index(rank) if rank in stage_ranks else -1
+        dist.all_gather_object(peers, this_process(rank, me))
+        watchdog = Watchdog(peers, peers[rank], datetime.timedelta(seconds=300))
+    found: dict[int, dict[str, float]] = {}
     for parity in (0, 1):
         for i in range(parity, len(stage_ranks) - 1, 2):
             a, b = stage_ranks[i], stage_ranks[i + 1]
             if rank not in (a, b):
                 continue
             peer, first = (b if rank == a else a), rank == a
-            small = min(_round_trips(peer, 4, first, repeats, group, torch.device(device)))
-            big = min(_round_trips(peer, nbytes[i], first, repeats, group, torch.device(device)))
-            found[i] = (small, big)
+            small = min(_round_trips(peer, 4, first, repeats, group, device))
+            big = min(_round_trips(peer, nbytes[i], first, repeats, group, device))
+            found[i] = {"small": small, "big": big}
+            if probe is not None and watchdog is not None:
+                side = "send" if first else "recv"
+                found[i][side] = message_cpu(peer, first, nbytes[i], probe, watchdog, device=device)
         dist.barrier(group=group)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, found, group=group)
-    trips = {i: t for part in gathered for i, t in part.items()}
+    seen: dict[int, dict[str, float]] = {}
+    for part in gathered:
+        for i, figures in part.items():
+            seen.setdefault(i, {}).update(figures)
     links = []
     for i in range(len(stage_ranks) - 1):
-        small, big = trips[i]
+        small, big = seen[i]["small"], seen[i]["big"]
         latency = small / 2
         spent = max(big / 2 - latency, 1e-6)
-        links.append(Link(latency, max(nbytes[i], 4) / spent))
+        cpu = {"send_s": seen[i].get("send", 0.0), "recv_s": seen[i].get("recv", 0.0)}
+        links.append(Link(latency, max(nbytes[i], 4) / spent, **cpu))
     return links

@@ -17,7 +17,7 @@ from pipemare.engine.link import LinkClock
 from pipemare.engine.payload import tensors
 from pipemare.engine.watchdog import Watchdog, posting
 
-__all__ = ["Inbox", "Outbox", "SendsInFlight"]
+__all__ = ["Inbox", "Outbox", "SendsInFlight", "message_cpu"]
 
 _SPARE = 2  # receive buffers kept per shape beyond the ``depth`` posted ones
 
@@ -74,7 +74,12 @@ class Inbox:
                         slot.works.append(dist.irecv(t, src=self.peer, group=payload_group))
         self._slots.append(slot)
 
-    def take(self, src: int, dst: int, channel: str, microbatch: int) -> Any:
+    def take(
+        self, src: int, dst: int, channel: str, microbatch: int, post_next: bool = True
+    ) -> Any:
+        """The next message, which must be ``microbatch``'s; then (``post_next``) a receive is
+        posted for a later one in its shapes. Without it the stream's last messages leave no
+        receive posted behind them."""
         slot = self._slots.popleft()
         what = f"{channel} of microbatch {microbatch}"
         for work in slot.works:
@@ -100,7 +105,8 @@ class Inbox:
                 ]
             for work in works:
                 self.watchdog.wait(work, self.peer, what)
-        self.post(signature)
+        if post_next:
+            self.post(signature)
         self._lent[microbatch] = (signature, buffers)
         return buffers[0] if header[1] < 0 else tuple(buffers)
 
@@ -224,3 +230,43 @@ class Outbox:
             ]
             out += [(dist.isend(t, dst=self.peer, group=group), t) for t in parts]
         self.in_flight.add(out, what)
+
+
+def message_cpu(
+    peer: int,
+    sender: bool,
+    nbytes: int,
+    groups: tuple[Any, Any, Any],
+    watchdog: Watchdog,
+    repeats: int = 15,
+    depth: int = 2,
+    device: torch.device | str = "cpu",
+) -> float:
+    """Seconds of this thread's CPU one message of ``nbytes`` costs this side, through the
+    engine's own :class:`Outbox` (``sender``) or :class:`Inbox` (the receive posted ahead, the
+    take, the release): the median of ``repeats``, after as many as fill the receives posted
+    ``depth`` ahead. Thread time, so a wait for the peer or for the bytes costs nothing, as a
+    replay that charges the link apart wants. ``peer`` calls it alike with the other role on
+    the same ``groups`` (three, as the transport's channels have)."""
+    device = torch.device(device)
+    payload = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    warm, spent = depth + 2, []
+    total = warm + repeats + depth
+    if sender:
+        outbox = Outbox(peer, groups, depth, channel="probe")
+        for k in range(total):
+            start = time.thread_time()
+            outbox.send(k, payload, device)
+            spent.append(time.thread_time() - start)
+        outbox.in_flight.wait_all()
+    else:
+        inbox = Inbox(peer, groups, device, watchdog)
+        for _ in range(depth):
+            inbox.post(None)
+        for k in range(total):
+            start = time.thread_time()
+            inbox.take(peer, -1, "probe", k, post_next=k < total - depth)
+            inbox.release(k)
+            spent.append(time.thread_time() - start)
+    timed = sorted(spent[warm : warm + repeats])
+    return timed[len(timed) // 2]

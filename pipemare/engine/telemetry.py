@@ -276,8 +276,9 @@ def replay_timeline(
     next stage's backward. Without ``links`` communication is free; with them
     (:class:`~pipemare.engine.link.Links`) the output of a forward or backward leaves when the
     action ends and arrives when its link delivers it, in series behind that link's earlier
-    messages, while the sender computes on. This is how the simulator estimates a real
-    pipeline's utilisation from one process.
+    messages, while the sender computes on; each action also pays its messages' own CPU on
+    both sides (:meth:`~pipemare.engine.link.Links.cpu_s`). This is how the simulator
+    estimates a real pipeline's utilisation from one process.
 
     Returns:
         The replayed spans and the makespan. Receives and sends (in one process they are queue
@@ -304,7 +305,7 @@ def replay_timeline(
             start = max(start, ready.get(("F", index, stage), 0.0))
         if name == "B" and stage < last:
             start = max(start, ready.get(("B", index, stage), 0.0))
-        end = start + max(dur, 0.0)
+        end = start + max(dur, 0.0) + (links.cpu_s(stage, name) if links is not None else 0.0)
         if name == "F" and stage < last:
             sent = end if links is None else links.arrival(stage, True, end)
             ready[("F", index, stage + 1)] = sent

@@ -845,19 +845,14 @@ class PipelineRunner:
     def _links(self, sizes: Mapping[int, tuple[int, ...]]) -> tuple[tuple[Link, ...] | None, str]:
         """The links between neighbouring stages' processes, for the replays: the simulated
         one where asked for, else each link's latency and bandwidth measured now between its
-        two processes with a message of the largest activation measured (every process
-        calls this alike). None in one process, where stages pass messages by reference."""
+        two processes with a message of the largest activation measured; either way with what
+        such a message costs each side's own thread through the transport, measured now
+        (every process calls this alike). None in one process, where stages pass messages by
+        reference."""
         place = self.place
         if not place.distributed or place.stages is None or place.stages < 2:
             return None, ""
         edges = place.stages - 1
-        simulated = self.options.simulated_link
-        if simulated is not None:
-            why = (
-                "simulated (simulated_link): each message is held until it would have crossed "
-                "it; the real link beneath is faster"
-            )
-            return (simulated,) * edges, why
         ranks = (
             list(place.layout.pipelines[0]) if place.layout is not None else list(range(edges + 1))
         )
@@ -865,10 +860,25 @@ class PipelineRunner:
         # logits, stays on the last stage)
         largest = max((max(out[:-1], default=0) for out in sizes.values()), default=0)
         links = measure_links(ranks, [max(largest, 4)] * edges, device=place.device)
+        cpu = (
+            f"; each message's CPU on either side measured now through the transport with "
+            f"{largest / 1e6:.3g} MB (the largest activation measured), charged to the action "
+            "that sends or takes it"
+        )
+        simulated = self.options.simulated_link
+        if simulated is not None:
+            why = (
+                "simulated (simulated_link): each message is held until it would have crossed "
+                "it; the real link beneath is faster" + cpu
+            )
+            return tuple(
+                dataclasses.replace(simulated, send_s=link.send_s, recv_s=link.recv_s)
+                for link in links
+            ), why
         why = (
             f"measured now between each pair of neighbouring processes: the round trip of a "
             f"tiny message and of {largest / 1e6:.3g} MB (the largest activation measured); "
-            "the replays below carry each microbatch's activations and gradients across them"
+            "the replays below carry each microbatch's activations and gradients across them" + cpu
         )
         return tuple(links), why
 

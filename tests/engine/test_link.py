@@ -60,6 +60,34 @@ def test_the_replay_exposes_a_link_where_the_schedule_waits_for_it():
         replayed_step_time("async", stage, 1, [Link(0.0, 1.0)] * 2, [1.0, 1.0])
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "async", "pipemare"])
+@pytest.mark.parametrize("stages, microbatches", [(2, 1), (3, 4), (4, 2)])
+def test_each_message_costs_its_sender_and_receiver_their_cpu(schedule, stages, microbatches):
+    """A link whose messages cost each side CPU replays as the same link without it under
+    stages whose forwards and backwards take that much longer: a forward takes its input from
+    the stage before and sends on, a backward the other way; the first and last stages pay
+    for one message, a middle stage for two, and an update for none."""
+    send, recv = 0.03, 0.05
+    durations = [(1.0 + 0.1 * i, 2.0 - 0.2 * i, 0.5) for i in range(stages)]
+    wire = [Link(0.01, 100.0)] * (stages - 1)
+    costly = [Link(0.01, 100.0, send_s=send, recv_s=recv)] * (stages - 1)
+    sizes = [1.0] * (stages - 1)
+
+    def shifted(i: int) -> tuple[float, float, float]:
+        f, b, u = durations[i]
+        taken_f, sent_f = i > 0, i < stages - 1  # a forward's input, its output
+        taken_b, sent_b = sent_f, taken_f  # a backward's: the other way
+        return f + recv * taken_f + send * sent_f, b + recv * taken_b + send * sent_b, u
+
+    by_hand = [shifted(i) for i in range(stages)]
+    got = replayed_step_time(schedule, durations, microbatches, costly, sizes)
+    want = replayed_step_time(schedule, by_hand, microbatches, wire, sizes)
+    assert got == pytest.approx(want, rel=1e-12)
+    assert got > replayed_step_time(schedule, durations, microbatches, wire, sizes)
+    with pytest.raises(ValueError, match="CPU cannot be negative"):
+        Link(0.0, 1.0, send_s=-1e-3)
+
+
 def test_links_deliver_each_direction_in_series_and_the_directions_apart():
     links = Links([Link(1.0, 1.0), Link(0.0, 2.0)], [2.0, 4.0])
     assert links.arrival(0, True, 0.0) == 3.0
@@ -118,5 +146,7 @@ def test_training_over_a_simulated_link_gives_the_same_weights(tmp_path, one_thr
 def test_the_links_are_measured_alike_on_every_rank(delayed):
     seen = [json.loads((delayed / f"measure-rank{r}.json").read_text()) for r in (0, 1)]
     assert seen[0] == seen[1] and len(seen[0]) == 1
-    latency, bandwidth = seen[0][0]
+    latency, bandwidth, send_s, recv_s = seen[0][0]
     assert latency > 0 and bandwidth > 0
+    # each side's thread does work for every message (a header, posts, a copy's bookkeeping)
+    assert send_s > 0 and recv_s > 0

@@ -51,6 +51,7 @@ def test_every_rank_sees_the_same_metrics_and_decisions(lightning_run):
     # the links between the two processes, measured at setup, went into the replays
     assert r0["decisions"]["links"].startswith("links: 0-1: ")
     assert "measured now between each pair of neighbouring processes" in r0["decisions"]["links"]
+    assert "a message's CPU: " in r0["decisions"]["links"]  # charged to its sender and receiver
     assert {"train_loss", "val_loss", "val_acc", "train_acc", "lr-Adam"} <= set(r0["metrics"])
     assert r0["stopped_epoch"] > 0  # EarlyStopping fired (val_acc >= 0.93), on both ranks at once
     w0 = torch.load(lightning_run / "weights-rank0.pt")

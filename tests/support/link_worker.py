@@ -3,7 +3,7 @@
 ``--what delay``: rank 0 sends messages of known size over a simulated link and rank 1 notes
 when each became receivable; ``--what train``: the shared test model trained over a simulated
 link (its weights must not depend on the link); ``--what measure``: the links measured at
-setup, as each rank sees them.
+setup (latency, bandwidth, and each message's CPU on either side), as each rank sees them.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def measure(out: Path) -> None:
     if not dist.is_initialized():
         DistributedTransport(2, heartbeat_timeout=None)  # the process group
     links = measure_links([0, 1], [SIZE * 4])
-    record = [[link.latency_s, link.bandwidth] for link in links]
+    record = [[link.latency_s, link.bandwidth, link.send_s, link.recv_s] for link in links]
     (out / f"measure-rank{dist.get_rank()}.json").write_text(json.dumps(record))
 
 
