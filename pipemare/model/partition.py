@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -175,9 +176,9 @@ def balance_by_params(model: nn.Sequential, stages: int) -> list[int]:
     return balance_by_cost(costs, stages)
 
 
-def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[float]:
+def layer_times(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[float]:
     """Seconds of each layer's forward plus backward pass on ``sample`` (the model's input):
-    the fastest of ``repeats`` timings, taken as :func:`layer_passes` takes them.
+    the median of ``repeats`` timings, taken as :func:`layer_passes` takes them.
 
     Each layer runs on the output of the previous one, as in the pipeline; gradients flow into
     a detached copy of the layer's input and are thrown away (parameters keep theirs), and the
@@ -186,13 +187,17 @@ def layer_times(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[flo
     return [forward + backward for forward, backward in layer_passes(model, sample, repeats)]
 
 
-def layer_passes(model: nn.Sequential, sample: Any, repeats: int = 3) -> list[tuple[float, float]]:
-    """Seconds of each layer's forward pass and of its backward pass on ``sample``: the fastest
+def layer_passes(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[tuple[float, float]]:
+    """Seconds of each layer's forward pass and of its backward pass on ``sample``: the median
     of ``repeats`` rounds through every layer, after a first round that warms caches.
 
     A round times each layer once, in order, so a burst of load lands on one run of a few
-    layers, not on every run of one; the fastest run, which a pause can only lengthen, ignores
-    it. On the CPU with one thread (as each stage process of a CPU pipeline runs), a run's time
+    layers, not on every run of one; the median ignores it (two such runs of five). The median,
+    not the fastest run: a run's step is its actions' typical time, which the replays built on
+    these figures predict, as they take the engine's own costs per action
+    (:mod:`pipemare.planner.timing`); the fastest of a few runs of a layer is some 10% below
+    it on a CPU (four GPT blocks of width 192 timed alone: 16.6 ms fastest, 18.2 ms median).
+    On the CPU with one thread (as each stage process of a CPU pipeline runs), a run's time
     is the thread's CPU time, which does not count the moments another process held the core:
     on a busy machine the wall clock of every run of a layer could hold such a pause, and
     move the layer's time, and with it the cut, from one run of the same script to the next.
@@ -264,7 +269,10 @@ def _layer_passes(model: nn.Sequential, sample: Any, repeats: int) -> list[tuple
     for layer in layers:
         for p in layer.parameters():
             p.grad = None
-    return [(min(fw[1:]), min(bw[1:])) for fw, bw in zip(forwards, backwards, strict=True)]
+    return [
+        (statistics.median(fw[1:]), statistics.median(bw[1:]))
+        for fw, bw in zip(forwards, backwards, strict=True)
+    ]
 
 
 #: ``balance="time"`` takes the most even cut whose slowest stage is within this share of the

@@ -16,8 +16,8 @@ and sends the output), the difference says what sits outside the stage's forward
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import os
-import runpy
 import statistics
 import sys
 import time
@@ -28,8 +28,8 @@ import pipemare.engine.stage as stage_module
 from pipemare.model.segments import Segment
 
 WHERE = Path(__file__).resolve().with_name("where.py")
-_times: dict[str, list[float]] = {"stage forward": [], "its segments' calls": []}
-_inside = [0.0]
+_times: dict[str, list[float]] = {"stage forward": [], "its segments' calls": [], "its head": []}
+_inside = [0.0, 0.0]
 _stage_forward = stage_module.Stage.forward
 _segment_forward = Segment.forward
 
@@ -46,33 +46,55 @@ def _timed_stage(self: Any, microbatch: int, *args: Any, **kwargs: Any) -> Any:
     run = len(self.module) > 0 and isinstance(self.module[0], Segment)
     if not (run and microbatch >= 20 and kwargs.get("grad", True)):
         return _stage_forward(self, microbatch, *args, **kwargs)
-    _inside[0] = 0.0
+    _inside[0] = _inside[1] = 0.0
+    head = kwargs.get("head", args[1] if len(args) > 1 else None)
+    if head is not None:  # the last stage's: the loss on the layers' output
+
+        def timed_head(outputs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return head(outputs)
+            finally:
+                _inside[1] += time.perf_counter() - start
+
+        if "head" in kwargs:
+            kwargs["head"] = timed_head
+        else:
+            args = (args[0], timed_head, *args[2:])
     start = time.perf_counter()
     out = _stage_forward(self, microbatch, *args, **kwargs)
     _times["stage forward"].append(time.perf_counter() - start)
     _times["its segments' calls"].append(_inside[0])
+    _times["its head"].append(_inside[1])
     return out
 
 
 def _write(path: Path) -> None:
-    if os.environ.get("LOCAL_RANK", "0") != "0" or not _times["stage forward"]:
+    rank = os.environ.get("LOCAL_RANK", "0")
+    if not _times["stage forward"]:
         return
     lines = [
-        f"rank 0, {name}: median {1000 * statistics.median(values):.3f} ms over {len(values)}"
+        f"rank {rank}, {name}: median {1000 * statistics.median(values):.3f} ms over {len(values)}"
         for name, values in _times.items()
     ]
+    if rank != "0":  # each rank its own file: rank 1's beside rank 0's
+        path = path.with_name(f"{path.stem}-rank{rank}{path.suffix}")
     path.write_text("\n".join(lines) + "\n")
     print("\n".join(lines), flush=True)
 
 
 if __name__ == "__main__":
-    parts = Path("forward_parts.txt")
-    if "--parts" in sys.argv:
+    if "--parts" in sys.argv:  # through the environment, so the launched rank sees it too
         at = sys.argv.index("--parts")
-        parts = Path(sys.argv[at + 1])
+        os.environ["FORWARD_PARTS"] = sys.argv[at + 1]
         del sys.argv[at : at + 2]
     stage_module.Stage.forward = _timed_stage  # type: ignore[method-assign]
     Segment.forward = _timed_segment  # type: ignore[method-assign]
-    atexit.register(_write, parts)
-    sys.argv = [str(WHERE), *sys.argv[1:]]
-    runpy.run_path(str(WHERE), run_name="__main__")
+    atexit.register(_write, Path(os.environ.get("FORWARD_PARTS", "forward_parts.txt")))
+    # sys.argv[0] stays this script (runpy would make it where.py's): Lightning launches the
+    # other rank with it, clocks and all
+    spec = importlib.util.spec_from_file_location("where", WHERE)
+    assert spec is not None and spec.loader is not None
+    where = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(where)
+    where.main()

@@ -56,13 +56,13 @@ _TIMED: dict[int, tuple[Any, Any]] = {}  # rows -> (the layers, the microbatch) 
 _layer_passes = partition.layer_passes
 
 
-def _keeping_what_is_timed(seq, sample, repeats=3):
+def _keeping_what_is_timed(seq, sample, *args, **kwargs):
     """:func:`~pipemare.model.partition.layer_passes` that keeps what it timed."""
     _TIMED[batch_size(sample)] = (
         seq,
         tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, sample),
     )
-    return _layer_passes(seq, sample, repeats)
+    return _layer_passes(seq, sample, *args, **kwargs)
 
 
 def _keep_setup(decide):
