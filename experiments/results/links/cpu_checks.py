@@ -3,13 +3,17 @@
     python experiments/results/links/cpu_checks.py messages    # CPU per gloo message, each side
     python experiments/results/links/cpu_checks.py contention  # a matmul, alone and beside another
     python experiments/results/links/cpu_checks.py memory      # an AdamW update, alone and beside
+    python experiments/results/links/cpu_checks.py blocks      # GPT blocks: fastest and median
 
 ``messages``: two processes (a file store, so no port is taken) stream 300 one-way messages of
 16 KB, 0.2 MB and 0.8 MB; each prints the CPU time of all its threads per message and the wall
 time. ``contention``: a 192-wide MLP layer's two matmuls on 256 rows, one thread, timed alone
 and then while a second process runs the same loop on the other core. ``memory``: the same
 for an update of AdamW over 1.77M parameters (a compute-bound stage's, in tensors of a GPT
-block's shapes), whose time is the memory's rather than the core's.
+block's shapes), whose time is the memory's rather than the core's. ``blocks``: four GPT
+blocks of width 192 (the compute-bound GPT's stage) on a microbatch of 8 rows of 64 tokens,
+forward then backward, each pass in the thread's CPU time: the fastest and the median pass,
+alone and beside a second process doing the same (setup times layers by one of the two).
 """
 
 from __future__ import annotations
@@ -17,8 +21,10 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import statistics
 import tempfile
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -96,7 +102,30 @@ def _update_loop(calls: int, out: mp.Queue | None = None) -> float:
     return seconds
 
 
-def _alone_and_beside(loop, calls: int) -> tuple[float, float]:
+def _blocks_loop(calls: int, out: mp.Queue | None = None) -> list[float]:
+    """Fastest and median forward, then backward, in seconds of the thread's CPU."""
+    from pipemare.experiments.tasks.gpt import GPTBlock
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    blocks = torch.nn.Sequential(*(GPTBlock(192, 6) for _ in range(4)))
+    x = torch.randn(8, 64, 192, requires_grad=True)
+    passes: list[list[float]] = [[], []]
+    for k in range(calls + 5):  # five to warm up
+        start = time.thread_time()
+        y = blocks(x)
+        middle = time.thread_time()
+        y.sum().backward()
+        if k >= 5:
+            passes[0].append(middle - start)
+            passes[1].append(time.thread_time() - middle)
+    figures = [f(p) for p in passes for f in (min, statistics.median)]
+    if out is not None:
+        out.put(figures)
+    return figures
+
+
+def _alone_and_beside(loop, calls: int) -> tuple[Any, Any]:
     """``loop``'s CPU seconds a call alone, then beside a second process running it."""
     alone = loop(calls)
     context = mp.get_context("spawn")
@@ -124,8 +153,19 @@ def memory() -> None:
     )
 
 
+def blocks() -> None:
+    alone, beside = _alone_and_beside(_blocks_loop, 150)
+    for name, figures in (("alone", alone), ("beside a second process", beside)):
+        f_min, f_med, b_min, b_med = (1e3 * t for t in figures)
+        print(
+            f"four GPT blocks of width 192, 8 x 64 tokens, {name}: forward {f_min:.2f} ms "
+            f"fastest, {f_med:.2f} median ({f_med / f_min - 1:+.0%}); backward {b_min:.2f} "
+            f"fastest, {b_med:.2f} median ({b_med / b_min - 1:+.0%})"
+        )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("check", choices=["messages", "contention", "memory"])
-    checks = {"messages": messages, "contention": contention, "memory": memory}
+    parser.add_argument("check", choices=["messages", "contention", "memory", "blocks"])
+    checks = {"messages": messages, "contention": contention, "memory": memory, "blocks": blocks}
     checks[parser.parse_args().check]()
