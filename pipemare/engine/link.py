@@ -7,22 +7,19 @@ direction's messages are delivered in series; the two directions do not share), 
 (:func:`pipemare.engine.telemetry.replay_timeline` and
 :func:`pipemare.planner.cost.replayed_step_time`) and the simulated link in the transport
 (:class:`LinkClock`) follow that one rule, so that a replay can be checked against real runs
-over a slow link on one machine.
+over a slow link on one machine. A run measures its links at setup
+(:func:`pipemare.engine.link_probe.measure_links`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import re
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-__all__ = ["Link", "LinkClock", "Links", "measure_links"]
+__all__ = ["Link", "LinkClock", "Links"]
 
 _UNITS = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _TIMES = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6}
@@ -179,95 +176,3 @@ class Links:
         start = max(sent, self._free.get((edge, forward), 0.0))
         self._free[edge, forward] = start + link.transfer_s(self.message_bytes[edge])
         return self._free[edge, forward] + link.latency_s
-
-
-def _round_trips(
-    peer: int, nbytes: int, first: bool, repeats: int, group: Any, device: torch.device
-) -> list[float]:
-    """Seconds of each of ``repeats`` round trips of ``nbytes`` to ``peer`` and back (after one
-    warm-up trip); ``first``: this rank sends first. On a GPU each trip waits for the device
-    (NCCL's sends and receives are queued on a stream)."""
-    buffer = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    trips = []
-    for i in range(repeats + 1):
-        sync()
-        start = time.perf_counter()
-        if first:
-            dist.send(buffer, peer, group=group)
-            dist.recv(buffer, peer, group=group)
-        else:
-            dist.recv(buffer, peer, group=group)
-            dist.send(buffer, peer, group=group)
-        sync()
-        if i:
-            trips.append(time.perf_counter() - start)
-    return trips
-
-
-def measure_links(
-    stage_ranks: list[int],
-    nbytes: list[int],
-    repeats: int = 7,
-    group: Any = None,
-    device: torch.device | str = "cpu",
-    messages: bool = True,
-) -> list[Link]:
-    """Every link of the pipeline whose stage ``i`` runs on rank ``stage_ranks[i]``: the
-    latency from the round trip of a tiny message, the bandwidth from the round trip of
-    ``nbytes[i]`` (the run's activation across link ``i``), each the fastest of ``repeats``
-    trips (a pause on a busy machine can only lengthen a trip). Where the large message's trip
-    is no longer than the tiny one's, the bandwidth is taken as carrying it in a microsecond.
-    With ``messages``, also what a message of ``nbytes[i]`` costs each side's own thread
-    through the engine's transport (:func:`~pipemare.engine.p2p.message_cpu`: the median of
-    15 one way, stage ``i`` sending): :attr:`Link.send_s` and :attr:`Link.recv_s`.
-    Every rank of the group calls it alike; each link is measured by its two ranks
-    while the others wait (links one apart in turn, so no rank serves two at once), and the
-    result is shared with every rank. ``device``: this process's, whose tensors the backend
-    carries (CUDA for NCCL).
-    """
-    from pipemare.engine.p2p import message_cpu  # the transport's module imports this one
-    from pipemare.engine.watchdog import Watchdog, this_process
-
-    rank, device = dist.get_rank(), torch.device(device)
-    probe: tuple[Any, Any, Any] | None = None
-    watchdog = None
-    if messages:  # the transport's three groups a channel, and a watchdog naming the peer
-        backend = dist.get_backend(group)
-        probe = (
-            dist.new_group(backend=backend),
-            dist.new_group(backend=backend),
-            dist.new_group(backend=backend),
-        )
-        peers: list[Any] = [None] * dist.get_world_size()
-        me = stage_ranks.index(rank) if rank in stage_ranks else -1
-        dist.all_gather_object(peers, this_process(rank, me))
-        watchdog = Watchdog(peers, peers[rank], datetime.timedelta(seconds=300))
-    found: dict[int, dict[str, float]] = {}
-    for parity in (0, 1):
-        for i in range(parity, len(stage_ranks) - 1, 2):
-            a, b = stage_ranks[i], stage_ranks[i + 1]
-            if rank not in (a, b):
-                continue
-            peer, first = (b if rank == a else a), rank == a
-            small = min(_round_trips(peer, 4, first, repeats, group, device))
-            big = min(_round_trips(peer, nbytes[i], first, repeats, group, device))
-            found[i] = {"small": small, "big": big}
-            if probe is not None and watchdog is not None:
-                side = "send" if first else "recv"
-                found[i][side] = message_cpu(peer, first, nbytes[i], probe, watchdog, device=device)
-        dist.barrier(group=group)
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, found, group=group)
-    seen: dict[int, dict[str, float]] = {}
-    for part in gathered:
-        for i, figures in part.items():
-            seen.setdefault(i, {}).update(figures)
-    links = []
-    for i in range(len(stage_ranks) - 1):
-        small, big = seen[i]["small"], seen[i]["big"]
-        latency = small / 2
-        spent = max(big / 2 - latency, 1e-6)
-        cpu = {"send_s": seen[i].get("send", 0.0), "recv_s": seen[i].get("recv", 0.0)}
-        links.append(Link(latency, max(nbytes[i], 4) / spent, **cpu))
-    return links

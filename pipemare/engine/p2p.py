@@ -17,7 +17,7 @@ from pipemare.engine.link import LinkClock
 from pipemare.engine.payload import tensors
 from pipemare.engine.watchdog import Watchdog, posting
 
-__all__ = ["Inbox", "Outbox", "SendsInFlight", "message_cpu"]
+__all__ = ["Inbox", "Outbox", "SendsInFlight"]
 
 _SPARE = 2  # receive buffers kept per shape beyond the ``depth`` posted ones
 
@@ -230,43 +230,3 @@ class Outbox:
             ]
             out += [(dist.isend(t, dst=self.peer, group=group), t) for t in parts]
         self.in_flight.add(out, what)
-
-
-def message_cpu(
-    peer: int,
-    sender: bool,
-    nbytes: int,
-    groups: tuple[Any, Any, Any],
-    watchdog: Watchdog,
-    repeats: int = 15,
-    depth: int = 2,
-    device: torch.device | str = "cpu",
-) -> float:
-    """Seconds of this thread's CPU one message of ``nbytes`` costs this side, through the
-    engine's own :class:`Outbox` (``sender``) or :class:`Inbox` (the receive posted ahead, the
-    take, the release): the median of ``repeats``, after as many as fill the receives posted
-    ``depth`` ahead. Thread time, so a wait for the peer or for the bytes costs nothing, as a
-    replay that charges the link apart wants. ``peer`` calls it alike with the other role on
-    the same ``groups`` (three, as the transport's channels have)."""
-    device = torch.device(device)
-    payload = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=device)
-    warm, spent = depth + 2, []
-    total = warm + repeats + depth
-    if sender:
-        outbox = Outbox(peer, groups, depth, channel="probe")
-        for k in range(total):
-            start = time.thread_time()
-            outbox.send(k, payload, device)
-            spent.append(time.thread_time() - start)
-        outbox.in_flight.wait_all()
-    else:
-        inbox = Inbox(peer, groups, device, watchdog)
-        for _ in range(depth):
-            inbox.post(None)
-        for k in range(total):
-            start = time.thread_time()
-            inbox.take(peer, -1, "probe", k, post_next=k < total - depth)
-            inbox.release(k)
-            spent.append(time.thread_time() - start)
-    timed = sorted(spent[warm : warm + repeats])
-    return timed[len(timed) // 2]

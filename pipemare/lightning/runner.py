@@ -24,7 +24,8 @@ from torch.utils._pytree import tree_map
 from pipemare.engine.errors import NonFiniteGradientError, NonFiniteLossError
 from pipemare.engine.lagged import DistributedResults, LocalResults, Results, result_lag
 from pipemare.engine.layout import RankLayout
-from pipemare.engine.link import Link, measure_links
+from pipemare.engine.link import Link
+from pipemare.engine.link_probe import measure_links
 from pipemare.engine.microbatch import batch_size, scatter
 from pipemare.engine.pipeline import Pipeline
 from pipemare.engine.telemetry import Probe

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipemare.engine.link import measure_links
+from pipemare.engine.link_probe import measure_links
 from pipemare.engine.transport import ACT, DistributedTransport
 from support import dist_worker
 
