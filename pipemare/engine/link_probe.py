@@ -1,8 +1,4 @@
-"""Measuring the links between neighbouring stages' processes at setup: each link's latency
-and bandwidth from round trips, and what a message costs each side's own thread through the
-engine's transport (:class:`~pipemare.engine.p2p.Outbox`, :class:`~pipemare.engine.p2p.Inbox`),
-for the replays (:class:`~pipemare.engine.link.Link`).
-"""
+"""The links between neighbouring stages' processes, measured at setup for the replays."""
 
 from __future__ import annotations
 
@@ -134,6 +130,8 @@ def measure_links(
                 side = "send" if first else "recv"
                 found[i][side] = message_cpu(peer, first, nbytes[i], probe, watchdog, device=device)
         dist.barrier(group=group)
+    for probe_group in probe or ():  # every message is in: the run keeps none of its
+        dist.destroy_process_group(probe_group)  # connections (NCCL's buffers on the device)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, found, group=group)
     seen: dict[int, dict[str, float]] = {}
