@@ -97,10 +97,13 @@ def measure_links(
     through the engine's transport (:func:`message_cpu`: the median of
     15 one way, stage ``i`` sending): :attr:`Link.send_s` and :attr:`Link.recv_s`.
     Every rank of the group calls it alike (with ``messages``, every rank of the job: the
-    probe makes process groups of its own); each link is measured by its two ranks
-    while the others wait (links one apart in turn, so no rank serves two at once), and the
-    result is shared with every rank. ``device``: this process's, whose tensors the backend
-    carries (CUDA for NCCL).
+    probe makes process groups of its own); each link is measured by its two ranks while
+    every other rank waits, one link after another, and the result is shared with every rank.
+    One at a time, because two pairs measuring at once on processes that share cores time
+    each other: with four processes on two cores, links 0-1 and 2-3 measured together read
+    78-397 µs of latency, and one link at a time 34-103 µs
+    (``experiments/results/links/four_links.py``). ``device``: this process's, whose tensors
+    the backend carries (CUDA for NCCL).
     """
     rank, device = dist.get_rank(), torch.device(device)
     probe: tuple[Any, Any, Any] | None = None
@@ -117,11 +120,9 @@ def measure_links(
         dist.all_gather_object(peers, this_process(rank, me))
         watchdog = Watchdog(peers, peers[rank], datetime.timedelta(seconds=300))
     found: dict[int, dict[str, float]] = {}
-    for parity in (0, 1):
-        for i in range(parity, len(stage_ranks) - 1, 2):
-            a, b = stage_ranks[i], stage_ranks[i + 1]
-            if rank not in (a, b):
-                continue
+    for i in range(len(stage_ranks) - 1):  # one link at a time: see the docstring
+        a, b = stage_ranks[i], stage_ranks[i + 1]
+        if rank in (a, b):
             peer, first = (b if rank == a else a), rank == a
             small = min(_round_trips(peer, 4, first, repeats, group, device))
             big = min(_round_trips(peer, nbytes[i], first, repeats, group, device))
