@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from pipemare.engine.link import Link
-from pipemare.engine.p2p import Inbox, Outbox
-from pipemare.engine.watchdog import Watchdog, this_process
+from pipemare.engine.p2p import Inbox, Outbox, channel_groups
+from pipemare.engine.transport import DEPTH
+from pipemare.engine.watchdog import Watchdog
 
 __all__ = ["measure_links", "message_cpu"]
 
@@ -24,7 +25,7 @@ def message_cpu(
     groups: tuple[Any, Any, Any],
     watchdog: Watchdog,
     repeats: int = 15,
-    depth: int = 2,
+    depth: int = DEPTH,
     device: torch.device | str = "cpu",
 ) -> float:
     """Seconds of this thread's CPU one message of ``nbytes`` costs this side, through the
@@ -106,19 +107,13 @@ def measure_links(
     the backend carries (CUDA for NCCL).
     """
     rank, device = dist.get_rank(), torch.device(device)
-    probe: tuple[Any, Any, Any] | None = None
-    watchdog = None
-    if messages:  # the transport's three groups a channel, and a watchdog naming the peer
-        backend = dist.get_backend(group)
-        probe = (
-            dist.new_group(backend=backend),
-            dist.new_group(backend=backend),
-            dist.new_group(backend=backend),
-        )
-        peers: list[Any] = [None] * dist.get_world_size()
+    probe: tuple[tuple[Any, Any, Any], Watchdog] | None = None
+    if messages:  # a channel's groups, as the transport makes them, and a watchdog over them
         me = stage_ranks.index(rank) if rank in stage_ranks else -1
-        dist.all_gather_object(peers, this_process(rank, me))
-        watchdog = Watchdog(peers, peers[rank], datetime.timedelta(seconds=300))
+        probe = (
+            channel_groups(dist.get_backend(group)),
+            Watchdog.of_job(me, datetime.timedelta(seconds=300)),
+        )
     found: dict[int, dict[str, float]] = {}
     for i in range(len(stage_ranks) - 1):  # one link at a time: see the docstring
         a, b = stage_ranks[i], stage_ranks[i + 1]
@@ -127,12 +122,12 @@ def measure_links(
             small = min(_round_trips(peer, 4, first, repeats, group, device))
             big = min(_round_trips(peer, nbytes[i], first, repeats, group, device))
             found[i] = {"small": small, "big": big}
-            if probe is not None and watchdog is not None:
+            if probe is not None:
                 side = "send" if first else "recv"
-                found[i][side] = message_cpu(peer, first, nbytes[i], probe, watchdog, device=device)
+                found[i][side] = message_cpu(peer, first, nbytes[i], *probe, device=device)
         dist.barrier(group=group)
-    for probe_group in probe or ():  # every message is in: the run keeps none of its
-        dist.destroy_process_group(probe_group)  # connections (NCCL's buffers on the device)
+    for probe_group in probe[0] if probe is not None else ():  # every message is in: the run
+        dist.destroy_process_group(probe_group)  # keeps none of their connections (NCCL's buffers)
     gathered: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, found, group=group)
     seen: dict[int, dict[str, float]] = {}

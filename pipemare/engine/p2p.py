@@ -17,9 +17,20 @@ from pipemare.engine.link import LinkClock
 from pipemare.engine.payload import tensors
 from pipemare.engine.watchdog import Watchdog, posting
 
-__all__ = ["Inbox", "Outbox", "SendsInFlight"]
+__all__ = ["Inbox", "Outbox", "SendsInFlight", "channel_groups"]
 
 _SPARE = 2  # receive buffers kept per shape beyond the ``depth`` posted ones
+
+
+def channel_groups(backend: str) -> tuple[Any, Any, Any]:
+    """The three process groups one channel's messages travel in: headers, payloads in the
+    shapes the posted receive expects, payloads in new shapes (see :class:`Inbox`). Every rank
+    of the job makes them alike."""
+    return (
+        dist.new_group(backend=backend),
+        dist.new_group(backend=backend),
+        dist.new_group(backend=backend),
+    )
 
 
 def _sole_owner(t: torch.Tensor) -> bool:

@@ -24,8 +24,8 @@ import torch.distributed as dist
 from pipemare.engine.errors import out_of_order
 from pipemare.engine.layout import RankLayout
 from pipemare.engine.link import Link, LinkClock
-from pipemare.engine.p2p import Inbox, Outbox
-from pipemare.engine.watchdog import Watchdog, this_process
+from pipemare.engine.p2p import Inbox, Outbox, channel_groups
+from pipemare.engine.watchdog import Watchdog
 
 __all__ = ["ACT", "GRAD", "DistributedTransport", "InProcessTransport", "Transport"]
 
@@ -235,16 +235,12 @@ class DistributedTransport(Transport):
         else:
             self._rank_of = {stage: r for r, stage in enumerate(order)}
         self.local_stages = (me,)
-        peers: list[Any] = [None] * world
-        dist.all_gather_object(peers, this_process(rank, me))  # once: who runs where
         #: deadlines on every wait, and errors naming the stage that failed
-        self.watchdog = Watchdog(peers, peers[rank], datetime.timedelta(seconds=stall_timeout))
+        self.watchdog = Watchdog.of_job(me, datetime.timedelta(seconds=stall_timeout))
         if heartbeat_timeout is not None:
             self.watchdog.start_heartbeat(heartbeat_timeout)
-        # per channel: headers, payloads in the expected shapes, payloads in new shapes
-        groups = {
-            ch: tuple(dist.new_group(backend=backend) for _ in range(3)) for ch in (ACT, GRAD)
-        }
+        # per channel, the groups its messages travel in
+        groups = {ch: channel_groups(backend) for ch in (ACT, GRAD)}
         #: a group of its own for collectives over this copy's stages (gradient norms)
         self.collective_group = _own_group(
             layout.pipelines if layout is not None else [tuple(range(world))], rank, backend
@@ -279,7 +275,7 @@ class DistributedTransport(Transport):
         return self._rank_of[stage]
 
     def connect(self, src: int, dst: int, channel: str) -> None:
-        groups = tuple(dist.new_group(backend=self._backend) for _ in range(3))  # on every rank
+        groups = channel_groups(self._backend)  # on every rank
         me = self.local_stages[0]
         if me == dst:
             inbox = Inbox(self._rank_of[src], groups, self.device, self.watchdog)

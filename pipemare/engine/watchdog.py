@@ -25,6 +25,8 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import torch.distributed as dist
+
 from pipemare.engine.heartbeat import FatalReporter, Heartbeat, announce, store_address
 from pipemare.lines import text
 
@@ -145,6 +147,15 @@ class Watchdog:
         #: what the heartbeat found, handed to the main thread (or fatal when it is blocked)
         self.reporter = FatalReporter()
         self.heartbeat: Heartbeat | None = None
+
+    @classmethod
+    def of_job(cls, stage: int, timeout: datetime.timedelta) -> Watchdog:
+        """This process's watchdog over every rank of the job, this one running ``stage`` (-1:
+        none): every rank calls it alike, once, and learns who runs where."""
+        rank = dist.get_rank()
+        peers: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(peers, this_process(rank, stage))
+        return cls(peers, peers[rank], timeout)
 
     def start_heartbeat(self, timeout: float) -> None:
         """Beat, and watch every other rank's beat (see :mod:`pipemare.engine.heartbeat`);
