@@ -105,6 +105,24 @@ def test_a_pause_over_consecutive_runs_moves_no_layers_time_and_no_cut(monkeypat
         assert partition.balance_by_time(_timed(monkeypatch, start, calls), x, 2) == [3, 3]
 
 
+def test_a_layer_is_timed_by_its_typical_run_not_its_fastest(monkeypatch):
+    """One round of runs 0.5 s quicker than the rest (a lucky moment: warm caches, a faster
+    core) leaves every layer's time at its usual cost: the replays built on these times
+    predict a run's typical step, as the engine's own costs are medians too. The fastest run
+    would have taken each forward 0.5 s under its cost."""
+    x = torch.ones(2, 3)
+    layers = len(COSTS)
+    # the forwards that give each layer its input, the warm-up round, then the first timed one
+    clock = _Clock(start=2 * layers, calls=layers, pause=-0.5)
+    reads = {"perf_counter": clock.read, "thread_time": clock.read}
+    monkeypatch.setattr(
+        partition, "time", SimpleNamespace(**reads, get_clock_info=time.get_clock_info)
+    )
+    model = nn.Sequential(*(_Costly(clock, f, b) for f, b in COSTS))
+    passes = partition.layer_passes(model, x)
+    assert [f for f, _ in passes] == pytest.approx([f for f, _ in COSTS])
+
+
 def test_on_one_cpu_thread_a_layer_is_timed_by_its_own_work_not_the_time_it_waited():
     """A layer that waits 50 ms in every run (as a process held off its core would) is timed
     at its own work on the CPU with one thread: the thread's CPU time."""
