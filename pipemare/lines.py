@@ -491,7 +491,8 @@ DECISIONS: dict[str, DecisionSubject] = {
             "advice",
             "Where the run's step and 1F1B's can both be replayed from the layers measured.",
             "Whether this schedule or 1F1B at its fastest N reaches the quality sooner: step "
-            "times replayed from this model's layers on this device, steps to quality from the "
+            "times replayed from this model's layers and its training step's code around them "
+            "(on the first and last stages) on this device, steps to quality from the "
             "reference tasks (not this model); `not measured` on a lean build.",
             "Follow it, or run the strategy call it names and compare.",
         ),

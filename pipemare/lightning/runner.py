@@ -938,7 +938,8 @@ class PipelineRunner:
         sizes: dict[int, tuple[int, ...]] = {}
         with self.steps.discarding_logs(), torch.random.fork_rng(devices=[]):
             for n in wanted:
-                x = self.adapter.capture_input(step, scatter(sample, n)[0], *args)
+                microbatch = scatter(sample, n)[0]
+                x = self.adapter.capture_input(step, microbatch, *args)
                 if kind == "auto":
                     from pipemare.planner import profile
 
@@ -954,9 +955,43 @@ class PipelineRunner:
                             forward_context=forward_context,
                         )
                 with forward_context():  # time what will run
-                    out[batch_size(x)] = tuple(partition.layer_passes(seq, x))
+                    passes = partition.layer_passes(seq, x)
+                    out[batch_size(x)] = self._with_step_code(
+                        passes, seq, x, microbatch, step, args
+                    )
                     sizes[batch_size(x)] = tuple(partition.layer_out_bytes(seq, x))
         return out, sizes
+
+    def _with_step_code(
+        self,
+        passes: list[tuple[float, float]],
+        seq: nn.Sequential,
+        x: Any,
+        microbatch: Any,
+        step: str,
+        args: tuple,
+    ) -> tuple[tuple[float, float], ...]:
+        """``passes`` with the user's training step around the model charged where it runs,
+        once per microbatch: its code before the model to the first layer's forward, and its
+        head (the loss, metrics and logs on the model's output) to the last layer's forward and
+        backward; so the cut, N and the advice see the first and last stages' whole work. Run
+        on the first microbatch with its logs thrown away, its metrics put back and its random
+        numbers forked (:meth:`_measure`). A step under manual optimisation, which steps its
+        own optimisers, is not run again: its stages are charged their layers only."""
+        assert self.adapter is not None
+        if step != "training_step" or self.steps.manual.active:
+            return tuple(passes)
+        adapter = self.adapter
+        before = partition.step_code_seconds(
+            lambda: adapter.capture_input(step, microbatch, *args), x
+        )
+        with self.steps.rehearsal(step, args) as loss:
+            head = partition.head_passes(lambda out: loss(out, microbatch), seq, x)
+        (first_f, first_b), *rest = passes
+        passes = [(first_f + before, first_b), *rest]
+        last_f, last_b = passes[-1]
+        passes[-1] = (last_f + head[0], last_b + head[1])
+        return tuple(passes)
 
     def _optimizers_given(self) -> bool:
         """Whether ``configure_optimizers`` returned optimisers of the model (Lightning's

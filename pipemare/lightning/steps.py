@@ -350,6 +350,23 @@ def loss_of(result: Any, step: str = "training_step") -> torch.Tensor:
     )
 
 
+@contextlib.contextmanager
+def metrics_kept(module: nn.Module) -> Iterator[None]:
+    """Put the states of ``module``'s torchmetrics objects back as they were after the block
+    (which ran the user's step code, updating them, to time it)."""
+    metrics: list[Any] = [m for m in module.modules() if _is_metric(m)]
+    saved = [
+        (m._copy_state_dict(), m._update_count, m._forward_cache, m._computed) for m in metrics
+    ]
+    try:
+        yield
+    finally:
+        for metric, (states, count, cache, computed) in zip(metrics, saved, strict=True):
+            for name, value in states.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._forward_cache, metric._computed = count, cache, computed
+
+
 def _is_metric(value: Any) -> bool:
     try:
         from torchmetrics import Metric
@@ -522,12 +539,17 @@ class UserSteps:
 
     @contextlib.contextmanager
     def logging_to(self, log: Callable[..., None]) -> Iterator[None]:
-        """Route the module's ``self.log`` calls to ``log`` for the duration."""
+        """Route the module's ``self.log`` calls to ``log`` for the duration (inside another
+        such block, back to that block's ``log`` after)."""
+        outer = self.module.__dict__.get("log")
         self.module.log = log  # type: ignore[method-assign]
         try:
             yield
         finally:
-            del self.module.log
+            if outer is None:
+                del self.module.log
+            else:
+                self.module.log = outer  # type: ignore[method-assign]
 
     def discarding_logs(self) -> contextlib.AbstractContextManager[None]:
         return self.logging_to(lambda *a, **k: None)
@@ -542,6 +564,22 @@ class UserSteps:
         weight = self._share(microbatch)
         with self.logging_to(self.recorder.recording(weight, self.size)):
             return self.adapter.run_with_output(self.name, out, microbatch, *self.args)
+
+    @contextlib.contextmanager
+    def rehearsal(self, step: str, args: tuple) -> Iterator[Callable[[Any, Any], torch.Tensor]]:
+        """:meth:`loss` as the run computes it for ``step``, to time it at setup on the first
+        batch: its logs are recorded as the run records them and thrown away, and the module's
+        torchmetrics states are put back as they were after the block."""
+        recorder = LogRecorder(self.module)
+
+        def loss(out: Any, microbatch: Any) -> torch.Tensor:
+            with self.logging_to(recorder.recording(1.0, batch_size(microbatch))):
+                result = self.adapter.run_with_output(step, out, microbatch, *args)
+            recorder.take()
+            return loss_of(result, step)
+
+        with metrics_kept(self.module):
+            yield loss
 
     def _share(self, microbatch: Any) -> float:
         """``microbatch``'s share of its batch by the pipeline's weights (rows by default), so

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import statistics
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -20,10 +21,12 @@ __all__ = [
     "check_balance",
     "check_sequential",
     "even_balance",
+    "head_passes",
     "layer_out_bytes",
     "layer_passes",
     "layer_times",
     "split",
+    "step_code_seconds",
 ]
 
 
@@ -218,19 +221,68 @@ def layer_passes(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[tu
 def layer_out_bytes(model: nn.Sequential, sample: Any) -> list[int]:
     """Bytes of each layer's output on ``sample``: what a microbatch carries across a cut after
     that layer (one forward, without autograd)."""
+    return [sum(t.numel() * t.element_size() for t in _flat(x)) for x in _outputs(model, sample)]
+
+
+def head_passes(
+    head: Callable[[Any], Any], model: nn.Sequential, sample: Any, repeats: int = 5
+) -> tuple[float, float]:
+    """Seconds of ``head``'s forward and of its backward into the model's output: what the last
+    stage computes after its layers (a training step's loss, metrics and logs) on ``model``'s
+    output for ``sample``, timed as :func:`layer_passes` times a layer.
+
+    ``head`` takes the output and returns the loss. Its backward reaches the output only:
+    parameters it uses outside the model are given no gradient.
+    """
+    forwards: list[float] = []
+    backwards: list[float] = []
+    with torch.inference_mode(False), torch.enable_grad():
+        (output,) = collections.deque(_outputs(model, sample), maxlen=1)  # the last layer's
+        sync, clock = _clock(output)
+        for _ in range(repeats + 1):  # the first run warms caches up
+            leaf = _leaf(output)
+            start = clock()
+            loss = head(leaf)
+            sync()
+            middle = clock()
+            into = [t for t in _flat(leaf) if t.requires_grad]
+            if into and isinstance(loss, torch.Tensor) and loss.requires_grad:
+                torch.autograd.grad(loss, into, allow_unused=True)
+            sync()
+            forwards.append(middle - start)
+            backwards.append(clock() - middle)
+    return statistics.median(forwards[1:]), statistics.median(backwards[1:])
+
+
+def step_code_seconds(call: Callable[[], Any], sample: Any, repeats: int = 5) -> float:
+    """Seconds of ``call()``: code of the step outside the layers that runs once per microbatch
+    (the first stage's, before its model), on the device of ``sample``; the median of
+    ``repeats`` runs after one that warms caches, on :func:`layer_passes`'s clock."""
+    sync, clock = _clock(sample)
+    runs = []
+    for _ in range(repeats + 1):
+        start = clock()
+        call()
+        sync()
+        runs.append(clock() - start)
+    return statistics.median(runs[1:])
+
+
+def _outputs(model: nn.Sequential, sample: Any) -> Iterator[Any]:
+    """Each layer's output on ``sample`` in turn, without autograd; the buffers are put back as
+    they were once the last is given."""
     check_sequential(model)
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
-    sizes, x = [], _clone(sample)
+    x = _clone(sample)
     try:
-        with torch.no_grad():
-            for _, layer in _layers(model):
+        for _, layer in _layers(model):
+            with torch.no_grad():
                 x = layer(_leaf(x))
-                sizes.append(sum(t.numel() * t.element_size() for t in _flat(x)))
+            yield x
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-    return sizes
 
 
 def _clock(sample: Any) -> tuple[Callable[[], Any], Callable[[], float]]:

@@ -161,7 +161,10 @@ class RunFacts:
         replicas: D, data-parallel copies of the pipeline.
         layer_passes: seconds of each layer's forward and of its backward pass, keyed by the
             rows of the microbatch they were measured on (:func:`microbatches_to_measure`), for
-            ``balance="time"`` and a flushing schedule's ``"auto"`` N.
+            ``balance="time"`` and a flushing schedule's ``"auto"`` N. In a training run the
+            first layer's forward carries the step's code before the model, and the last
+            layer's passes its head (the loss, metrics and logs on the model's output), which
+            run on those stages once per microbatch.
         profile: the planner's profile of the layers, for ``balance="auto"``.
         checkpointed: the layout of the run a checkpoint continues (``stages``, ``balance``).
         optimizer: the user's optimiser (its parameter groups decide the corrections' "auto"
@@ -668,7 +671,8 @@ def _advice(
         _baseline_call(options, stages, best),
     )
     why = (
-        f"a step replayed from this model's layers as measured on this device: {schedule!r} at "
+        "a step replayed from this model's layers and its training step's code around them, "
+        f"as measured on this device: {schedule!r} at "
         f"N={microbatches} {own * 1e3:.3g} ms, '1f1b' at its fastest N={best} "
         f"{base[best] * 1e3:.3g} ms ({_shown(base)}): {advice.ratio:.2f}x 1F1B's step; "
         + _quality_said(advice)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 
 import pytest
 import pytorch_lightning as pl
@@ -610,6 +611,61 @@ def test_the_run_says_which_schedule_steps_sooner_on_its_own_model(caplog):
     strategy = PipeMareStrategy(stages=2)
     trainer(strategy, max_steps=2).fit(normed, tiny_data())
     assert strategy.advice is not None and sorted(strategy.advice.baseline_by_n) == [1, 2, 3, 4, 6]
+
+
+def _busy(seconds):
+    """Spend ``seconds`` of this thread's CPU (any clock the timings read moves as much)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+class CostlyStep(Tiny):
+    """A training step with 10 ms of code before its model and a head (its loss, a
+    torchmetrics mean of it, its logs) of 20 ms after it, once per microbatch."""
+
+    def __init__(self):
+        super().__init__()
+        from torchmetrics import MeanMetric
+
+        self.mean_loss = MeanMetric()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        _busy(0.01)
+        out = self.net(x)
+        _busy(0.02)
+        loss = F.cross_entropy(out, y)
+        self.mean_loss(loss)
+        self.log("mean_loss", self.mean_loss, on_step=True, on_epoch=True)
+        return loss
+
+
+def test_the_step_code_around_the_model_is_charged_where_it_runs_and_its_timing_changes_nothing():
+    """The advice replays the whole training step: the code before the model on the first
+    stage and the head after it on the last, once per microbatch, so that a step of N
+    microbatches takes N heads at least, for the run's schedule and for 1F1B at each N.
+    Timing them at setup runs the user's step on the first batch; the run then trains, logs
+    and counts its metric exactly as a run that did not time them (balance and N given)."""
+    strategy = PipeMareStrategy(stages=2)
+    trainer(strategy, max_steps=2).fit(CostlyStep(), tiny_data())
+    advice = strategy.advice
+    assert advice is not None and advice.microbatches == 2
+    assert advice.step_s >= 2 * 0.02
+    assert all(step >= n * 0.02 for n, step in advice.baseline_by_n.items())
+    runs = {}
+    for advise in (True, False):
+        pl.seed_everything(0)
+        model = CostlyStep()
+        strategy = PipeMareStrategy(stages=2, microbatches=2, balance=[3, 2], advise=advise)
+        t = trainer(strategy, max_steps=3)
+        t.fit(model, tiny_data())
+        assert (strategy.advice is not None) == advise
+        runs[advise] = (weights(model), dict(t.callback_metrics))
+    (timed, timed_logs), (plain, plain_logs) = runs[True], runs[False]
+    assert all(torch.equal(a, b) for a, b in zip(timed, plain, strict=True))
+    assert timed_logs.keys() == plain_logs.keys() >= {"mean_loss_step", "mean_loss_epoch"}
+    assert all(torch.equal(timed_logs[k], plain_logs[k]) for k in timed_logs)
 
 
 def test_the_engines_own_times_are_measured_once_per_process_for_each_kind_of_optimiser(

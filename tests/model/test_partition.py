@@ -141,3 +141,33 @@ def test_on_one_cpu_thread_a_layer_is_timed_by_its_own_work_not_the_time_it_wait
     finally:
         torch.set_num_threads(threads)
     assert 0 < forward < 0.025 and 0 < backward < 0.025
+
+
+def test_the_head_is_timed_into_the_models_output_and_leaves_the_rest_as_it_was(monkeypatch):
+    """What the last stage computes after its layers (a training step's loss) is timed by its
+    forward and by its backward into the model's output: the typical run of each, not one
+    slowed by a pause. Its backward gives no gradient to a parameter it uses outside the
+    model, and the model's buffers (BatchNorm's statistics) are as before."""
+    clock = _Clock(start=2 + 2, calls=1, pause=3.0)  # the layers' one forward, warm-up, 1st run
+    reads = {"perf_counter": clock.read, "thread_time": clock.read}
+    monkeypatch.setattr(
+        partition, "time", SimpleNamespace(**reads, get_clock_info=time.get_clock_info)
+    )
+    model = nn.Sequential(_Costly(clock, 1.0, 1.0), nn.BatchNorm1d(3))
+    statistics = [b.clone() for b in model.buffers()]
+    outside = nn.Parameter(torch.ones(3))
+    head_cost = _Costly(clock, 0.25, 0.5)  # the loss's forward and backward
+    sample = torch.randn(4, 3)
+
+    def head(out):
+        return (head_cost(out) * outside).sum()
+
+    forward, backward = partition.head_passes(head, model, sample)
+    assert (forward, backward) == pytest.approx((0.25, 0.5))
+    assert outside.grad is None and head_cost.scale.grad is None
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), statistics, strict=True))
+    calls = []
+    assert partition.step_code_seconds(lambda: calls.append(clock.forward(0.125)), sample) == (
+        pytest.approx(0.125)
+    )
+    assert len(calls) == 6  # a warm-up and five timed
