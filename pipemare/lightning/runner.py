@@ -975,17 +975,18 @@ class PipelineRunner:
         once per microbatch: its code before the model to the first layer's forward, and its
         head (the loss, metrics and logs on the model's output) to the last layer's forward and
         backward; so the cut, N and the advice see the first and last stages' whole work. Run
-        on the first microbatch with its logs thrown away, its metrics put back and its random
-        numbers forked (:meth:`_measure`). A step under manual optimisation, which steps its
-        own optimisers, is not run again: its stages are charged their layers only."""
+        on the first microbatch with its logs thrown away, what it changed on the module put
+        back (:meth:`UserSteps.rehearsal`) and its random numbers forked (:meth:`_measure`).
+        A step under manual optimisation, which steps its own optimisers, is not run again:
+        its stages are charged their layers only."""
         assert self.adapter is not None
         if step != "training_step" or self.steps.manual.active:
             return tuple(passes)
         adapter = self.adapter
-        before = partition.step_code_seconds(
-            lambda: adapter.capture_input(step, microbatch, *args), x
-        )
         with self.steps.rehearsal(step, args) as loss:
+            before = partition.step_code_seconds(
+                lambda: adapter.capture_input(step, microbatch, *args), x
+            )
             head = partition.head_passes(lambda out: loss(out, microbatch), seq, x)
         (first_f, first_b), *rest = passes
         passes = [(first_f + before, first_b), *rest]

@@ -28,6 +28,7 @@ are copied across.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -351,13 +352,16 @@ def loss_of(result: Any, step: str = "training_step") -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def metrics_kept(module: nn.Module) -> Iterator[None]:
-    """Put the states of ``module``'s torchmetrics objects back as they were after the block
-    (which ran the user's step code, updating them, to time it)."""
+def state_kept(module: nn.Module) -> Iterator[None]:
+    """Put back, after the block, what a training step may change on ``module`` besides its
+    weights: its torchmetrics objects' states, and its own public attributes (a list of step
+    outputs appended to, a counter, a tensor accumulated in place). The block runs the user's
+    step code on the first batch to time it."""
     metrics: list[Any] = [m for m in module.modules() if _is_metric(m)]
     saved = [
         (m._copy_state_dict(), m._update_count, m._forward_cache, m._computed) for m in metrics
     ]
+    own = {k: (v, _copied(v)) for k, v in vars(module).items() if not k.startswith("_")}
     try:
         yield
     finally:
@@ -365,6 +369,34 @@ def metrics_kept(module: nn.Module) -> Iterator[None]:
             for name, value in states.items():
                 setattr(metric, name, value)
             metric._update_count, metric._forward_cache, metric._computed = count, cache, computed
+        attributes = vars(module)
+        for name in [k for k in attributes if not k.startswith("_") and k not in own]:
+            del attributes[name]  # set during the block
+        for name, (value, copied) in own.items():
+            _restore(value, copied)
+            attributes[name] = value
+
+
+def _copied(value: Any) -> Any:
+    """What :func:`_restore` puts back into ``value``: a container's items, a tensor's data."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, (list, dict, set)):
+        return copy.copy(value)
+    return None
+
+
+def _restore(value: Any, copied: Any) -> None:
+    """Put ``copied`` (:func:`_copied`) back into ``value`` in place, so references to it stay
+    valid."""
+    if isinstance(value, torch.Tensor):
+        with torch.no_grad():
+            value.copy_(copied)
+    elif isinstance(value, list):
+        value[:] = copied
+    elif isinstance(value, (dict, set)):
+        value.clear()
+        value.update(copied)
 
 
 def _is_metric(value: Any) -> bool:
@@ -567,9 +599,10 @@ class UserSteps:
 
     @contextlib.contextmanager
     def rehearsal(self, step: str, args: tuple) -> Iterator[Callable[[Any, Any], torch.Tensor]]:
-        """:meth:`loss` as the run computes it for ``step``, to time it at setup on the first
-        batch: its logs are recorded as the run records them and thrown away, and the module's
-        torchmetrics states are put back as they were after the block."""
+        """:meth:`loss` as the run computes it for ``step``, to time it (and the step's code
+        before the model) at setup on the first batch: its logs are recorded as the run
+        records them and thrown away, and what the step changed on the module is put back
+        after the block (:func:`state_kept`)."""
         recorder = LogRecorder(self.module)
 
         def loss(out: Any, microbatch: Any) -> torch.Tensor:
@@ -578,7 +611,7 @@ class UserSteps:
             recorder.take()
             return loss_of(result, step)
 
-        with metrics_kept(self.module):
+        with state_kept(self.module):
             yield loss
 
     def _share(self, microbatch: Any) -> float:

@@ -621,14 +621,16 @@ def _busy(seconds):
 
 
 class CostlyStep(Tiny):
-    """A training step with 10 ms of code before its model and a head (its loss, a
-    torchmetrics mean of it, its logs) of 20 ms after it, once per microbatch."""
+    """A training step with 10 ms of code before its model and a head of 20 ms after it, once
+    per microbatch: its loss, a torchmetrics mean of it and its logs, and what Lightning's docs
+    show for epoch-end hooks (each step's output kept in a list), a counter and a sum."""
 
     def __init__(self):
         super().__init__()
         from torchmetrics import MeanMetric
 
         self.mean_loss = MeanMetric()
+        self.outputs, self.heads, self.total = [], 0, torch.zeros(())
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -638,6 +640,9 @@ class CostlyStep(Tiny):
         loss = F.cross_entropy(out, y)
         self.mean_loss(loss)
         self.log("mean_loss", self.mean_loss, on_step=True, on_epoch=True)
+        self.outputs.append(loss.detach())
+        self.heads += 1
+        self.total += loss.detach()
         return loss
 
 
@@ -661,11 +666,17 @@ def test_the_step_code_around_the_model_is_charged_where_it_runs_and_its_timing_
         t = trainer(strategy, max_steps=3)
         t.fit(model, tiny_data())
         assert (strategy.advice is not None) == advise
-        runs[advise] = (weights(model), dict(t.callback_metrics))
-    (timed, timed_logs), (plain, plain_logs) = runs[True], runs[False]
+        assert model.heads == len(model.outputs) == 3 * 2  # the run's own heads only
+        runs[advise] = (weights(model), dict(t.callback_metrics), model.outputs, model.total)
+    (timed, timed_logs, timed_outs, timed_sum), (plain, plain_logs, plain_outs, plain_sum) = (
+        runs[True],
+        runs[False],
+    )
     assert all(torch.equal(a, b) for a, b in zip(timed, plain, strict=True))
     assert timed_logs.keys() == plain_logs.keys() >= {"mean_loss_step", "mean_loss_epoch"}
     assert all(torch.equal(timed_logs[k], plain_logs[k]) for k in timed_logs)
+    assert all(torch.equal(a, b) for a, b in zip(timed_outs, plain_outs, strict=True))
+    assert torch.equal(timed_sum, plain_sum)
 
 
 def test_the_engines_own_times_are_measured_once_per_process_for_each_kind_of_optimiser(
