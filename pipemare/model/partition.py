@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
 import math
 import statistics
@@ -241,16 +242,12 @@ def head_passes(
         sync, clock = _clock(output)
         for _ in range(repeats + 1):  # the first run warms caches up
             leaf = _leaf(output)
-            start = clock()
-            loss = head(leaf)
-            sync()
-            middle = clock()
             into = [t for t in _flat(leaf) if t.requires_grad]
-            if into and isinstance(loss, torch.Tensor) and loss.requires_grad:
-                torch.autograd.grad(loss, into, allow_unused=True)
-            sync()
-            forwards.append(middle - start)
-            backwards.append(clock() - middle)
+            forward_s, backward_s = _timed_pass(
+                functools.partial(head, leaf), functools.partial(_grad_into, into), sync, clock
+            )
+            forwards.append(forward_s)
+            backwards.append(backward_s)
     return statistics.median(forwards[1:]), statistics.median(backwards[1:])
 
 
@@ -307,17 +304,11 @@ def _layer_passes(model: nn.Sequential, sample: Any, repeats: int) -> list[tuple
     backwards: list[list[float]] = [[] for _ in layers]
     for _ in range(repeats + 1):  # the first round warms caches up
         for layer, x, fw, bw in zip(layers, inputs, forwards, backwards, strict=True):
-            leaf = _leaf(x)
-            start = clock()
-            out = layer(leaf)
-            sync()
-            middle = clock()
-            outs = [t for t in _flat(out) if t.requires_grad]
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            sync()
-            fw.append(middle - start)
-            bw.append(clock() - middle)
+            forward_s, backward_s = _timed_pass(
+                functools.partial(layer, _leaf(x)), _backward_ones, sync, clock
+            )
+            fw.append(forward_s)
+            bw.append(backward_s)
     for layer in layers:
         for p in layer.parameters():
             p.grad = None
@@ -325,6 +316,35 @@ def _layer_passes(model: nn.Sequential, sample: Any, repeats: int) -> list[tuple
         (statistics.median(fw[1:]), statistics.median(bw[1:]))
         for fw, bw in zip(forwards, backwards, strict=True)
     ]
+
+
+def _timed_pass(
+    forward: Callable[[], Any],
+    backward: Callable[[Any], None],
+    sync: Callable[[], Any],
+    clock: Callable[[], float],
+) -> tuple[float, float]:
+    """Seconds of ``forward()`` and of ``backward`` on its result, each waited for."""
+    start = clock()
+    out = forward()
+    sync()
+    middle = clock()
+    backward(out)
+    sync()
+    return middle - start, clock() - middle
+
+
+def _grad_into(into: list[torch.Tensor], loss: Any) -> None:
+    """A head's backward from its loss into ``into`` only (no parameter's gradient moves)."""
+    if into and isinstance(loss, torch.Tensor) and loss.requires_grad:
+        torch.autograd.grad(loss, into, allow_unused=True)
+
+
+def _backward_ones(out: Any) -> None:
+    """A layer's backward from its output: a gradient of ones into each tensor needing one."""
+    outs = [t for t in _flat(out) if t.requires_grad]
+    if outs:
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
 
 #: ``balance="time"`` takes the most even cut whose slowest stage is within this share of the
