@@ -25,13 +25,44 @@ from pathlib import Path
 from typing import Any
 
 import pipemare.engine.stage as stage_module
+from pipemare.engine.executor import Executor
+from pipemare.engine.transport import ACT
+from pipemare.lightning.steps import UserSteps
 from pipemare.model.segments import Segment
 
 WHERE = Path(__file__).resolve().with_name("where.py")
-_times: dict[str, list[float]] = {"stage forward": [], "its segments' calls": [], "its head": []}
+_times: dict[str, list[float]] = {
+    "stage forward": [],
+    "its segments' calls": [],
+    "its head": [],
+    "the input function": [],
+    "the output sent": [],
+}
 _inside = [0.0, 0.0]
 _stage_forward = stage_module.Stage.forward
 _segment_forward = Segment.forward
+_input = UserSteps.input
+_send = Executor._send
+
+
+def _timed_input(self: UserSteps, microbatch: Any) -> Any:
+    """The first stage's input function (the user's step up to its model), in the run."""
+    start = time.perf_counter()
+    try:
+        return _input(self, microbatch)
+    finally:
+        if len(_times["stage forward"]) > 0:  # from microbatch 20 on, as the forwards
+            _times["the input function"].append(time.perf_counter() - start)
+
+
+def _timed_send(self: Executor, src: int, dst: int, channel: str, m: int, payload: Any) -> None:
+    """A forward's output handed to the transport, in the run."""
+    start = time.perf_counter()
+    try:
+        _send(self, src, dst, channel, m, payload)
+    finally:
+        if channel == ACT and m >= 20:
+            _times["the output sent"].append(time.perf_counter() - start)
 
 
 def _timed_segment(self: Segment, values: Any) -> Any:
@@ -76,6 +107,7 @@ def _write(path: Path) -> None:
     lines = [
         f"rank {rank}, {name}: median {1000 * statistics.median(values):.3f} ms over {len(values)}"
         for name, values in _times.items()
+        if values
     ]
     if rank != "0":  # each rank its own file: rank 1's beside rank 0's
         path = path.with_name(f"{path.stem}-rank{rank}{path.suffix}")
@@ -90,6 +122,8 @@ if __name__ == "__main__":
         del sys.argv[at : at + 2]
     stage_module.Stage.forward = _timed_stage  # type: ignore[method-assign]
     Segment.forward = _timed_segment  # type: ignore[method-assign]
+    UserSteps.input = _timed_input  # type: ignore[method-assign]
+    Executor._send = _timed_send  # type: ignore[method-assign]
     atexit.register(_write, Path(os.environ.get("FORWARD_PARTS", "forward_parts.txt")))
     # sys.argv[0] stays this script (runpy would make it where.py's): Lightning launches the
     # other rank with it, clocks and all
