@@ -85,7 +85,8 @@ class PipeMareStrategyMixin(_StrategyBase):
             the run's settings; :attr:`microbatches` is None until the first batch.
         schedule: ``pipemare`` (default), ``async``, ``pipedream``, ``1f1b`` or ``gpipe``.
         balance: layers per stage: ``"time"`` (measured forward+backward time of each layer on
-            the first batch, default), ``"auto"`` (the planner's cut for this P and N from a
+            the first batch, with the training step's code around the model counted on the
+            first and last stages; default), ``"auto"`` (the planner's cut for this P and N from a
             profile of time, memory and the engine's costs, see :mod:`pipemare.planner`),
             ``"params"``, ``"even"`` or a list of counts.
         config: :class:`~pipemare.PipeMareConfig` (T1, T2, T3); default per schedule.
