@@ -10,9 +10,10 @@ run (:class:`Placement`, at setup) and the user's optimisers once Lightning made
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -944,11 +945,17 @@ class PipelineRunner:
                     from pipemare.planner import profile
 
                     # a first build under validate runs in inference mode: profile with autograd
-                    with torch.inference_mode(False), torch.enable_grad():
+                    with (
+                        torch.inference_mode(False),
+                        torch.enable_grad(),
+                        self._head(step, args) as head,
+                    ):
                         x = tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, x)
                         return profile(
                             seq,
                             x,
+                            target=microbatch if head is not None else None,
+                            loss_fn=head,
                             optimizer=copies_of(self._user_optimizer(seq), seq.parameters()),
                             schedule=options.schedule,
                             config=options.config,
@@ -980,10 +987,10 @@ class PipelineRunner:
         A step under manual optimisation, which steps its own optimisers, is not run again:
         its stages are charged their layers only."""
         assert self.adapter is not None
-        if step != "training_step" or self.steps.manual.active:
-            return tuple(passes)
         adapter = self.adapter
-        with self.steps.rehearsal(step, args) as loss:
+        with self._head(step, args) as loss:
+            if loss is None:
+                return tuple(passes)
             before = partition.step_code_seconds(
                 lambda: adapter.capture_input(step, microbatch, *args), x
             )
@@ -993,6 +1000,17 @@ class PipelineRunner:
         last_f, last_b = passes[-1]
         passes[-1] = (last_f + head[0], last_b + head[1])
         return tuple(passes)
+
+    @contextlib.contextmanager
+    def _head(self, step: str, args: tuple) -> Iterator[Callable[[Any, Any], torch.Tensor] | None]:
+        """The last stage's loss on ``(output, microbatch)`` as the run computes it, to time at
+        setup (:meth:`UserSteps.rehearsal`); None outside a training step, and under manual
+        optimisation, whose step steps its own optimisers and is not run again."""
+        if step != "training_step" or self.steps.manual.active:
+            yield None
+            return
+        with self.steps.rehearsal(step, args) as loss:
+            yield loss
 
     def _optimizers_given(self) -> bool:
         """Whether ``configure_optimizers`` returned optimisers of the model (Lightning's

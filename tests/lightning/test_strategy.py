@@ -625,18 +625,19 @@ class CostlyStep(Tiny):
     per microbatch: its loss, a torchmetrics mean of it and its logs, and what Lightning's docs
     show for epoch-end hooks (each step's output kept in a list), a counter and a sum."""
 
-    def __init__(self):
+    def __init__(self, before_s=0.01, head_s=0.02):
         super().__init__()
         from torchmetrics import MeanMetric
 
         self.mean_loss = MeanMetric()
         self.outputs, self.heads, self.total = [], 0, torch.zeros(())
+        self.before_s, self.head_s = before_s, head_s
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        _busy(0.01)
+        _busy(self.before_s)
         out = self.net(x)
-        _busy(0.02)
+        _busy(self.head_s)
         loss = F.cross_entropy(out, y)
         self.mean_loss(loss)
         self.log("mean_loss", self.mean_loss, on_step=True, on_epoch=True)
@@ -677,6 +678,27 @@ def test_the_step_code_around_the_model_is_charged_where_it_runs_and_its_timing_
     assert all(torch.equal(timed_logs[k], plain_logs[k]) for k in timed_logs)
     assert all(torch.equal(a, b) for a, b in zip(timed_outs, plain_outs, strict=True))
     assert torch.equal(timed_sum, plain_sum)
+
+
+def test_balance_auto_profiles_the_training_steps_head_with_the_last_layer(monkeypatch):
+    """The planner's profile (balance="auto") times the loss as the run computes it, the
+    user's head included, on the last layer; the run keeps only its own heads' outputs."""
+    from pipemare import planner
+
+    profiles = []
+    real = planner.profile
+
+    def kept(*args, **kwargs):
+        profiles.append(real(*args, **kwargs))
+        return profiles[-1]
+
+    monkeypatch.setattr(planner, "profile", kept)
+    model = CostlyStep(before_s=0.0, head_s=0.005)
+    strategy = PipeMareStrategy(stages=2, balance="auto")
+    trainer(strategy, max_steps=2).fit(model, tiny_data())
+    (profiled,) = profiles
+    assert profiled.layers[0][-1].forward_s >= 0.005 > profiled.layers[0][0].forward_s
+    assert model.heads == len(model.outputs) == 2 * strategy.microbatches
 
 
 def test_the_engines_own_times_are_measured_once_per_process_for_each_kind_of_optimiser(
