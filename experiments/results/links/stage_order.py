@@ -34,22 +34,8 @@ def _inputs(layers: list[nn.Module], sample: torch.Tensor) -> list[Any]:
 
 
 def back_to_back(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 5) -> Passes:
-    """Each layer's forward, then its backward, layer after layer (as setup times them)."""
-    sync, clock = partition._clock(sample)
-    inputs = _inputs(layers, sample)
-    forwards: list[list[float]] = [[] for _ in layers]
-    backwards: list[list[float]] = [[] for _ in layers]
-    for _ in range(repeats + 1):
-        for layer, x, fw, bw in zip(layers, inputs, forwards, backwards, strict=True):
-            start = clock()
-            out = layer(partition._leaf(x))
-            sync()
-            middle = clock()
-            partition._backward_ones(out)
-            sync()
-            fw.append(middle - start)
-            bw.append(clock() - middle)
-    return _medians(forwards, backwards)
+    """Each layer's forward, then its backward, layer after layer: setup's own timing."""
+    return partition.layer_passes(nn.Sequential(*layers), sample, repeats)
 
 
 def stage_order(layers: list[nn.Module], sample: torch.Tensor, repeats: int = 5) -> Passes:
