@@ -962,44 +962,41 @@ class PipelineRunner:
                             forward_context=forward_context,
                         )
                 with forward_context():  # time what will run
-                    passes = partition.layer_passes(seq, x)
-                    out[batch_size(x)] = self._with_step_code(
-                        passes, seq, x, microbatch, step, args
+                    out[batch_size(x)], sizes[batch_size(x)] = self._timed_step(
+                        seq, x, microbatch, step, args
                     )
-                    sizes[batch_size(x)] = tuple(partition.layer_out_bytes(seq, x))
         return out, sizes
 
-    def _with_step_code(
-        self,
-        passes: list[tuple[float, float]],
-        seq: nn.Sequential,
-        x: Any,
-        microbatch: Any,
-        step: str,
-        args: tuple,
-    ) -> tuple[tuple[float, float], ...]:
-        """``passes`` with the user's training step around the model charged where it runs,
-        once per microbatch: its code before the model to the first layer's forward, and its
-        head (the loss, metrics and logs on the model's output) to the last layer's forward and
-        backward; so the cut, N and the advice see the first and last stages' whole work. Run
-        on the first microbatch with its logs thrown away, what it changed on the module put
-        back (:meth:`UserSteps.rehearsal`) and its random numbers forked (:meth:`_measure`).
-        A step under manual optimisation, which steps its own optimisers, is not run again:
-        its stages are charged their layers only."""
+    def _timed_step(
+        self, seq: nn.Sequential, x: Any, microbatch: Any, step: str, args: tuple
+    ) -> tuple[tuple[tuple[float, float], ...], tuple[int, ...]]:
+        """Each layer's forward and backward seconds on ``x``, with the user's training step
+        around the model charged where it runs, once per microbatch: its code before the model
+        to the first layer's forward, and its head (the loss, metrics and logs on the model's
+        output) to the last layer's forward and backward; so the cut, N and the advice see the
+        first and last stages' whole work. And each layer's output bytes. One forward through
+        the layers serves all three (:func:`~pipemare.model.partition.time_layers`). The step
+        runs on the first microbatch with its logs thrown away, what it changed on the module
+        put back (:meth:`UserSteps.rehearsal`) and its random numbers forked
+        (:meth:`_measure`). A step under manual optimisation, which steps its own optimisers,
+        is not run again: its stages are charged their layers only."""
         assert self.adapter is not None
         adapter = self.adapter
         with self._head(step, args) as loss:
-            if loss is None:
-                return tuple(passes)
-            before = partition.step_code_seconds(
-                lambda: adapter.capture_input(step, microbatch, *args), x
-            )
-            head = partition.head_passes(lambda out: loss(out, microbatch), seq, x)
-        (first_f, first_b), *rest = passes
-        passes = [(first_f + before, first_b), *rest]
-        last_f, last_b = passes[-1]
-        passes[-1] = (last_f + head[0], last_b + head[1])
-        return tuple(passes)
+            head = None if loss is None else (lambda out: loss(out, microbatch))
+            timed = partition.time_layers(seq, x, head=head)
+            before = 0.0
+            if loss is not None:
+                before = partition.step_code_seconds(
+                    lambda: adapter.capture_input(step, microbatch, *args), x
+                )
+        passes = list(timed.passes)
+        if timed.head is not None:
+            (first_f, first_b), *rest = passes
+            passes = [(first_f + before, first_b), *rest]
+            last_f, last_b = passes[-1]
+            passes[-1] = (last_f + timed.head[0], last_b + timed.head[1])
+        return tuple(passes), timed.out_bytes
 
     @contextlib.contextmanager
     def _head(self, step: str, args: tuple) -> Iterator[Callable[[Any, Any], torch.Tensor] | None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import itertools
 import math
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 __all__ = [
+    "LayerTimes",
     "balance_by_cost",
     "balance_by_params",
     "balance_by_time",
@@ -28,6 +30,7 @@ __all__ = [
     "layer_times",
     "split",
     "step_code_seconds",
+    "time_layers",
 ]
 
 
@@ -206,48 +209,110 @@ def layer_passes(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[tu
     on a busy machine the wall clock of every run of a layer could hold such a pause, and
     move the layer's time, and with it the cut, from one run of the same script to the next.
     """
+    return list(time_layers(model, sample, repeats=repeats).passes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTimes:
+    """What :func:`time_layers` measured on one microbatch."""
+
+    passes: tuple[tuple[float, float], ...]
+    """Each layer's forward and backward seconds (:func:`layer_passes`)."""
+    out_bytes: tuple[int, ...]
+    """Each layer's output bytes (:func:`layer_out_bytes`)."""
+    head: tuple[float, float] | None
+    """The head's forward and backward seconds on the model's output (:func:`head_passes`);
+    None without a head."""
+
+
+def time_layers(
+    model: nn.Sequential,
+    sample: Any,
+    head: Callable[[Any], Any] | None = None,
+    repeats: int = 5,
+) -> LayerTimes:
+    """:func:`layer_passes`, :func:`layer_out_bytes` and, with ``head``, :func:`head_passes`
+    from one forward through the layers without autograd, where calling the three would run
+    three: each layer's input is kept from that forward, and the model's output is the head's.
+    The buffers (BatchNorm's running statistics) are put back as they were.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> timed = time_layers(model, torch.randn(3, 4), head=lambda out: out.square().sum())
+        >>> len(timed.passes), timed.out_bytes, timed.head is not None
+        (3, (96, 96, 24), True)
+    """
     check_sequential(model)
-    # Timing runs the layers in their mode: a BatchNorm's running statistics would move.
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     # Lightning may call this from validation, under inference mode: time with autograd on.
     try:
         with torch.inference_mode(False), torch.enable_grad():
-            return _layer_passes(model, _clone(sample), repeats)
+            layers = [layer for _, layer in _layers(model)]
+            inputs, x = [], _clone(sample)  # each layer's input, as the pipeline gives it
+            with torch.no_grad():
+                for layer in layers:
+                    inputs.append(x)
+                    x = layer(_leaf(x))
+            sync, clock = _clock(sample)
+            passes = _layer_passes(layers, inputs, repeats, sync, clock)
+            timed_head = None
+            if head is not None:
+                timed_head = _head_passes(head, x, repeats, *_clock(x))
     finally:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
+    return LayerTimes(
+        passes=tuple(passes),
+        out_bytes=tuple(_nbytes(out) for out in [*inputs[1:], x]),
+        head=timed_head,
+    )
 
 
 def layer_out_bytes(model: nn.Sequential, sample: Any) -> list[int]:
     """Bytes of each layer's output on ``sample``: what a microbatch carries across a cut after
     that layer (one forward, without autograd)."""
-    return [sum(t.numel() * t.element_size() for t in _flat(x)) for x in _outputs(model, sample)]
+    return [_nbytes(x) for x in _outputs(model, sample)]
 
 
 def head_passes(
-    head: Callable[[Any], Any], model: nn.Sequential, sample: Any, repeats: int = 5
+    head: Callable[[Any], Any],
+    model: nn.Sequential,
+    sample: Any,
+    repeats: int = 5,
+    clock: Callable[[], float] | None = None,
 ) -> tuple[float, float]:
     """Seconds of ``head``'s forward and of its backward into the model's output: what the last
     stage computes after its layers (a training step's loss, metrics and logs) on ``model``'s
-    output for ``sample``, timed as :func:`layer_passes` times a layer.
+    output for ``sample``, timed as :func:`layer_passes` times a layer, or on ``clock`` where
+    the layers it goes with were timed on another (the planner's, for one).
 
     ``head`` takes the output and returns the loss. Its backward reaches the output only:
     parameters it uses outside the model are given no gradient.
     """
-    forwards: list[float] = []
-    backwards: list[float] = []
     with torch.inference_mode(False), torch.enable_grad():
         (output,) = collections.deque(_outputs(model, sample), maxlen=1)  # the last layer's
-        sync, clock = _clock(output)
-        for _ in range(repeats + 1):  # the first run warms caches up
-            leaf = _leaf(output)
-            into = [t for t in _flat(leaf) if t.requires_grad]
-            forward_s, backward_s = _timed_pass(
-                functools.partial(head, leaf), functools.partial(_grad_into, into), sync, clock
-            )
-            forwards.append(forward_s)
-            backwards.append(backward_s)
+        sync, default = _clock(output)
+        return _head_passes(head, output, repeats, sync, clock or default)
+
+
+def _head_passes(
+    head: Callable[[Any], Any],
+    output: Any,
+    repeats: int,
+    sync: Callable[[], Any],
+    clock: Callable[[], float],
+) -> tuple[float, float]:
+    forwards: list[float] = []
+    backwards: list[float] = []
+    for _ in range(repeats + 1):  # the first run warms caches up
+        leaf = _leaf(output)
+        into = [t for t in _flat(leaf) if t.requires_grad]
+        forward_s, backward_s = _timed_pass(
+            functools.partial(head, leaf), functools.partial(_grad_into, into), sync, clock
+        )
+        forwards.append(forward_s)
+        backwards.append(backward_s)
     return statistics.median(forwards[1:]), statistics.median(backwards[1:])
 
 
@@ -292,14 +357,14 @@ def _clock(sample: Any) -> tuple[Callable[[], Any], Callable[[], float]]:
     return (lambda: None), time.perf_counter
 
 
-def _layer_passes(model: nn.Sequential, sample: Any, repeats: int) -> list[tuple[float, float]]:
-    sync, clock = _clock(sample)
-    layers = [layer for _, layer in _layers(model)]
-    inputs, x = [], sample  # each layer's input, as the pipeline gives it
-    with torch.no_grad():
-        for layer in layers:
-            inputs.append(x)
-            x = layer(_leaf(x))
+def _layer_passes(
+    layers: list[nn.Module],
+    inputs: list[Any],
+    repeats: int,
+    sync: Callable[[], Any],
+    clock: Callable[[], float],
+) -> list[tuple[float, float]]:
+    """Each of ``layers`` timed on its input in ``inputs``, in rounds (:func:`layer_passes`)."""
     forwards: list[list[float]] = [[] for _ in layers]
     backwards: list[list[float]] = [[] for _ in layers]
     for _ in range(repeats + 1):  # the first round warms caches up
@@ -357,6 +422,10 @@ def balance_by_time(model: nn.Sequential, sample: Any, stages: int) -> list[int]
     """Split so that every stage's measured forward+backward time is about the same: the most
     even cut (in layers) whose slowest stage is within :data:`TIME_TOLERANCE` of the best."""
     return balance_by_cost(layer_times(model, sample), stages, tolerance=TIME_TOLERANCE)
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _flat(value))
 
 
 def _flat(value: Any) -> list[torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from pipemare.engine.telemetry import replay_timeline
-from pipemare.model.partition import _flat, _layers, _leaf, layer_passes
+from pipemare.model.partition import _flat, _layers, head_passes, layer_passes
 from pipemare.optim.config import PipeMareConfig
 from pipemare.planner.measurements import ForwardContext, OptimizerFactory
 from pipemare.planner.saved_bytes import _first_holders, _nbytes, _sum_loss
@@ -243,23 +243,19 @@ def _time_engine(
 def _time_loss(
     seq: nn.Sequential, sample: Any, target: Any, training: _Training
 ) -> tuple[float, float]:
-    """Median seconds of the loss's forward and backward on the model's output."""
-    with torch.no_grad():
-        output = seq(sample)
-    forward, backward = [], []
+    """Median seconds of the loss's forward and of its backward into the model's output, timed
+    as :func:`~pipemare.model.partition.head_passes` times a head, on the wall clock the
+    engine's actions here are timed on; under the run's forward context, as the last stage
+    runs it."""
     enter = training.forward_context
-    for _ in range(training.repeats + 2):
-        out = _leaf(output)
-        context = enter() if enter is not None else contextlib.nullcontext()
-        start = time.perf_counter()
-        with context:
-            value = training.loss(out, target)
-        middle = time.perf_counter()
-        if value.requires_grad:
-            value.backward()
-        forward.append(middle - start)
-        backward.append(time.perf_counter() - middle)
-    return _median(forward[2:]), _median(backward[2:])
+    with enter() if enter is not None else contextlib.nullcontext():
+        return head_passes(
+            lambda out: training.loss(out, target),
+            seq,
+            sample,
+            repeats=training.repeats,
+            clock=time.perf_counter,
+        )
 
 
 def _time_updates(seq: nn.Sequential, batch: Any, training: _Training) -> list[list[float]]:

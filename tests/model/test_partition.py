@@ -171,3 +171,50 @@ def test_the_head_is_timed_into_the_models_output_and_leaves_the_rest_as_it_was(
         pytest.approx(0.125)
     )
     assert len(calls) == 6  # a warm-up and five timed
+
+
+def test_one_forward_through_the_layers_serves_their_times_their_sizes_and_the_head(monkeypatch):
+    """Setup times the layers, measures what each sends across a cut and times the step's head
+    on the model's output at every N it weighs: from one forward through the layers without
+    autograd, where calling the three one after another ran three (a whole forward of the
+    microbatch each, at N = 1 the whole batch's). The figures are the three's, the head's
+    backward reaches the output only, and the model's buffers are as before."""
+    clock = _Clock(start=0, calls=0, pause=0.0)
+    reads = {"perf_counter": clock.read, "thread_time": clock.read}
+    monkeypatch.setattr(
+        partition, "time", SimpleNamespace(**reads, get_clock_info=time.get_clock_info)
+    )
+    untimed = []  # the forwards each layer runs without autograd
+
+    class Counted(_Costly):
+        def forward(self, x):
+            if not torch.is_grad_enabled():
+                untimed.append(self)
+            return super().forward(x)
+
+    model = nn.Sequential(*(Counted(clock, f, b) for f, b in COSTS), nn.BatchNorm1d(3))
+    statistics = [b.clone() for b in model.buffers()]
+    outside = nn.Parameter(torch.ones(3))
+    head_cost = _Costly(clock, 0.25, 0.5)
+    x = torch.randn(4, 3)
+
+    def head(out):
+        return (head_cost(out) * outside).sum()
+
+    timed = partition.time_layers(model, x, head=head)
+    assert len(untimed) == len(COSTS)  # each layer once
+    assert [t for p in timed.passes[:-1] for t in p] == pytest.approx([t for c in COSTS for t in c])
+    assert timed.head == pytest.approx((0.25, 0.5))
+    assert outside.grad is None and head_cost.scale.grad is None
+    assert all(torch.equal(a, b) for a, b in zip(model.buffers(), statistics, strict=True))
+    untimed.clear()
+    apart = (
+        partition.layer_passes(model, x),
+        partition.layer_out_bytes(model, x),
+        partition.head_passes(head, model, x),
+    )
+    assert len(untimed) == 3 * len(COSTS)
+    assert [t for p in timed.passes for t in p] == pytest.approx([t for p in apart[0] for t in p])
+    assert list(timed.out_bytes) == apart[1] == [4 * 3 * 4] * len(model)
+    assert timed.head == pytest.approx(apart[2])
+    assert partition.time_layers(model, x).head is None

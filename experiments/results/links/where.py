@@ -54,15 +54,16 @@ FROM_STEP = 10
 _SETUP: dict[str, Any] = {}
 _TIMED: dict[int, tuple[Any, Any]] = {}  # rows -> (the layers, the microbatch) setup timed
 _layer_passes = partition.layer_passes
+_time_layers = partition.time_layers
 
 
 def _keeping_what_is_timed(seq, sample, *args, **kwargs):
-    """:func:`~pipemare.model.partition.layer_passes` that keeps what it timed."""
+    """:func:`~pipemare.model.partition.time_layers` that keeps what it timed."""
     _TIMED[batch_size(sample)] = (
         seq,
         tree_map(lambda t: t.clone() if torch.is_tensor(t) else t, sample),
     )
-    return _layer_passes(seq, sample, *args, **kwargs)
+    return _time_layers(seq, sample, *args, **kwargs)
 
 
 def _keep_setup(decide):
@@ -162,7 +163,7 @@ def main() -> None:
     else:
         strategy = PipeMareStrategy(schedule="1f1b", microbatches=args.n)
     runner_module.decide = _keep_setup(runner_module.decide)
-    partition.layer_passes = _keeping_what_is_timed
+    partition.time_layers = _keeping_what_is_timed
     clock = ActionClock(args.schedule)
     make_trainer = step_clock.pl.Trainer
     step_clock.pl.Trainer = lambda *a, callbacks=(), **k: make_trainer(
