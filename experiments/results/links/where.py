@@ -16,7 +16,9 @@ alone on the machine::
     python experiments/results/links/where.py 192 8 64 pipemare
     python experiments/results/links/where.py 192 8 64 1f1b 4
 
-Rank 0 appends a ``WHERE`` line (JSON) with both ranks' figures to ``--out``.
+Rank 0 appends a ``WHERE`` line (JSON) with both stages' figures to ``--out``. With
+``--one-process`` one process runs both stages (``PipeMareStrategy(stages=2)``, one core busy,
+messages passed by reference): the same actions without a second process beside them.
 """
 
 from __future__ import annotations
@@ -107,12 +109,15 @@ class ActionClock(pl.Callback):
             )
         )
         spans = trainer.strategy.pipeline.probe.take_spans()
-        self.figures = _figures(spans, self.schedule, trainer.global_rank, wall, process, thread)
+        stages = sorted({span[0] for span in spans})
+        self.figures = [
+            _figures(spans, self.schedule, stage, wall, process, thread) for stage in stages
+        ]
         if trainer.global_rank == 0:  # its layers are its own: time them again, as setup did
             rows = -(-_SETUP["rows"] // _SETUP["n"])
             seq, sample = _TIMED[rows]
             again = _layer_passes(nn.Sequential(*list(seq)[: _SETUP["cut"][0]]), sample)
-            self.figures["retimed_ms"] = {
+            self.figures[0]["retimed_ms"] = {
                 "F": 1e3 * sum(f for f, _ in again),
                 "B": 1e3 * sum(b for _, b in again),
             }
@@ -121,10 +126,12 @@ class ActionClock(pl.Callback):
 def _figures(
     spans, schedule: str, rank: int, wall: float, process: float, thread: float
 ) -> dict[str, Any]:
-    """Per action kind, the measured median and the setup's charge (milliseconds)."""
+    """Per action kind, the measured median and the setup's charge (milliseconds), for the
+    stage of index ``rank`` (a process's own, or one of those one process runs)."""
     kinds = defaultdict(list)
-    for _, name, _, start, end in spans:
-        kinds[name].append(end - start)
+    for stage, name, _, start, end in spans:
+        if stage == rank:
+            kinds[name].append(end - start)
     updates = len(kinds["U"])
     cut, n, rows = _SETUP["cut"], _SETUP["n"], _SETUP["rows"]
     bounds = list(itertools.accumulate([0, *cut]))
@@ -157,11 +164,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     gpt_and_schedule_arguments(parser)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "where.jsonl")
+    parser.add_argument(
+        "--one-process",
+        action="store_true",
+        help="both stages in one process (one core busy, no messages): the actions' cost "
+        "without a second process beside them",
+    )
     args = parser.parse_args()
+    # in one process the strategy is told its two stages; over two, each process holds one
+    stages = {"stages": 2} if args.one_process else {}
     if args.schedule == "pipemare":
-        strategy = PipeMareStrategy()
+        strategy = PipeMareStrategy(**stages)
     else:
-        strategy = PipeMareStrategy(schedule="1f1b", microbatches=args.n)
+        strategy = PipeMareStrategy(schedule="1f1b", microbatches=args.n, **stages)
     runner_module.decide = _keep_setup(runner_module.decide)
     partition.time_layers = _keeping_what_is_timed
     clock = ActionClock(args.schedule)
@@ -169,13 +184,25 @@ def main() -> None:
     step_clock.pl.Trainer = lambda *a, callbacks=(), **k: make_trainer(
         *a, callbacks=[*callbacks, clock], **k
     )
-    trainer, step_ms = step_clock.timed_fit(strategy, args.width, args.layers, args.context)
-    gathered: list[Any] = [None, None]
-    dist.all_gather_object(gathered, clock.figures)
+    trainer, step_ms = step_clock.timed_fit(
+        strategy, args.width, args.layers, args.context, devices=1 if args.one_process else 2
+    )
+    if args.one_process:
+        gathered = clock.figures
+    else:
+        each: list[Any] = [None, None]
+        dist.all_gather_object(each, clock.figures)
+        gathered = [figures for rank in each for figures in rank]
     if trainer.global_rank != 0:
         return
     model = {"width": args.width, "layers": args.layers, "context": args.context}
-    record = {**model, "schedule": args.schedule, "step_ms": step_ms, "ranks": gathered}
+    record = {
+        **model,
+        "schedule": args.schedule,
+        "processes": 1 if args.one_process else 2,
+        "step_ms": step_ms,
+        "ranks": gathered,
+    }
     for figures in gathered:
         shown = ", ".join(
             f"{k} {figures['measured_ms'][k]:.2f} against {figures['charged_ms'][k]:.2f}"
@@ -186,7 +213,7 @@ def main() -> None:
             shown += f"; its layers timed again after the run: F {retimed['F']:.2f}, B "
             shown += f"{retimed['B']:.2f} (without the engine's fixed cost)"
         print(
-            f"{args.schedule} rank {figures['rank']} (N={figures['N']}, cut {figures['cut']}): "
+            f"{args.schedule} stage {figures['rank']} (N={figures['N']}, cut {figures['cut']}): "
             f"median ms measured against charged: {shown}; per step "
             f"{json.dumps({k: round(v, 1) for k, v in figures['per_step_ms'].items()})}; "
             f"CPU {figures['cpu_share']['training thread']:.0%} of the wall clock"
