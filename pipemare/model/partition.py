@@ -243,6 +243,7 @@ def time_layers(
         (3, (96, 96, 24), True)
     """
     check_sequential(model)
+    # Timing runs the layers in their mode: a BatchNorm's running statistics would move.
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     # Lightning may call this from validation, under inference mode: time with autograd on.
     try:

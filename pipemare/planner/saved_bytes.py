@@ -12,16 +12,12 @@ import torch
 from torch import nn
 
 from pipemare.engine.microbatch import _map
-from pipemare.model.partition import _flat, _layers, _leaf
+from pipemare.model.partition import _flat, _layers, _leaf, _nbytes
 from pipemare.planner.measurements import ForwardContext
 
 
 def _rows(value: Any, n: int) -> Any:
     return _map(value, lambda t: t[:n] if t.dim() > 0 else t)
-
-
-def _nbytes(value: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _flat(value))
 
 
 def _storages(value: Any) -> set[int]:
