@@ -178,7 +178,7 @@ class RunFacts:
             after fit, for test, runs the same layout); None at the first build.
         overheads: per schedule, the engine's own seconds per forward, backward and update
             action whatever the layers, per trained parameter in an update and in a delayed
-            stage's forward, and per trained tensor in an update
+            stage's forward, and per trained tensor in an update, a forward and a backward
             (:func:`~pipemare.planner.engine_overhead`): a replay adds the fixed seconds to
             each stage's layers and charges the rates times the parameters and tensors the
             stage trains (:attr:`ModelFacts.layer_trained`, :attr:`ModelFacts.layer_tensors`);
@@ -551,9 +551,10 @@ def _replayed_steps(
     (the optimiser's and the corrections' arithmetic and dispatch: once a step whatever N; an
     asynchronous schedule's last stage, which has no delay, at its own rates), and a delayed
     stage's forward (every stage but an asynchronous schedule's last) the forward's rate per
-    parameter on top (weight prediction: once a microbatch). Where :attr:`RunFacts.links`
-    are known, each microbatch's activations and gradients cross them (the bytes of the last
-    layer before each cut); otherwise communication is free."""
+    parameter on top (weight prediction: once a microbatch), and every stage's forward and
+    backward their rates per tensor (the engine's work on each weight around a pass). Where
+    :attr:`RunFacts.links` are known, each microbatch's activations and gradients cross them
+    (the bytes of the last layer before each cut); otherwise communication is free."""
     overhead = facts.overheads.get(schedule, Overhead(0.0, 0.0, 0.0))
     trained = facts.model.layer_trained
     tensors = facts.model.layer_tensors

@@ -84,6 +84,11 @@ class Overhead:
     size (the optimiser's and the corrections' dispatch per tensor: 25-35 µs with AdamW on a
     CPU thread, where a stage of a few dozen small tensors updates in a few milliseconds),
     from the same pipeline of trivial layers with many scalar weights a layer; 0 where not
+    measured. ``forward_per_tensor_s`` and ``backward_per_tensor_s``: what the engine's
+    forward and backward add for each trained tensor beyond the first, beyond the layers' own
+    work on it (pipemare's forward keeps every weight's version and moves each weight twice
+    for weight prediction: about 5 µs a tensor on a CPU thread, against under 1 µs for 1F1B),
+    from the same pipeline, on its delayed stages and charged to every stage; 0 where not
     measured.
     """
 
@@ -95,13 +100,15 @@ class Overhead:
     undelayed_update_per_param_s: float | None = None
     update_per_tensor_s: float = 0.0
     undelayed_update_per_tensor_s: float | None = None
+    forward_per_tensor_s: float = 0.0
+    backward_per_tensor_s: float = 0.0
 
     def charge(self, trained: int, delayed: bool, tensors: int = 1) -> tuple[float, float, float]:
         """What a stage that trains ``trained`` parameters in ``tensors`` tensors pays per
         forward, backward and update beyond its layers' own passes: the fixed seconds, the
-        forward's rate where the stage is ``delayed`` (weight prediction), and the update's
-        rates, per parameter and per tensor beyond the first, for a delayed stage or one
-        without delay.
+        forward's rate where the stage is ``delayed`` (weight prediction), each pass's rate
+        per tensor beyond the first, and the update's rates, per parameter and per tensor
+        beyond the first, for a delayed stage or one without delay.
 
         Example:
             >>> last = Overhead(1.0, 2.0, 3.0, 0.5, 0.25, undelayed_update_per_param_s=0.1)
@@ -109,6 +116,9 @@ class Overhead:
             ((2.0, 2.0, 5.0), (1.0, 2.0, 3.4))
             >>> Overhead(1.0, 2.0, 3.0, update_per_tensor_s=0.5).charge(0, True, tensors=3)
             (1.0, 2.0, 4.0)
+            >>> passes = Overhead(1.0, 2.0, 3.0, forward_per_tensor_s=0.5)
+            >>> dataclasses.replace(passes, backward_per_tensor_s=0.25).charge(0, True, 3)
+            (2.0, 2.5, 3.0)
         """
 
         def rate(shared: float, undelayed: float | None) -> float:
@@ -116,9 +126,12 @@ class Overhead:
 
         per_param = rate(self.update_per_param_s, self.undelayed_update_per_param_s)
         per_tensor = rate(self.update_per_tensor_s, self.undelayed_update_per_tensor_s)
+        beyond = max(tensors - 1, 0)
         forward = self.forward_per_param_s * trained if delayed else 0.0
-        update = self.update_s + per_param * trained + per_tensor * max(tensors - 1, 0)
-        return self.forward_s + forward, self.backward_s, update
+        forward += self.forward_per_tensor_s * beyond
+        backward = self.backward_s + self.backward_per_tensor_s * beyond
+        update = self.update_s + per_param * trained + per_tensor * beyond
+        return self.forward_s + forward, backward, update
 
 
 @dataclasses.dataclass(frozen=True)

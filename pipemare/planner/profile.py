@@ -32,6 +32,7 @@ from pipemare.planner.timing import (
     _medians,
     _Runs,
     _Samples,
+    _scalars_own_per_tensor,
     _time_loss,
     _time_stages,
     _time_updates,
@@ -206,12 +207,18 @@ def engine_overhead(
         many, last_many = _pooled(
             _calibrate(training, device, hooked=False, weights=TENSORS_PER_LAYER)
         )
+        own_forward, own_backward = _scalars_own_per_tensor(device)
         width = dense_width(stage_params)
         forward, update, last_update, params = _calibrate_dense(training, device, width)
     # each update beyond the one-weight stage's, per weight beyond its one
     per_tensor, last_per_tensor = (
         max(_median(more[2]) - _median(one[2]), 0.0) / (TENSORS_PER_LAYER - 1)
         for more, one in ((many, delayed), (last_many, undelayed))
+    )
+    # each delayed pass beyond the one-weight stage's, per weight, less the layer's own multiply
+    forward_per_tensor, backward_per_tensor = (
+        max((_median(many[k]) - _median(delayed[k])) / (TENSORS_PER_LAYER - 1) - own, 0.0)
+        for k, own in ((0, own_forward), (1, own_backward))
     )
     flushing = spec(schedule).flushes  # every stage updates alike
     # the dense stand-in trains two tensors (weight, bias): one beyond the scalar layer's
@@ -224,6 +231,8 @@ def engine_overhead(
         else max(last_update - fixed[2] - last_per_tensor, 0.0) / params,
         update_per_tensor_s=per_tensor,
         undelayed_update_per_tensor_s=None if flushing else last_per_tensor,
+        forward_per_tensor_s=forward_per_tensor,
+        backward_per_tensor_s=backward_per_tensor,
     )
 
 

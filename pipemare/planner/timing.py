@@ -300,6 +300,19 @@ class _Scalars(nn.Module):
 TENSORS_PER_LAYER = 16
 
 
+def _scalars_own_per_tensor(device: torch.device, repeats: int = 21) -> tuple[float, float]:
+    """Seconds per weight beyond the first that :class:`_Scalars`' own forward and backward
+    take (a multiply each), timed alone as :func:`~pipemare.model.partition.layer_passes`
+    times a model's layers: what the per-tensor calibration's actions hold besides the
+    engine's own work per tensor."""
+    x = torch.ones(1, 1, device=device)
+    ((one_f, one_b),) = layer_passes(nn.Sequential(_Scalar().to(device)), x, repeats)
+    many = nn.Sequential(_Scalars(TENSORS_PER_LAYER).to(device))
+    ((many_f, many_b),) = layer_passes(many, x, repeats)
+    beyond = TENSORS_PER_LAYER - 1
+    return max(many_f - one_f, 0.0) / beyond, max(many_b - one_b, 0.0) / beyond
+
+
 def _calibration_training(training: _Training) -> _Training:
     """How the calibration pipelines train: ``training``'s optimiser, schedule and corrections,
     a plain sum for the loss, no forward context, at least ten timed steps."""

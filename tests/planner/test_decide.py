@@ -397,6 +397,52 @@ def test_the_replay_charges_each_stage_update_by_the_tensors_it_trains():
     assert unknown.step_s == pytest.approx(replay("pipemare", 2, (1, 1)))
 
 
+def test_the_replay_charges_each_stage_pass_by_the_tensors_it_trains():
+    """pipemare's forward keeps each weight's version and moves each weight for weight
+    prediction, a few microseconds a tensor: the replay charges each forward and backward the
+    measured rate per tensor beyond a stage's first, each schedule at its own, so a stage of
+    the same parameters in more tensors replays a longer step; before, only the update was
+    charged per tensor and the passes replayed alike."""
+    overheads = {
+        "pipemare": Overhead(
+            0.001, 0.001, 0.002, forward_per_tensor_s=2e-4, backward_per_tensor_s=5e-5
+        ),
+        "1f1b": Overhead(
+            0.001, 0.001, 0.002, forward_per_tensor_s=1e-5, backward_per_tensor_s=5e-5
+        ),
+    }
+    few = dataclasses.replace(SEQ, layer_trained=(10,) * 6, layer_tensors=(2,) * 6)
+    many = dataclasses.replace(few, layer_tensors=(2, 2, 2, 12, 12, 12))
+
+    def advised(model):
+        advice = decide(
+            PipelineOptions(stages=2, balance="even"), _rows_facts(model, overheads)
+        ).advice
+        assert advice is not None
+        return advice
+
+    def replay(schedule, n, tensors):
+        o = overheads[schedule]
+        stage = (0.001 * (8 // n), 2 * 0.001 * (8 // n))
+        durations = [
+            (
+                o.forward_s + o.forward_per_tensor_s * (count - 1) + stage[0],
+                o.backward_s + o.backward_per_tensor_s * (count - 1) + stage[1],
+                o.update_s,
+            )
+            for count in tensors
+        ]
+        return replayed_step_time(schedule, durations, n)
+
+    for model, tensors in ((few, (6, 6)), (many, (6, 36))):
+        advice = advised(model)
+        assert advice.step_s == pytest.approx(replay("pipemare", 2, tensors))
+        assert dict(advice.baseline_by_n) == pytest.approx(
+            {n: replay("1f1b", n, tensors) for n in (1, 2, 4, 8)}
+        )
+    assert advised(many).step_s > advised(few).step_s
+
+
 def test_a_layout_the_references_did_not_measure_is_said_to_be_not_measured():
     """AdamW's family at an N no reference task ran: where the family was measured is said."""
     passes = lambda rows: _passes(*[0.001 * rows] * 6)  # noqa: E731
