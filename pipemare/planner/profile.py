@@ -221,11 +221,12 @@ def engine_overhead(
         for k, own in ((0, own_forward), (1, own_backward))
     )
     flushing = spec(schedule).flushes  # every stage updates alike
-    # the dense stand-in trains two tensors (weight, bias): one beyond the scalar layer's
+    # the dense stand-in trains two tensors (weight, bias): one beyond the scalar layer's, in
+    # its forward as in its update
     return Overhead(
         *fixed,
         update_per_param_s=max(update - fixed[2] - per_tensor, 0.0) / params,
-        forward_per_param_s=max(forward - fixed[0], 0.0) / params,
+        forward_per_param_s=max(forward - fixed[0] - forward_per_tensor, 0.0) / params,
         undelayed_update_per_param_s=None
         if flushing
         else max(last_update - fixed[2] - last_per_tensor, 0.0) / params,

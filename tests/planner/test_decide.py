@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -354,6 +355,18 @@ def test_the_replay_charges_each_stage_update_and_delayed_forward_by_the_paramet
     assert plain is not None and plain.step_s < advice.step_s
 
 
+#: six layers of equal parameters, in two tensors each, and the last three in twelve each
+FEW_TENSORS = dataclasses.replace(SEQ, layer_trained=(10,) * 6, layer_tensors=(2,) * 6)
+MANY_TENSORS = dataclasses.replace(FEW_TENSORS, layer_tensors=(2, 2, 2, 12, 12, 12))
+
+
+def _advised_on_two_stages(model, overheads):
+    """The advice of an even cut in two stages of ``model`` with the engine's ``overheads``."""
+    advice = decide(PipelineOptions(stages=2, balance="even"), _rows_facts(model, overheads)).advice
+    assert advice is not None
+    return advice
+
+
 def test_the_replay_charges_each_stage_update_by_the_tensors_it_trains():
     """An update is dispatched over each trained tensor (the optimiser's and the corrections'
     work per tensor, whatever its size): the replay charges the measured rate per tensor
@@ -363,15 +376,7 @@ def test_the_replay_charges_each_stage_update_by_the_tensors_it_trains():
         "pipemare": Overhead(0.001, 0.001, 0.002, 0.0, 0.0, 0.0, 4e-4, 1e-4),
         "1f1b": Overhead(0.001, 0.001, 0.002, update_per_tensor_s=3e-4),
     }
-    few = dataclasses.replace(SEQ, layer_trained=(10,) * 6, layer_tensors=(2,) * 6)
-    many = dataclasses.replace(few, layer_tensors=(2, 2, 2, 12, 12, 12))
-
-    def advised(model):
-        advice = decide(
-            PipelineOptions(stages=2, balance="even"), _rows_facts(model, overheads)
-        ).advice
-        assert advice is not None
-        return advice
+    advised = functools.partial(_advised_on_two_stages, overheads=overheads)
 
     def replay(schedule, n, tensors):
         o = overheads[schedule]
@@ -385,15 +390,15 @@ def test_the_replay_charges_each_stage_update_by_the_tensors_it_trains():
         ]
         return replayed_step_time(schedule, durations, n)
 
-    for model, tensors in ((few, (6, 6)), (many, (6, 36))):
+    for model, tensors in ((FEW_TENSORS, (6, 6)), (MANY_TENSORS, (6, 36))):
         advice = advised(model)
         assert advice.step_s == pytest.approx(replay("pipemare", 2, tensors))
         assert dict(advice.baseline_by_n) == pytest.approx(
             {n: replay("1f1b", n, tensors) for n in (1, 2, 4, 8)}
         )
-    assert advised(many).step_s > advised(few).step_s
+    assert advised(MANY_TENSORS).step_s > advised(FEW_TENSORS).step_s
     # the tensors unknown: one a stage, no rate charged
-    unknown = advised(dataclasses.replace(few, layer_tensors=()))
+    unknown = advised(dataclasses.replace(FEW_TENSORS, layer_tensors=()))
     assert unknown.step_s == pytest.approx(replay("pipemare", 2, (1, 1)))
 
 
@@ -411,15 +416,7 @@ def test_the_replay_charges_each_stage_pass_by_the_tensors_it_trains():
             0.001, 0.001, 0.002, forward_per_tensor_s=1e-5, backward_per_tensor_s=5e-5
         ),
     }
-    few = dataclasses.replace(SEQ, layer_trained=(10,) * 6, layer_tensors=(2,) * 6)
-    many = dataclasses.replace(few, layer_tensors=(2, 2, 2, 12, 12, 12))
-
-    def advised(model):
-        advice = decide(
-            PipelineOptions(stages=2, balance="even"), _rows_facts(model, overheads)
-        ).advice
-        assert advice is not None
-        return advice
+    advised = functools.partial(_advised_on_two_stages, overheads=overheads)
 
     def replay(schedule, n, tensors):
         o = overheads[schedule]
@@ -434,13 +431,13 @@ def test_the_replay_charges_each_stage_pass_by_the_tensors_it_trains():
         ]
         return replayed_step_time(schedule, durations, n)
 
-    for model, tensors in ((few, (6, 6)), (many, (6, 36))):
+    for model, tensors in ((FEW_TENSORS, (6, 6)), (MANY_TENSORS, (6, 36))):
         advice = advised(model)
         assert advice.step_s == pytest.approx(replay("pipemare", 2, tensors))
         assert dict(advice.baseline_by_n) == pytest.approx(
             {n: replay("1f1b", n, tensors) for n in (1, 2, 4, 8)}
         )
-    assert advised(many).step_s > advised(few).step_s
+    assert advised(MANY_TENSORS).step_s > advised(FEW_TENSORS).step_s
 
 
 def test_a_layout_the_references_did_not_measure_is_said_to_be_not_measured():
