@@ -367,6 +367,18 @@ def _advised_on_two_stages(model, overheads):
     return advice
 
 
+def _replays_as(advised, replay):
+    """Pipemare's step and 1F1B's at every N in ``advised``'s advice are ``replay``'s, for the
+    stages of :data:`FEW_TENSORS` and of :data:`MANY_TENSORS`; more tensors, a longer step."""
+    for model, tensors in ((FEW_TENSORS, (6, 6)), (MANY_TENSORS, (6, 36))):
+        advice = advised(model)
+        assert advice.step_s == pytest.approx(replay("pipemare", 2, tensors))
+        assert dict(advice.baseline_by_n) == pytest.approx(
+            {n: replay("1f1b", n, tensors) for n in (1, 2, 4, 8)}
+        )
+    assert advised(MANY_TENSORS).step_s > advised(FEW_TENSORS).step_s
+
+
 def test_the_replay_charges_each_stage_update_by_the_tensors_it_trains():
     """An update is dispatched over each trained tensor (the optimiser's and the corrections'
     work per tensor, whatever its size): the replay charges the measured rate per tensor
@@ -390,13 +402,7 @@ def test_the_replay_charges_each_stage_update_by_the_tensors_it_trains():
         ]
         return replayed_step_time(schedule, durations, n)
 
-    for model, tensors in ((FEW_TENSORS, (6, 6)), (MANY_TENSORS, (6, 36))):
-        advice = advised(model)
-        assert advice.step_s == pytest.approx(replay("pipemare", 2, tensors))
-        assert dict(advice.baseline_by_n) == pytest.approx(
-            {n: replay("1f1b", n, tensors) for n in (1, 2, 4, 8)}
-        )
-    assert advised(MANY_TENSORS).step_s > advised(FEW_TENSORS).step_s
+    _replays_as(advised, replay)
     # the tensors unknown: one a stage, no rate charged
     unknown = advised(dataclasses.replace(FEW_TENSORS, layer_tensors=()))
     assert unknown.step_s == pytest.approx(replay("pipemare", 2, (1, 1)))
@@ -431,13 +437,7 @@ def test_the_replay_charges_each_stage_pass_by_the_tensors_it_trains():
         ]
         return replayed_step_time(schedule, durations, n)
 
-    for model, tensors in ((FEW_TENSORS, (6, 6)), (MANY_TENSORS, (6, 36))):
-        advice = advised(model)
-        assert advice.step_s == pytest.approx(replay("pipemare", 2, tensors))
-        assert dict(advice.baseline_by_n) == pytest.approx(
-            {n: replay("1f1b", n, tensors) for n in (1, 2, 4, 8)}
-        )
-    assert advised(MANY_TENSORS).step_s > advised(FEW_TENSORS).step_s
+    _replays_as(advised, replay)
 
 
 def test_a_layout_the_references_did_not_measure_is_said_to_be_not_measured():
